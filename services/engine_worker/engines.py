@@ -1,0 +1,189 @@
+"""Engines behind the engine-worker: real vLLM (`AsyncLLM`) and `echo` (no model).
+
+An engine turns one tokenized prompt into one `Completion`. Failures of a single request
+raise `RequestFailed` (the worker writes an error row); anything else escaping from
+`generate` means the engine itself is broken (the worker exits non-zero and its
+supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import zlib
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+
+from shared.messages import FinishReason, PromptId, SamplingSpec
+
+log = structlog.get_logger()
+
+
+class Completion(msgspec.Struct):
+    output: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+
+class RequestFailed(Exception):
+    """This one request was rejected or failed; the engine is fine."""
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    kv_blocks: int = 0
+    block_size: int = 0
+
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def request_seed(sampling: SamplingSpec, prompt_id: PromptId) -> int | None:
+    if sampling.seed is None:
+        return None
+    offset = prompt_id if isinstance(prompt_id, int) else zlib.crc32(prompt_id.encode())
+    return (sampling.seed + offset) % (2**31)
+
+
+class EchoEngine:
+    """No model: the output is the prompt's last few token ids as text. For measuring
+    the orchestration and for fast tests; `delay` seconds per prompt simulate work."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.stats = EngineStats(block_size=128)
+        self.running = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def generate(self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec) -> Completion:
+        self.running += 1
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            out = tokens[-min(len(tokens), sampling.max_tokens) :]
+            return Completion(" ".join(map(str, out)), FinishReason.LENGTH, len(tokens), 0, len(out))
+        finally:
+            self.running -= 1
+
+    def snapshot(self) -> EngineStats:
+        self.stats.running = self.running
+        return self.stats
+
+    async def shutdown(self) -> None:
+        return None
+
+
+class VllmEngine:
+    """vLLM's `AsyncLLM` in this process, prefix caching on, fed with token ids."""
+
+    def __init__(self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int, enforce_eager: bool) -> None:
+        self.args = dict(
+            model=model,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enforce_eager=enforce_eager,
+            max_num_seqs=max_num_seqs,
+            num_gpu_blocks_override=kv_cache_blocks or None,
+            disable_log_stats=False,
+        )
+        self.stats = EngineStats()
+        self.llm = None
+
+    async def start(self) -> None:
+        # Imported here: vLLM takes seconds to import and only this engine needs it.
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self.stats
+
+        class StatusLogger(StatLoggerBase):
+            """Keeps the latest scheduler stats for the worker's status messages."""
+
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                self.cache_config = vllm_config.cache_config
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    stats.running = scheduler_stats.num_running_reqs
+                    stats.waiting = scheduler_stats.num_waiting_reqs
+                    stats.kv_usage = scheduler_stats.kv_cache_usage
+
+            def log_engine_initialized(self) -> None:
+                stats.kv_blocks = self.cache_config.num_gpu_blocks or 0
+                stats.block_size = self.cache_config.block_size
+
+        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.args), stat_loggers=[StatusLogger])
+        cache = self.llm.vllm_config.cache_config
+        self.stats.kv_blocks = cache.num_gpu_blocks or self.stats.kv_blocks
+        self.stats.block_size = cache.block_size
+        log.info("vllm engine started", kv_blocks=self.stats.kv_blocks, block_size=self.stats.block_size)
+
+    async def generate(self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec) -> Completion:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            params = SamplingParams(
+                max_tokens=sampling.max_tokens,
+                min_tokens=sampling.min_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0,
+                seed=request_seed(sampling, prompt_id),
+                ignore_eos=sampling.ignore_eos,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+        except (ValueError, TypeError) as exc:
+            raise RequestFailed(f"bad sampling parameters: {exc}") from exc
+        final = None
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id):
+                final = out
+        except EngineDeadError:
+            raise
+        except (ValueError, TypeError) as exc:  # vLLM's input validation
+            raise RequestFailed(str(exc)) from exc
+        if final is None or not final.outputs:
+            raise RequestFailed("engine returned no output")
+        choice = final.outputs[0]
+        return Completion(
+            choice.text,
+            _FINISH.get(choice.finish_reason or "", FinishReason.ERROR),
+            len(final.prompt_token_ids or tokens),
+            final.num_cached_tokens or 0,
+            len(choice.token_ids),
+        )
+
+    def snapshot(self) -> EngineStats:
+        return self.stats
+
+    async def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+
+
+def make_engine(cfg) -> EchoEngine | VllmEngine:
+    if cfg.engine == "echo":
+        return EchoEngine(cfg.echo_delay)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # Let vLLM's log records reach our structlog handler instead of its own.
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    return VllmEngine(
+        model=cfg.model,
+        max_model_len=cfg.max_model_len,
+        kv_cache_blocks=cfg.kv_cache_blocks,
+        max_num_seqs=cfg.max_num_seqs,
+        enforce_eager=cfg.enforce_eager,
+    )

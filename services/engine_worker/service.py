@@ -1,0 +1,226 @@
+"""Engine-worker (one per GPU / replica): keeps its engine continuously fed.
+
+1. Pull work batches from `pfx.work.<replica>` while fewer than `window` prompts are in
+   flight, and submit every prompt to the engine at once (vLLM's scheduler does the
+   continuous batching).
+2. As prompts finish, collect results per job and publish them to `pfx.results.<job>` in
+   small batches (`result_batch` rows or `result_linger` seconds).
+3. Ack a work batch once all its results are durably published.
+4. Every second publish an `EngineStatus` on `pfx.status.<replica>` (load, KV cache,
+   prefix-cache hits) for the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from collections import defaultdict
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+
+from shared import messages as m
+from shared import subjects
+from shared.config import EngineWorkerConfig
+from shared.jobs import JobCache
+from shared.nats_conn import close, connect, pull_subscription, provision
+from shared.runtime import PublishError, fetch, keep_in_progress, publish
+from services.engine_worker.engines import RequestFailed, make_engine
+
+log = structlog.get_logger()
+
+
+class EngineDead(Exception):
+    pass
+
+
+class EngineWorker:
+    def __init__(self, cfg: EngineWorkerConfig) -> None:
+        self.cfg = cfg
+        self.engine = make_engine(cfg)
+        self.ready = False
+        self.inflight = 0
+        self.inflight_tokens = 0
+        self.done_prompt_tokens = 0
+        self.cached_tokens = 0
+        self.completed = 0
+        self.window_free = asyncio.Event()
+        # work message sequence -> [message, results not yet published]
+        self.holding: dict[int, list] = {}
+        self.outbox: dict[str, list[tuple[m.Result, int]]] = defaultdict(list)
+        self.tasks: set[asyncio.Task] = set()
+        self.fatal: BaseException | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.engine.start()
+        nc = await connect(self.cfg.nats_url, f"engine-{self.cfg.replica}")
+        self.nc, self.js = nc, nc.jetstream()
+        await provision(self.js)
+        self.jobs = JobCache(await self.js.key_value(subjects.JOBS_KV))
+        self.sub = sub = await pull_subscription(self.js, subjects.engine_consumer(self.cfg.replica))
+        self.ready = True
+        log.info("engine-worker ready", engine=self.cfg.engine, window=self.cfg.window)
+        background = [
+            asyncio.create_task(self.report_status(stop)),
+            asyncio.create_task(self.linger_flush(stop)),
+            asyncio.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], 20.0, stop)),
+        ]
+        while not stop.is_set() and self.fatal is None:
+            room = self.cfg.window - self.inflight
+            if room <= 0:
+                self.window_free.clear()
+                try:
+                    await asyncio.wait_for(self.window_free.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            # One work batch at a time while nearly full; a few when the engine is starving.
+            msgs = await fetch(sub, 1 if room < self.cfg.window // 2 else 4, timeout=0.5)
+            for msg in msgs:
+                await self.start_batch(msg)
+        await self.shutdown(stop, background)
+
+    async def shutdown(self, stop: asyncio.Event, background: list[asyncio.Task]) -> None:
+        ready_tasks = [t for t in self.tasks]
+        if ready_tasks and self.fatal is None:
+            _, pending = await asyncio.wait(ready_tasks, timeout=self.cfg.drain_timeout)
+            for t in pending:  # unfinished prompts: their batches stay unacked -> redelivered
+                t.cancel()
+        await self.flush_all()
+        stop.set()
+        for t in background:
+            t.cancel()
+        self.ready = False
+        await self.publish_status()
+        await close(self.nc, self.sub)
+        await self.engine.shutdown()
+        if self.fatal is not None:
+            log.error("engine dead: exiting for the supervisor to restart", error=repr(self.fatal))
+            sys.exit(3)
+
+    async def start_batch(self, msg: Msg) -> None:
+        try:
+            work = m.work_batch_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.error("undecodable work batch: terminated", error=str(exc))
+            await msg.term()
+            return
+        seq = msg.metadata.sequence.stream
+        if seq in self.holding or not work.prompts:
+            if not work.prompts:
+                await msg.ack()
+            return
+        self.holding[seq] = [msg, len(work.prompts)]
+        for prompt in work.prompts:
+            lookup = await self.jobs.get(prompt.job)
+            self.inflight += 1
+            self.inflight_tokens += len(prompt.tokens)
+            task = asyncio.create_task(self.run_prompt(seq, prompt, lookup.spec, lookup.error))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def run_prompt(self, seq: int, prompt: m.Prompt, spec: m.JobSpec | None, job_error: str | None) -> None:
+        base = m.Result(prompt.id, prompt.columns, replica=self.cfg.replica, prompt_tokens=len(prompt.tokens))
+        try:
+            if spec is None:
+                raise RequestFailed(job_error or "unknown job")
+            request_id = f"{prompt.job}:{prompt.id}:{uuid.uuid4().hex[:8]}"
+            c = await self.engine.generate(request_id, prompt.id, prompt.tokens, spec.sampling)
+            result = msgspec.structs.replace(
+                base,
+                output=c.output,
+                finish_reason=c.finish_reason,
+                prompt_tokens=c.prompt_tokens,
+                cached_tokens=c.cached_tokens,
+                output_tokens=c.output_tokens,
+            )
+            self.cached_tokens += c.cached_tokens
+        except RequestFailed as exc:
+            result = msgspec.structs.replace(base, error=str(exc), finish_reason=m.FinishReason.ERROR)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - engine-level failure: stop the worker
+            self.fatal = exc
+            return
+        finally:
+            self.inflight -= 1
+            self.inflight_tokens -= len(prompt.tokens)
+            self.window_free.set()
+        self.completed += 1
+        self.done_prompt_tokens += len(prompt.tokens)
+        rows = self.outbox[prompt.job]
+        rows.append((result, seq))
+        if len(rows) >= self.cfg.result_batch:
+            await self.flush(prompt.job)
+
+    async def flush(self, job: str) -> None:
+        rows = self.outbox.pop(job, [])
+        if not rows:
+            return
+        batch = m.ResultBatch(job, [r for r, _ in rows])
+        try:
+            await publish(self.js, subjects.results(job), m.encode(batch))
+        except PublishError as exc:
+            # The batches stay unacked (and in_progress stops for none): redelivered later.
+            log.error("result publish failed", job=job, error=str(exc))
+            for seq in {s for _, s in rows}:
+                held = self.holding.pop(seq, None)
+                if held is not None:
+                    await held[0].nak(delay=1.0)
+            return
+        for _, seq in rows:
+            held = self.holding.get(seq)
+            if held is None:
+                continue
+            held[1] -= 1
+            if held[1] == 0:
+                del self.holding[seq]
+                await held[0].ack()
+
+    async def flush_all(self) -> None:
+        await asyncio.gather(*(self.flush(job) for job in list(self.outbox)))
+
+    async def linger_flush(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(self.cfg.result_linger)
+            await self.flush_all()
+
+    def status(self) -> m.EngineStatus:
+        s = self.engine.snapshot()
+        return m.EngineStatus(
+            replica=self.cfg.replica,
+            ts=time.time(),
+            ready=self.ready,
+            running=s.running,
+            waiting=s.waiting,
+            inflight=self.inflight,
+            outstanding_tokens=self.inflight_tokens,
+            kv_usage=s.kv_usage,
+            kv_blocks=s.kv_blocks,
+            block_size=s.block_size,
+            prompt_tokens=self.done_prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            completed=self.completed,
+        )
+
+    async def publish_status(self) -> None:
+        try:
+            await self.nc.publish(subjects.status(self.cfg.replica), m.encode(self.status()))
+        except Exception:  # noqa: BLE001 - reconnecting: the next tick retries
+            pass
+
+    async def report_status(self, stop: asyncio.Event) -> None:
+        last_log = 0.0
+        while not stop.is_set():
+            await self.publish_status()
+            now = time.monotonic()
+            if now - last_log >= 10.0 and self.completed:
+                last_log = now
+                s = self.status()
+                log.info("engine status", inflight=s.inflight, running=s.running, waiting=s.waiting,
+                         completed=s.completed, kv_usage=round(s.kv_usage, 3),
+                         hit_rate=round(s.cached_tokens / max(s.prompt_tokens, 1), 3))
+            await asyncio.sleep(1.0)

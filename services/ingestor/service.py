@@ -1,0 +1,149 @@
+"""Ingestor: validates and tokenizes user prompts, shards them to the node bucketers.
+
+Loop: fetch a batch from `pfx.ingest.*` -> parse and validate each message -> tokenize
+the good ones in one call -> publish prompt batches to `pfx.bucket.<node>` (node picked by
+the prompt's first KV block) and error rows to `pfx.results.<job>` -> wait for every
+publish ack -> ack the inputs. A message with no recoverable id goes to the dead-letter
+stream. Several ingestors can share the work (one durable pull consumer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from array import array
+from collections import defaultdict
+
+import structlog
+from nats.aio.msg import Msg
+
+from shared import messages as m
+from shared import subjects
+from shared.config import IngestorConfig
+from shared.jobs import JobCache
+from shared.nats_conn import close, connect, pull_subscription, provision
+from shared.prefix_keys import block_hashes
+from shared.runtime import PublishError, ack_all, fetch, publish
+from shared.sharding import pick_node
+from shared.tokenize import load_tokenizer, model_max_len
+from services.ingestor.validate import Record, Rejected, parse, length_error
+
+log = structlog.get_logger()
+
+MAX_PROMPTS_PER_MESSAGE = 512
+
+
+def shard_key(tokens: list[int], block_size: int) -> int:
+    hashes = block_hashes(tokens, block_size, max_blocks=1)
+    if hashes:
+        return hashes[0]
+    digest = hashlib.blake2b(array("I", tokens).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class Ingestor:
+    def __init__(self, cfg: IngestorConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.max_model_len = min(cfg.max_model_len, model_max_len(cfg.model, cfg.max_model_len))
+        self.bucketers: dict[str, float] = {}  # node -> last heartbeat (monotonic)
+
+    def live_nodes(self) -> list[str]:
+        now = time.monotonic()
+        nodes = sorted(n for n, seen in self.bucketers.items() if now - seen < 3.0)
+        return nodes or [self.cfg.default_node]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        nc = await connect(self.cfg.nats_url, "ingestor")
+        js = nc.jetstream()
+        await provision(js)
+        self.js = js
+        self.jobs = JobCache(await js.key_value(subjects.JOBS_KV))
+        sub = await pull_subscription(js, subjects.ingestor_consumer())
+
+        async def on_heartbeat(msg: Msg) -> None:
+            try:
+                hb = m.heartbeat_decoder.decode(msg.data)
+            except Exception:  # noqa: BLE001 - a foreign message on our subject
+                return
+            self.bucketers[hb.node] = time.monotonic()
+
+        await nc.subscribe(subjects.ALL_BUCKETER_HEARTBEATS, cb=on_heartbeat)
+        log.info("ingestor ready", max_model_len=self.max_model_len)
+        while not stop.is_set():
+            msgs = await fetch(sub, self.cfg.fetch_batch, timeout=1.0)
+            if msgs:
+                await self.handle(msgs)
+        await close(nc, sub)
+
+    async def handle(self, msgs: list[Msg]) -> None:
+        t0 = time.perf_counter()
+        # 1. Parse and validate; collect what to tokenize.
+        good: list[tuple[str, Record, m.SamplingSpec]] = []
+        errors: dict[str, list[m.Result]] = defaultdict(list)
+        dead: list[tuple[Msg, str]] = []
+        for msg in msgs:
+            job = subjects.job_from_subject(msg.subject)
+            try:
+                parsed = parse(msg.data, msg.headers)
+            except Exception as exc:  # noqa: BLE001 - one bad message must never stop the service
+                dead.append((msg, f"unparseable message: {exc!r}"))
+                continue
+            lookup = await self.jobs.get(job)
+            if lookup.spec is None:
+                dead.append((msg, lookup.error or "unknown job"))
+                continue
+            if isinstance(parsed, Rejected):
+                if parsed.id is None:
+                    dead.append((msg, parsed.error))
+                else:
+                    errors[job].append(m.Result(parsed.id, error=parsed.error, finish_reason=m.FinishReason.ERROR))
+                continue
+            good.append((job, parsed, lookup.spec.sampling))
+        # 2. Tokenize in one call (the Rust tokenizer runs the batch in parallel).
+        encodings = self.tokenizer.encode_batch([rec.prompt for _, rec, _ in good]) if good else []
+        by_node: dict[str, list[m.Prompt]] = defaultdict(list)
+        nodes = self.live_nodes()
+        for (job, rec, sampling), enc in zip(good, encodings):
+            tokens = enc.ids
+            err = length_error(len(tokens), sampling.max_tokens, self.max_model_len)
+            if err is not None:
+                errors[job].append(
+                    m.Result(rec.id, rec.columns, error=err, prompt_tokens=len(tokens), finish_reason=m.FinishReason.ERROR)
+                )
+                continue
+            node = pick_node(shard_key(tokens, self.cfg.block_size), nodes)
+            by_node[node].append(m.Prompt(job, rec.id, tokens, rec.columns))
+        # 3. Publish everything, wait for the acks, then ack the inputs.
+        pubs = []
+        for node, prompts in by_node.items():
+            for i in range(0, len(prompts), MAX_PROMPTS_PER_MESSAGE):
+                batch = m.PromptBatch(prompts[i : i + MAX_PROMPTS_PER_MESSAGE])
+                pubs.append(publish(self.js, subjects.bucket(node), m.encode(batch)))
+        for job, rows in errors.items():
+            pubs.append(publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, rows))))
+        for msg, why in dead:
+            pubs.append(self.dead_letter(msg, why))
+        try:
+            await asyncio.gather(*pubs)
+        except PublishError as exc:
+            log.error("publish failed; inputs will be redelivered", error=str(exc))
+            await asyncio.gather(*(msg.nak(delay=2.0) for msg in msgs), return_exceptions=True)
+            return
+        await ack_all(msgs)
+        n_err = sum(len(v) for v in errors.values())
+        log.info(
+            "ingested",
+            messages=len(msgs),
+            prompts=sum(len(v) for v in by_node.values()),
+            errors=n_err,
+            dead=len(dead),
+            nodes=len(by_node),
+            ms=round((time.perf_counter() - t0) * 1000, 1),
+        )
+
+    async def dead_letter(self, msg: Msg, why: str) -> None:
+        log.warning("dead-lettered ingest message", subject=msg.subject, error=why)
+        headers = {"Pfx-Error": why[:512], "Pfx-Subject": msg.subject}
+        await publish(self.js, subjects.dead(msg.subject), msg.data, headers=headers)

@@ -1,0 +1,92 @@
+"""Router: a nats.micro request/reply service on `pfx.route`.
+
+It listens to every engine's status (`pfx.status.*`) to know which replicas are live and
+how loaded they are, and answers each bucketer's route request with the replica chosen by
+the configured policy, or with retry-after when every live replica is at its cap (or none
+is up yet). Handler errors become error replies (nats.micro), never a dead subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from nats.aio.msg import Msg
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from shared import messages as m
+from shared import subjects
+from shared.config import RouterConfig
+from shared.nats_conn import close, connect
+from services.router.policies import Fleet, make_policy
+
+log = structlog.get_logger()
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.fleet = Fleet(dead_after=cfg.dead_after, cap_tokens=cfg.replica_cap_tokens, history=cfg.history)
+        self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens)
+        self.routed = 0
+
+    def on_status(self, status: m.EngineStatus) -> None:
+        self.fleet.observe(
+            status.replica,
+            time.monotonic(),
+            ready=status.ready,
+            outstanding=status.outstanding_tokens,
+            done_tokens=status.prompt_tokens,
+            kv_blocks=status.kv_blocks,
+        )
+
+    def decide(self, req: m.RouteRequest) -> m.RouteReply:
+        now = time.monotonic()
+        replica = self.policy.route(self.fleet, now, req.tokens, req.key)
+        if replica is None:
+            return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.2)
+        self.routed += 1
+        return m.RouteReply([m.Assignment(replica.name, req.prompts)])
+
+    async def run(self, stop: asyncio.Event) -> None:
+        nc = await connect(self.cfg.nats_url, "router")
+
+        async def on_status(msg: Msg) -> None:
+            try:
+                self.on_status(m.engine_status_decoder.decode(msg.data))
+            except Exception as exc:  # noqa: BLE001 - never let a bad status kill the sub
+                log.warning("bad status message", error=repr(exc))
+
+        async def on_route(request: Request) -> None:
+            try:
+                reply = self.decide(m.route_request_decoder.decode(request.data))
+            except Exception as exc:  # noqa: BLE001 - answer with an error, keep serving
+                log.error("route request failed", error=repr(exc))
+                reply = m.RouteReply(retry_after=1.0, error=repr(exc))
+            await request.respond(m.encode(reply))
+
+        await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
+        service = await add_service(
+            nc, name="prefixflow-router", version="0.1.0", description="prefix-aware bucket routing"
+        )
+        await service.add_endpoint(name="route", subject=subjects.ROUTE, handler=on_route)
+        log.info("router ready", policy=self.cfg.policy)
+        last_report = time.monotonic()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), 5.0)
+            except asyncio.TimeoutError:
+                pass
+            now = time.monotonic()
+            if now - last_report >= 5.0:
+                last_report = now
+                log.info(
+                    "fleet",
+                    routed=self.routed,
+                    live=[r.name for r in self.fleet.live(now)],
+                    outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
+                )
+        await service.stop()
+        await close(nc)

@@ -1,0 +1,167 @@
+"""A job's Parquet output: dedupe by id, part files, summary. No NATS here.
+
+Layout of a job's `out_dir`:
+    part-000000.parquet, part-000001.parquet, ...   every row exactly once
+    _summary.json                                     written when the job completes
+
+Parts are written to a temporary name, fsynced and renamed, so a crash never leaves a
+torn part. On (re)start the ids already in the parts are loaded, so a redelivered result
+or a resumed job never writes a row twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from shared.messages import JobSpec, Result, columns_decoder
+
+OUTPUT_TYPES = {
+    "output": pa.string(),
+    "finish_reason": pa.string(),
+    "prompt_tokens": pa.int64(),
+    "cached_tokens": pa.int64(),
+    "output_tokens": pa.int64(),
+    "replica": pa.string(),
+    "error": pa.string(),
+}
+
+
+def result_row(r: Result) -> dict[str, Any]:
+    row: dict[str, Any] = {"id": r.id}
+    if r.columns:
+        row.update(columns_decoder.decode(r.columns))
+    row.update(
+        output=None if r.error else r.output,
+        finish_reason=r.finish_reason.name.lower(),
+        prompt_tokens=r.prompt_tokens,
+        cached_tokens=r.cached_tokens,
+        output_tokens=r.output_tokens,
+        replica=r.replica or None,
+        error=r.error,
+    )
+    return row
+
+
+class JobOutput:
+    def __init__(self, job: str, out_dir: str | Path) -> None:
+        self.job = job
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.seen: set = set()
+        self.rows = 0
+        self.errors = 0
+        self.pending: list[dict[str, Any]] = []
+        self.types: dict[str, pa.DataType | None] = {}
+        """Column -> Arrow type, stable across parts (a part where a column is all null
+        still gets its type, so the directory reads as one table)."""
+        self.next_part = 0
+        self._load_existing()
+
+    def parts(self) -> list[Path]:
+        return sorted(self.dir.glob("part-*.parquet"))
+
+    def _load_existing(self) -> None:
+        for part in self.parts():
+            table = pq.read_table(part, columns=["id", "error"])
+            self.seen.update(table.column("id").to_pylist())
+            self.rows += table.num_rows
+            self.errors += table.num_rows - pc.sum(pc.is_null(table.column("error"))).as_py()
+            self.next_part = max(self.next_part, int(part.stem.split("-")[1]) + 1)
+            for f in pq.read_schema(part):
+                if self.types.get(f.name) is None and not pa.types.is_null(f.type):
+                    self.types[f.name] = f.type
+                self.types.setdefault(f.name, None)
+
+    def add(self, result: Result) -> bool:
+        """Queue a result for the next part; False if this id was already taken."""
+        if result.id in self.seen:
+            return False
+        self.seen.add(result.id)
+        row = result_row(result)
+        for name in row:
+            self.types.setdefault(name, OUTPUT_TYPES.get(name))
+        self.pending.append(row)
+        return True
+
+    def flush(self) -> int:
+        """Write the queued rows as one part; returns the number written."""
+        if not self.pending:
+            return 0
+        rows = self.pending
+        table = self._to_table(rows)
+        final = self.dir / f"part-{self.next_part:06d}.parquet"
+        tmp = final.with_suffix(".tmp")
+        pq.write_table(table, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self.next_part += 1
+        self.rows += len(rows)
+        self.errors += sum(1 for r in rows if r.get("error") is not None)
+        self.pending = []
+        return len(rows)
+
+    def _to_table(self, rows: list[dict[str, Any]]) -> pa.Table:
+        inferred = pa.Table.from_pylist([{n: r.get(n) for n in self.types} for r in rows])
+        fields = []
+        for f in inferred.schema:
+            known = self.types.get(f.name)
+            if known is None:
+                known = pa.string() if pa.types.is_null(f.type) else f.type
+                self.types[f.name] = known
+            fields.append(pa.field(f.name, known))
+        try:
+            return inferred.cast(pa.schema(fields))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return inferred  # the input changed a column's type mid-job: keep what it is
+
+    def summarize(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
+        """Totals over every part, overall and per replica; written to `_summary.json`."""
+        finished_at = finished_at or time.time()
+        wall = max(finished_at - spec.created_at, 1e-9) if spec.created_at else None
+        cols = ["error", "prompt_tokens", "cached_tokens", "output_tokens", "replica"]
+        tables = [pq.read_table(p, columns=cols) for p in self.parts()]
+        table = pa.concat_tables(tables, promote_options="default") if tables else None
+
+        def totals(t: pa.Table | None) -> dict[str, Any]:
+            if t is None or t.num_rows == 0:
+                return dict(rows=0, errors=0, prompt_tokens=0, cached_tokens=0, output_tokens=0, prefix_cache_hit_rate=0.0)
+            ok = t.filter(pc.is_null(t.column("error")))
+            prompt = int(pc.sum(ok.column("prompt_tokens")).as_py() or 0)
+            cached = int(pc.sum(ok.column("cached_tokens")).as_py() or 0)
+            output = int(pc.sum(ok.column("output_tokens")).as_py() or 0)
+            out = dict(
+                rows=t.num_rows,
+                errors=t.num_rows - ok.num_rows,
+                prompt_tokens=prompt,
+                cached_tokens=cached,
+                output_tokens=output,
+                prefix_cache_hit_rate=round(cached / prompt, 4) if prompt else 0.0,
+            )
+            if wall:
+                out["output_tokens_per_second"] = round(output / wall, 2)
+                out["total_tokens_per_second"] = round((prompt + output) / wall, 2)
+            return out
+
+        summary = dict(job=spec.job, **totals(table), wall_seconds=round(wall, 3) if wall else None)
+        replicas = {}
+        if table is not None and table.num_rows:
+            for name in sorted(x for x in set(table.column("replica").to_pylist()) if x):
+                replicas[name] = totals(table.filter(pc.equal(table.column("replica"), name)))
+        summary["replicas"] = replicas
+        return summary
+
+    def write_summary(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
+        summary = self.summarize(spec, finished_at)
+        tmp = self.dir / "_summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.dir / "_summary.json")
+        return summary

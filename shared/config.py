@@ -1,0 +1,143 @@
+"""Typed configuration for every service, from flags and environment variables.
+
+Each service has a strict `msgspec.Struct`: a field is a flag (`--max-wait`) and an
+environment variable (`PFX_MAX_WAIT`); precedence is flag > environment > default. The
+description in each field's `Meta` is the flag's `--help` text. Values are validated
+(types and ranges) when the service starts, so a bad setting fails at once with a clear
+message instead of misbehaving later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+ENV_PREFIX = "PFX_"
+DEFAULT_MODEL = ".prefixflow/models/tiny-llama"
+
+Positive = Annotated[int, Meta(gt=0)]
+Seconds = Annotated[float, Meta(gt=0)]
+
+
+def _d(text: str, **constraints: Any) -> Meta:
+    return Meta(description=text, **constraints)
+
+
+class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    nats_url: Annotated[str, _d("NATS server URL(s), comma separated")] = "nats://127.0.0.1:4222"
+    log_format: Annotated[
+        Literal["auto", "console", "json"], _d("log renderer; auto: console on a TTY, else JSON")
+    ] = "auto"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level")] = "info"
+    drain_timeout: Annotated[float, _d("seconds to finish in-flight work on SIGTERM", gt=0)] = 4.0
+
+
+class ModelConfig(CommonConfig, kw_only=True):
+    model: Annotated[str, _d("model directory or hub id (default: the locally built tiny model)")] = (
+        DEFAULT_MODEL
+    )
+    max_model_len: Annotated[int, _d("longest prompt + output, in tokens", gt=0)] = 4096
+
+
+class IngestorConfig(ModelConfig, kw_only=True):
+    fetch_batch: Annotated[int, _d("ingest messages fetched per pull", gt=0)] = 256
+    default_node: Annotated[str, _d("bucketer node used while no bucketer has reported")] = "node0"
+    block_size: Annotated[int, _d("KV block size in tokens (sharding key length)", gt=0)] = 128
+
+
+class BucketerConfig(CommonConfig, kw_only=True):
+    node: Annotated[str, _d("this node's name (bucketer subject pfx.bucket.<node>)")] = "node0"
+    buffer_prompts: Annotated[int, _d("most prompts held in the buffer", gt=0)] = 5000
+    buffer_bytes: Annotated[int, _d("most token bytes held in the buffer", gt=0)] = 256 * 1024 * 1024
+    min_bucket: Annotated[int, _d("a bucket this large is sent as soon as it forms", gt=0)] = 16
+    threshold: Annotated[
+        float, _d("new bucket when neighbours share less than this fraction of the shorter prompt", ge=0, le=1)
+    ] = 0.33
+    max_wait: Annotated[float, _d("longest a prompt waits in the buffer, seconds", gt=0)] = 2.0
+    block_size: Annotated[int, _d("KV block size in tokens (prefix-key block length)", gt=0)] = 128
+    max_batch: Annotated[int, _d("most prompts in one work message", gt=0)] = 256
+
+
+class RouterConfig(CommonConfig, kw_only=True):
+    policy: Annotated[
+        Literal["prefix-aware", "least-loaded", "round-robin"], _d("routing policy")
+    ] = "prefix-aware"
+    replica_cap_tokens: Annotated[
+        int, _d("most outstanding tokens routed to one replica before retry-after", gt=0)
+    ] = 2_000_000
+    dead_after: Annotated[float, _d("seconds without status before a replica is excluded", gt=0)] = 5.0
+    history: Annotated[int, _d("prefix keys remembered per replica", gt=0)] = 64
+    load_slack_tokens: Annotated[
+        int, _d("a replica within this many tokens of the least loaded may take a prefix match", ge=0)
+    ] = 65536
+
+
+class EngineWorkerConfig(ModelConfig, kw_only=True):
+    replica: Annotated[str, _d("this replica's name (work subject pfx.work.<replica>)")] = "r0"
+    engine: Annotated[Literal["vllm", "echo"], _d("vllm: the real engine; echo: no model (tests of orchestration)")] = "vllm"
+    window: Annotated[int, _d("most prompts in flight in the engine", gt=0)] = 256
+    kv_cache_blocks: Annotated[
+        int, _d("cap the KV cache at this many blocks (0: as much as the memory budget allows)", ge=0)
+    ] = 0
+    max_num_seqs: Annotated[int, _d("vLLM max_num_seqs (requests scheduled together)", gt=0)] = 256
+    result_batch: Annotated[int, _d("results per published message", gt=0)] = 64
+    result_linger: Annotated[float, _d("seconds a partial result batch may wait", gt=0)] = 0.2
+    echo_delay: Annotated[float, _d("echo engine: seconds per prompt (to simulate work)", ge=0)] = 0.0
+    enforce_eager: Annotated[bool, _d("vLLM enforce_eager (no graph capture; fast start)")] = True
+
+
+class SinkConfig(CommonConfig, kw_only=True):
+    flush_rows: Annotated[int, _d("rows buffered per job before a Parquet part is written", gt=0)] = 4096
+    flush_seconds: Annotated[float, _d("longest a row waits before its part is written", gt=0)] = 1.0
+    fetch_batch: Annotated[int, _d("result messages fetched per pull", gt=0)] = 64
+
+
+C = typing.TypeVar("C", bound=msgspec.Struct)
+
+
+def _field_help(cls: type) -> dict[str, tuple[str, Any]]:
+    """Map field name -> (description, base type) from `Annotated[..., Meta(...)]`."""
+    out: dict[str, tuple[str, Any]] = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        desc, base = "", hint
+        if typing.get_origin(hint) is Annotated:
+            base, *metas = typing.get_args(hint)
+            desc = next((m.description for m in metas if isinstance(m, Meta) and m.description), "")
+        out[name] = (desc, base)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
+    """Add one `--flag` per field of `cls` (default None: resolved in `load`)."""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(cls)}
+    for name, (desc, base) in _field_help(cls).items():
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        help_text = f"{desc} (env {env}; default {defaults[name]!r})"
+        if typing.get_origin(base) is Literal:
+            parser.add_argument(flag, dest=name, choices=typing.get_args(base), help=help_text)
+        elif base is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, help=help_text)
+
+
+def load(cls: type[C], args: argparse.Namespace | None = None, environ: dict[str, str] | None = None) -> C:
+    """Build a validated config: flags override `PFX_*` variables override defaults."""
+    environ = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    for f in msgspec.structs.fields(cls):
+        value = getattr(args, f.name, None) if args is not None else None
+        if value is None:
+            value = environ.get(ENV_PREFIX + f.name.upper())
+        if value is not None:
+            raw[f.name] = value
+    try:
+        return msgspec.convert(raw, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid configuration: {exc}") from None

@@ -1,0 +1,139 @@
+"""Every NATS subject, stream, consumer and key-value bucket name, and their limits.
+
+This is the only module that spells a subject. Services call the helpers here instead of
+formatting strings themselves, so renaming a subject is a one-line change.
+
+Flow (see docs/architecture.md):
+
+    pfx.ingest.<job>     users / `prefixflow submit`   -> ingestor
+    pfx.bucket.<node>    ingestor                      -> bucketer on <node>
+    pfx.route            bucketer (request/reply)      -> router
+    pfx.work.<replica>   bucketer                      -> engine-worker <replica>
+    pfx.results.<job>    ingestor (error rows), engine -> sink
+    pfx.status.<replica> engine-worker (every second)  -> router, CLI
+    pfx.hb.bucketer.<n>  bucketer (every second)       -> ingestor (live bucketers)
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PREFIX = "pfx"
+
+# --- subjects ------------------------------------------------------------------------
+
+
+def ingest(job: str) -> str:
+    return f"{PREFIX}.ingest.{job}"
+
+
+def bucket(node: str) -> str:
+    return f"{PREFIX}.bucket.{node}"
+
+
+def work(replica: str) -> str:
+    return f"{PREFIX}.work.{replica}"
+
+
+def results(job: str) -> str:
+    return f"{PREFIX}.results.{job}"
+
+
+def status(replica: str) -> str:
+    return f"{PREFIX}.status.{replica}"
+
+
+def bucketer_heartbeat(node: str) -> str:
+    return f"{PREFIX}.hb.bucketer.{node}"
+
+
+def dead(original_subject: str) -> str:
+    """Dead-letter subject for a message that can never be processed."""
+    return f"{PREFIX}.dead.{original_subject}"
+
+
+def job_from_subject(subject: str) -> str:
+    """The last token of an `ingest`/`results` subject is the job id."""
+    return subject.rsplit(".", 1)[-1]
+
+
+ROUTE = f"{PREFIX}.route"
+"""Request/reply subject of the router service (nats.micro endpoint)."""
+ALL_STATUS = f"{PREFIX}.status.*"
+ALL_BUCKETER_HEARTBEATS = f"{PREFIX}.hb.bucketer.*"
+
+# Job ids and node/replica names become subject tokens: keep them to a safe alphabet.
+NAME_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
+
+
+def is_valid_name(name: str) -> bool:
+    return 0 < len(name) <= 64 and all(c in NAME_ALPHABET for c in name)
+
+
+# --- streams -------------------------------------------------------------------------
+
+
+class StreamSpec(msgspec.Struct, frozen=True):
+    """A JetStream stream this project owns. Every stream is bounded and discards new
+    messages when full, so publishers get an error and back off instead of the server
+    growing without limit."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_bytes: int
+    max_msgs: int
+    max_msg_size: int = 8 * 1024 * 1024
+    work_queue: bool = True
+    """Work-queue retention (a message is deleted once acked); else limits retention."""
+
+
+MiB = 1024 * 1024
+
+INGEST_STREAM = StreamSpec("PFX_INGEST", (f"{PREFIX}.ingest.*",), 1024 * MiB, 2_000_000)
+BUCKET_STREAM = StreamSpec("PFX_BUCKET", (f"{PREFIX}.bucket.*",), 1024 * MiB, 200_000)
+WORK_STREAM = StreamSpec("PFX_WORK", (f"{PREFIX}.work.*",), 1024 * MiB, 200_000)
+RESULTS_STREAM = StreamSpec("PFX_RESULTS", (f"{PREFIX}.results.*",), 1024 * MiB, 200_000)
+DEAD_STREAM = StreamSpec("PFX_DEAD", (f"{PREFIX}.dead.>",), 256 * MiB, 100_000, work_queue=False)
+"""Poison messages, kept for inspection (limits retention: the oldest go first)."""
+STREAMS = (INGEST_STREAM, BUCKET_STREAM, WORK_STREAM, RESULTS_STREAM, DEAD_STREAM)
+
+# --- consumers -----------------------------------------------------------------------
+
+
+class ConsumerSpec(msgspec.Struct, frozen=True):
+    """A durable pull consumer. `max_ack_pending` is the backpressure bound: the server
+    stops delivering once that many messages are out and unacked."""
+
+    stream: str
+    durable: str
+    filter_subject: str
+    max_ack_pending: int
+    ack_wait: float = 30.0
+    """Seconds before an unacked message is redelivered. Long-running holders send
+    `in_progress()` well inside this window."""
+    max_deliver: int = 20
+
+
+def ingestor_consumer() -> ConsumerSpec:
+    # One durable shared by every ingestor: pull consumers load-balance by themselves.
+    return ConsumerSpec(INGEST_STREAM.name, "ingestor", f"{PREFIX}.ingest.*", 4096)
+
+
+def bucketer_consumer(node: str) -> ConsumerSpec:
+    return ConsumerSpec(BUCKET_STREAM.name, f"bucketer-{node}", bucket(node), 1024)
+
+
+def engine_consumer(replica: str) -> ConsumerSpec:
+    return ConsumerSpec(WORK_STREAM.name, f"engine-{replica}", work(replica), 256, ack_wait=60.0)
+
+
+def sink_consumer() -> ConsumerSpec:
+    return ConsumerSpec(RESULTS_STREAM.name, "sink", f"{PREFIX}.results.*", 2048)
+
+
+# --- key-value buckets ---------------------------------------------------------------
+
+JOBS_KV = "PFX_JOBS"
+"""Job specs (`messages.JobSpec`, JSON) by job id: written by the client, read by all."""
+JOB_STATUS_KV = "PFX_JOB_STATUS"
+"""Job progress (`messages.JobStatus`, JSON) by job id: written by the sink."""

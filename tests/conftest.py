@@ -1,0 +1,160 @@
+"""Shared fixtures: the tiny model, a real nats-server, and real clusters.
+
+- `tiny_model`: the locally built random-weight model (built once per session).
+- `nats_server`: a fresh `nats-server --jetstream` on a free port with a temporary store.
+- `vllm_cluster`: the Procfile under `honcho start`, exactly as a user runs it, with two
+  real vLLM replicas; session-scoped because an engine takes ~30-45 s to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.cluster import free_port
+from services.make_model import make_model
+from shared import messages as m
+from shared import subjects
+from shared.nats_conn import close, connect
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.getbasetemp() / "prefixflow-tiny-llama")
+
+
+class NatsServer:
+    def __init__(self, store: Path) -> None:
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.store = store
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> NatsServer:
+        argv = [str(VENV_BIN / "nats-server"), "--jetstream", "--store_dir", str(self.store), "--addr", "127.0.0.1", "--port", str(self.port)]
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 20
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            if "Server is ready" in line:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("nats-server did not start")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    server = NatsServer(tmp_path / "nats").start()
+    yield server
+    server.stop()
+
+
+async def wait_replicas_ready(url: str, replicas: list[str], timeout: float, alive=lambda: None) -> float:
+    t0 = time.monotonic()
+    nc = await connect(url, "tests")
+    ready: set[str] = set()
+
+    async def on_status(msg) -> None:
+        st = m.engine_status_decoder.decode(msg.data)
+        if st.ready:
+            ready.add(st.replica)
+
+    await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
+    try:
+        while not set(replicas) <= ready:
+            alive()
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"replicas not ready: {sorted(set(replicas) - ready)}")
+            await asyncio.sleep(0.5)
+    finally:
+        await close(nc)
+    return time.monotonic() - t0
+
+
+class HonchoCluster:
+    """`honcho start` on the repository's Procfile with a private port and store."""
+
+    def __init__(self, workdir: Path, model: Path, env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.log = workdir / "honcho.log"
+        self.env = {
+            **os.environ,
+            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PFX_NATS_URL": self.url,
+            "PFX_NATS_STORE": str(workdir / "nats"),
+            "PFX_MODEL": str(model),
+            "PFX_LOG_FORMAT": "json",
+            **(env or {}),
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> HonchoCluster:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as logf:
+            self.proc = subprocess.Popen(
+                [str(VENV_BIN / "honcho"), "-f", str(REPO / "Procfile"), "-d", str(REPO), "start"],
+                env=self.env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"honcho exited with {self.proc.returncode}:\n{self.tail()}")
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # honcho forwards it to every process
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(tmp_path_factory, tiny_model):
+    cluster = HonchoCluster(tmp_path_factory.mktemp("honcho-cluster"), tiny_model).start()
+    try:
+        startup = asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
+        print(f"\ncluster ready in {startup:.1f} s (honcho log: {cluster.log})")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the `prefixflow` console script as a user would."""
+    return subprocess.run(
+        [str(VENV_BIN / "prefixflow"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
