@@ -48,6 +48,9 @@ class IngestorConfig(ModelConfig, kw_only=True):
     fetch_batch: Annotated[int, _d("ingest messages fetched per pull", gt=0)] = 256
     default_node: Annotated[str, _d("bucketer node used while no bucketer has reported")] = "node0"
     block_size: Annotated[int, _d("KV block size in tokens (sharding key length)", gt=0)] = 128
+    shard_epsilon: Annotated[
+        float, _d("bounded-load sharding: a bucketer may take (1 + this) x the average recent load", gt=0)
+    ] = 0.25
 
 
 class BucketerConfig(CommonConfig, kw_only=True):
@@ -58,23 +61,33 @@ class BucketerConfig(CommonConfig, kw_only=True):
     threshold: Annotated[
         float, _d("new bucket when neighbours share less than this fraction of the shorter prompt", ge=0, le=1)
     ] = 0.33
-    max_wait: Annotated[float, _d("longest a prompt waits in the buffer, seconds", gt=0)] = 2.0
+    max_wait: Annotated[float, _d("longest a prompt waits in the buffer, seconds", gt=0)] = 5.0
+    idle_flush: Annotated[
+        float, _d("release everything after this long without new input (end of input), seconds", gt=0)
+    ] = 0.5
     block_size: Annotated[int, _d("KV block size in tokens (prefix-key block length)", gt=0)] = 128
     max_batch: Annotated[int, _d("most prompts in one work message", gt=0)] = 256
+
+    def __post_init__(self) -> None:
+        _check_name("node", self.node)
 
 
 class RouterConfig(CommonConfig, kw_only=True):
     policy: Annotated[
-        Literal["prefix-aware", "least-loaded", "round-robin"], _d("routing policy")
+        Literal["prefix-aware", "daft", "least-loaded", "round-robin"], _d("routing policy")
     ] = "prefix-aware"
     replica_cap_tokens: Annotated[
-        int, _d("most outstanding tokens routed to one replica before retry-after", gt=0)
-    ] = 2_000_000
+        int, _d("outstanding work tokens per replica before retry-after (0: cap_windows engine windows)", ge=0)
+    ] = 0
+    cap_windows: Annotated[float, _d("automatic cap: engine windows of average prompts per replica", gt=0)] = 2.0
     dead_after: Annotated[float, _d("seconds without status before a replica is excluded", gt=0)] = 5.0
-    history: Annotated[int, _d("prefix keys remembered per replica", gt=0)] = 64
+    history: Annotated[int, _d("prefix keys remembered per replica when it reports no KV capacity", gt=0)] = 64
     load_slack_tokens: Annotated[
-        int, _d("a replica within this many tokens of the least loaded may take a prefix match", ge=0)
-    ] = 65536
+        int, _d("prefix-aware: a replica this many tokens above the least loaded may still win on a match (0: half its cap)", ge=0)
+    ] = 0
+    split_factor: Annotated[
+        float, _d("prefix-aware: split a bucket larger than this many fair shares of the outstanding work", gt=0)
+    ] = 2.0
 
 
 class EngineWorkerConfig(ModelConfig, kw_only=True):
@@ -89,12 +102,26 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     result_linger: Annotated[float, _d("seconds a partial result batch may wait", gt=0)] = 0.2
     echo_delay: Annotated[float, _d("echo engine: seconds per prompt (to simulate work)", ge=0)] = 0.0
     enforce_eager: Annotated[bool, _d("vLLM enforce_eager (no graph capture; fast start)")] = True
+    scheduling: Annotated[
+        Literal["prefix-groups", "fcfs"],
+        _d("prefix-groups: vLLM priority scheduling, prompts of a prefix group seen earlier first; fcfs: arrival order"),
+    ] = "prefix-groups"
+
+    def __post_init__(self) -> None:
+        _check_name("replica", self.replica)
 
 
 class SinkConfig(CommonConfig, kw_only=True):
     flush_rows: Annotated[int, _d("rows buffered per job before a Parquet part is written", gt=0)] = 4096
     flush_seconds: Annotated[float, _d("longest a row waits before its part is written", gt=0)] = 1.0
     fetch_batch: Annotated[int, _d("result messages fetched per pull", gt=0)] = 64
+
+
+def _check_name(what: str, name: str) -> None:
+    from shared.subjects import is_valid_name
+
+    if not is_valid_name(name):
+        raise ValueError(f"{what} {name!r} must be 1-64 letters, digits, '-' or '_' (it is a subject token)")
 
 
 C = typing.TypeVar("C", bound=msgspec.Struct)

@@ -84,10 +84,19 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
 
     job: str
     id: PromptId
-    tokens: list[int]
+    tokens: bytes
+    """Token ids, packed big-endian uint32 (`shared.tokens`): compact, and byte order is
+    token order."""
     columns: bytes = b""
     """The input row's other columns (msgpack map, `prompt` included), carried through
     untouched to the output."""
+    max_tokens: int = 0
+    """The job's max_tokens, so load can be counted in tokens (prompt + output)."""
+
+    @property
+    def work_tokens(self) -> int:
+        """Load this prompt puts on a replica: prompt tokens plus output budget."""
+        return len(self.tokens) // 4 + self.max_tokens
 
 
 class PromptBatch(msgspec.Struct, array_like=True, gc=False):
@@ -147,7 +156,7 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     inflight: int = 0
     """Prompts submitted to the engine and not finished."""
     outstanding_tokens: int = 0
-    """Prompt + remaining output tokens of unfinished prompts (the load measure)."""
+    """Work tokens (prompt + max_tokens) of prompts in the engine (the load measure)."""
     kv_usage: float = 0.0
     kv_blocks: int = 0
     """KV-cache capacity in blocks."""
@@ -158,6 +167,11 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     """Cumulative prefix-cache hit tokens (vLLM's num_cached_tokens)."""
     completed: int = 0
     """Cumulative finished prompts."""
+    done_tokens: int = 0
+    """Cumulative work tokens (prompt + max_tokens) of finished prompts: the router
+    subtracts these from what it routed here."""
+    window: int = 0
+    """Most prompts the worker keeps in flight."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
@@ -168,13 +182,25 @@ class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
     buffered: int = 0
 
 
+class RoutePart(msgspec.Struct, array_like=True):
+    """One small bucket inside a pooled batch."""
+
+    prompts: int
+    tokens: int
+    key: list[int] = msgspec.field(default_factory=list)
+
+
 class RouteRequest(msgspec.Struct, omit_defaults=True):
     """bucketer -> router (`pfx.route`): where should this bucket go?"""
 
     bucketer: str
     prompts: int
     tokens: int
+    """Work tokens (prompt + max_tokens) of all its prompts."""
     key: list[int] = msgspec.field(default_factory=list)
+    """Block-hash chain of the bucket's common prefix; empty for a pooled batch."""
+    parts: list[RoutePart] = msgspec.field(default_factory=list)
+    """A pooled batch's small buckets, in prompt order (their prompts sum to `prompts`)."""
 
 
 class Assignment(msgspec.Struct, array_like=True):
@@ -189,6 +215,37 @@ class RouteReply(msgspec.Struct, omit_defaults=True):
     assignments: list[Assignment] = msgspec.field(default_factory=list)
     retry_after: float = 0.0
     error: str | None = None
+
+
+# --- batching -----------------------------------------------------------------------
+
+MAX_MESSAGE_BYTES = 512 * 1024
+"""Batches are cut to stay well under nats-server's default 1 MiB max payload."""
+
+
+def prompt_size(p: Prompt) -> int:
+    return len(p.tokens) + len(p.columns) + 48
+
+
+def result_size(r: Result) -> int:
+    return len(r.columns) + len(r.output.encode()) * 2 + len(r.error or "") + 64
+
+
+def chunked(items: list, size_of, max_items: int, max_bytes: int = MAX_MESSAGE_BYTES) -> list[list]:
+    """Split `items` into runs of at most `max_items` and about `max_bytes` each."""
+    out: list[list] = []
+    run: list = []
+    run_bytes = 0
+    for item in items:
+        size = size_of(item)
+        if run and (len(run) >= max_items or run_bytes + size > max_bytes):
+            out.append(run)
+            run, run_bytes = [], 0
+        run.append(item)
+        run_bytes += size
+    if run:
+        out.append(run)
+    return out
 
 
 # --- codecs --------------------------------------------------------------------------

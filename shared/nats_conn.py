@@ -33,7 +33,7 @@ async def connect(url: str, name: str, *, wait: float = 120.0) -> Client:
         log.info("nats reconnected")
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", error=repr(exc))
+        log.debug("nats error", error=repr(exc))
 
     deadline = asyncio.get_running_loop().time() + wait
     while True:
@@ -145,4 +145,7 @@ async def close(nc: Client, *subs) -> None:
     try:
         await asyncio.wait_for(nc.drain(), 2.0)
     except Exception:  # noqa: BLE001 - drain timed out or connection gone: just close
-        await nc.close()
+        try:
+            await nc.close()
+        except Exception:  # noqa: BLE001 - nothing left to close
+            pass

@@ -11,34 +11,30 @@ Python's salted `hash`).
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections.abc import Sequence
 
+from shared import tokens as tk
 
-def block_hashes(tokens: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """Hash chain over the full blocks of `tokens` (a trailing partial block is ignored,
-    as vLLM caches only full blocks)."""
-    n_blocks = len(tokens) // block_size
+
+def block_hashes(tokens: bytes, block_size: int, max_blocks: int | None = None) -> list[int]:
+    """Hash chain over the full blocks of packed `tokens` (a trailing partial block is
+    ignored, as vLLM caches only full blocks). 63-bit ints: they fit msgpack int64."""
+    n_blocks = tk.count(tokens) // block_size
     if max_blocks is not None:
         n_blocks = min(n_blocks, max_blocks)
+    step = block_size * tk.WIDTH
     out: list[int] = []
     parent = b""
     for i in range(n_blocks):
-        h = hashlib.blake2b(parent, digest_size=8)
-        h.update(array("I", tokens[i * block_size : (i + 1) * block_size]).tobytes())
-        parent = h.digest()
-        out.append(int.from_bytes(parent, "little") >> 1)  # 63 bits: fits msgpack int64 too
+        parent = hashlib.blake2b(parent + tokens[i * step : (i + 1) * step], digest_size=8).digest()
+        out.append(int.from_bytes(parent, "little") >> 1)
     return out
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def matched_blocks(key: Sequence[int], other: Sequence[int]) -> int:
     """Number of leading block hashes two keys share."""
-    return common_prefix_len(key, other)
+    n = min(len(key), len(other))
+    i = 0
+    while i < n and key[i] == other[i]:
+        i += 1
+    return i

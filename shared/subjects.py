@@ -43,6 +43,11 @@ def status(replica: str) -> str:
     return f"{PREFIX}.status.{replica}"
 
 
+def engine_reset(replica: str) -> str:
+    """Request/reply: reset the replica's prefix cache."""
+    return f"{PREFIX}.engine.{replica}.reset"
+
+
 def bucketer_heartbeat(node: str) -> str:
     return f"{PREFIX}.hb.bucketer.{node}"
 
@@ -59,6 +64,8 @@ def job_from_subject(subject: str) -> str:
 
 ROUTE = f"{PREFIX}.route"
 """Request/reply subject of the router service (nats.micro endpoint)."""
+ROUTER_POLICY = f"{PREFIX}.router.policy"
+"""Request/reply: switch the router's policy (body: the policy name)."""
 ALL_STATUS = f"{PREFIX}.status.*"
 ALL_BUCKETER_HEARTBEATS = f"{PREFIX}.hb.bucketer.*"
 

@@ -137,15 +137,43 @@ class HonchoCluster:
         return self.proc.returncode
 
 
+# The session cluster's KV cache is constrained (96 blocks of 128 tokens per replica) so
+# test datasets do not fit and eviction is real; the bucketer's buffer is small so that a
+# prefix's prompts are spread over several buckets, as in a stream far larger than the
+# buffer (where routing decides the hit rate).
+CLUSTER_KV_BLOCKS = 96
+CLUSTER_BUFFER_PROMPTS = 64
+
+
 @pytest.fixture(scope="session")
 def vllm_cluster(tmp_path_factory, tiny_model):
-    cluster = HonchoCluster(tmp_path_factory.mktemp("honcho-cluster"), tiny_model).start()
+    env = {"PFX_KV_CACHE_BLOCKS": str(CLUSTER_KV_BLOCKS), "PFX_BUFFER_PROMPTS": str(CLUSTER_BUFFER_PROMPTS)}
+    cluster = HonchoCluster(tmp_path_factory.mktemp("honcho-cluster"), tiny_model, env).start()
     try:
         startup = asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
         print(f"\ncluster ready in {startup:.1f} s (honcho log: {cluster.log})")
         yield cluster
     finally:
         cluster.stop()
+
+
+async def set_policy(url: str, policy: str) -> None:
+    nc = await connect(url, "tests")
+    try:
+        reply = await nc.request(subjects.ROUTER_POLICY, policy.encode(), timeout=5)
+        assert reply.data.decode() == policy, reply.headers
+    finally:
+        await close(nc)
+
+
+async def reset_prefix_caches(url: str, replicas: list[str]) -> None:
+    nc = await connect(url, "tests")
+    try:
+        for r in replicas:
+            reply = await nc.request(subjects.engine_reset(r), b"", timeout=30)
+            assert reply.data == b"ok", (r, reply.data)
+    finally:
+        await close(nc)
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -1,27 +1,44 @@
 """Prefix bucketing buffer: pure logic, no I/O (tested on its own).
 
-Prompts wait in a bounded buffer ordered by token ids. Neighbours in that order whose
-common prefix is under `threshold` of the shorter prompt start a new bucket. Buckets are
-released, largest first, when they reach `min_bucket`, when their oldest prompt has
-waited `max_wait`, when the buffer is over its bounds, or on `flush()`; small buckets
-that must go are pooled into mixed batches. Everything released leaves the buffer, so
-nothing is held forever and nothing is released twice.
+Prompts wait in a bounded buffer ordered by token ids. Walking that order, neighbours
+whose common prefix is under `threshold` of the shorter prompt start a new bucket (the
+reference rule). Bucket boundaries are maintained incrementally: an insert or a removal
+only re-examines its neighbours, so insert, pop and "largest bucket" cost O(log n)
+(sorted containers) instead of a re-sort per pop.
+
+Release (`pop`):
+1. every bucket holding a prompt that has waited `max_wait` (the reference has no time
+   limit; we guarantee one);
+2. while the buffer is over `max_prompts` / `max_bytes`: the largest bucket (reference);
+3. on `flush` (end of input): everything, largest first (reference).
+Buckets of at least `min_bucket` go out keyed by their common prefix; smaller ones are
+pooled into mixed batches of at least `min_bucket` with no key (reference). Everything
+released leaves the buffer: nothing is held forever and nothing is released twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import heapq
+import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from shared.prefix_keys import block_hashes, common_prefix_len
+from sortedcontainers import SortedDict, SortedList
+
+from shared import tokens as tk
+from shared.prefix_keys import block_hashes
+
+Key = tuple[bytes, int]
+"""Sort key of an item: (packed token ids, arrival sequence number)."""
 
 
 @dataclass(slots=True)
 class Item:
-    tokens: Sequence[int]
+    tokens: bytes
+    """Packed token ids (`shared.tokens.pack`)."""
     arrived: float
     payload: object = None
-    """Whatever the caller needs back (the wire prompt and its source message)."""
+    """Whatever the caller needs back (the wire prompt)."""
     ref: Hashable = None
     """Identity of the source message (for the caller's ack bookkeeping)."""
 
@@ -32,25 +49,32 @@ class Bucket:
     key: list[int] = field(default_factory=list)
     """Block-hash chain of the common prefix; empty for a pooled (mixed) batch."""
     prefix_len: int = 0
+    """Common prefix of the items, in tokens."""
+    parts: list[tuple[int, list[int]]] = field(default_factory=list)
+    """For a pooled batch: (prompt count, prefix key) of each small bucket in it, in
+    item order, so a router can still place each part by its prefix."""
+
+    @property
+    def tokens(self) -> int:
+        return sum(tk.count(i.tokens) for i in self.items)
 
 
-def split_buckets(items: list[Item], threshold: float) -> list[list[Item]]:
-    """Cut the sorted `items` wherever neighbours share < threshold of the shorter one."""
-    buckets: list[list[Item]] = []
-    for item in items:
-        if buckets:
-            prev = buckets[-1][-1]
-            shorter = min(len(prev.tokens), len(item.tokens))
-            if common_prefix_len(prev.tokens, item.tokens) >= threshold * shorter and shorter > 0:
-                buckets[-1].append(item)
-                continue
-        buckets.append([item])
-    return buckets
+def linked(a: bytes, b: bytes, threshold: float) -> bool:
+    """The reference rule: neighbours stay in one bucket when their common prefix is at
+    least `threshold` of the shorter prompt."""
+    shorter = min(len(a), len(b)) // tk.WIDTH
+    return shorter > 0 and tk.common_prefix(a, b) >= threshold * shorter
 
 
-def bucket_prefix_len(items: list[Item]) -> int:
-    """Common prefix of a sorted run = common prefix of its first and last items."""
-    return common_prefix_len(items[0].tokens, items[-1].tokens) if len(items) > 1 else len(items[0].tokens)
+def split_sorted(token_lists: list[bytes], threshold: float) -> list[int]:
+    """Bucket sizes of an already sorted sequence (the static reference computation)."""
+    sizes: list[int] = []
+    for i, t in enumerate(token_lists):
+        if i and linked(token_lists[i - 1], t, threshold):
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
 
 
 class PrefixBuffer:
@@ -61,7 +85,7 @@ class PrefixBuffer:
         max_bytes: int = 256 * 1024 * 1024,
         min_bucket: int = 16,
         threshold: float = 0.33,
-        max_wait: float = 2.0,
+        max_wait: float = 5.0,
         block_size: int = 128,
     ) -> None:
         self.max_prompts = max_prompts
@@ -70,8 +94,15 @@ class PrefixBuffer:
         self.threshold = threshold
         self.max_wait = max_wait
         self.block_size = block_size
-        self._items: list[Item] = []
+        self._items: SortedDict = SortedDict()  # Key -> Item, in token order
+        self._starts: SortedList = SortedList()  # keys that begin a bucket
+        self._by_size: SortedList = SortedList()  # (size, start key)
+        self._size: dict[Key, int] = {}  # start key -> bucket size
+        self._ages: list[tuple[float, Key]] = []  # min-heap, lazily cleaned
+        self._seq = itertools.count()
         self._bytes = 0
+
+    # --- inspection -------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._items)
@@ -83,39 +114,147 @@ class PrefixBuffer:
     def full(self) -> bool:
         return len(self._items) >= self.max_prompts or self._bytes >= self.max_bytes
 
-    def insert(self, item: Item) -> None:
-        self._items.append(item)
-        self._bytes += 4 * len(item.tokens)
+    def over(self) -> bool:
+        return len(self._items) > self.max_prompts or self._bytes > self.max_bytes
+
+    def bucket_sizes(self) -> list[int]:
+        """Sizes of the current buckets in token order (for tests and metrics)."""
+        return [self._size[s] for s in self._starts]
 
     def oldest(self) -> float | None:
-        return min((i.arrived for i in self._items), default=None)
+        self._clean_ages()
+        return self._ages[0][0] if self._ages else None
+
+    # --- structure maintenance --------------------------------------------------------
+
+    def _index(self, key: Key) -> int:
+        return self._items.bisect_left(key)
+
+    def _start_of(self, key: Key) -> Key:
+        return self._starts[self._starts.bisect_right(key) - 1]
+
+    def _set_size(self, start: Key, size: int) -> None:
+        old = self._size.get(start)
+        if old is not None:
+            self._by_size.remove((old, start))
+        self._size[start] = size
+        self._by_size.add((size, start))
+
+    def _drop_start(self, start: Key) -> None:
+        self._by_size.remove((self._size.pop(start), start))
+        self._starts.remove(start)
+
+    def _add_start(self, start: Key) -> None:
+        self._starts.add(start)
+
+    def _recount(self, start: Key) -> None:
+        i = self._starts.index(start)
+        end = self._index(self._starts[i + 1]) if i + 1 < len(self._starts) else len(self._items)
+        self._set_size(start, end - self._index(start))
+
+    def _link(self, a: Key, b: Key) -> bool:
+        return linked(a[0], b[0], self.threshold)
+
+    # --- insert -----------------------------------------------------------------------
+
+    def insert(self, item: Item) -> None:
+        key: Key = (item.tokens, next(self._seq))
+        pos = self._items.bisect_left(key)
+        prev: Key | None = self._items.peekitem(pos - 1)[0] if pos > 0 else None
+        nxt: Key | None = self._items.peekitem(pos)[0] if pos < len(self._items) else None
+        self._items[key] = item
+        self._bytes += len(item.tokens)
+        heapq.heappush(self._ages, (item.arrived, key))
+
+        touched: list[Key] = []
+        if prev is None:
+            # New first item: it joins the first bucket or starts its own.
+            if nxt is not None and self._link(key, nxt):
+                self._drop_start(nxt)
+            self._add_start(key)
+            touched.append(key)
+        else:
+            start = self._start_of(prev)
+            inside = nxt is not None and nxt not in self._size  # prev and nxt share a bucket
+            join_prev = self._link(prev, key)
+            join_next = nxt is not None and self._link(key, nxt)
+            if inside:
+                if not join_prev:
+                    self._add_start(key)
+                    touched.append(key)
+                if not join_next:
+                    self._add_start(nxt)
+                    touched.append(nxt)
+            else:
+                if not join_prev:
+                    self._add_start(key)
+                    touched.append(key)
+                if nxt is not None and join_next:
+                    # key and nxt are one bucket now: nxt no longer starts one.
+                    self._drop_start(nxt)
+            touched.append(start)
+        for s in touched:
+            if s in self._starts:
+                self._recount(s)
+
+    # --- removal ----------------------------------------------------------------------
+
+    def _take(self, start: Key) -> list[Item]:
+        """Remove the bucket beginning at `start`; heal the boundary it leaves."""
+        i = self._starts.index(start)
+        lo = self._index(start)
+        hi = self._index(self._starts[i + 1]) if i + 1 < len(self._starts) else len(self._items)
+        keys = list(self._items.keys()[lo:hi])
+        items = [self._items.pop(k) for k in keys]
+        self._bytes -= sum(len(it.tokens) for it in items)
+        self._drop_start(start)
+        # The buckets on either side are now neighbours: the reference rule may join them.
+        if 0 < lo < len(self._items):
+            prev, nxt = self._items.peekitem(lo - 1)[0], self._items.peekitem(lo)[0]
+            if self._link(prev, nxt):
+                self._drop_start(nxt)
+                self._recount(self._start_of(prev))
+        return items
+
+    def _clean_ages(self) -> None:
+        while self._ages and self._ages[0][1] not in self._items:
+            heapq.heappop(self._ages)
+
+    def _largest(self) -> Key:
+        return self._by_size[-1][1]
+
+    # --- release ----------------------------------------------------------------------
+
+    def _keyed(self, items: list[Item]) -> Bucket:
+        plen = tk.common_prefix(items[0].tokens, items[-1].tokens) if len(items) > 1 else tk.count(items[0].tokens)
+        return Bucket(items, block_hashes(items[0].tokens[: plen * tk.WIDTH], self.block_size), plen)
 
     def pop(self, now: float, *, flush: bool = False) -> list[Bucket]:
-        """Release what is due at `now` (everything if `flush`), largest buckets first."""
-        if not self._items:
-            return []
-        self._items.sort(key=lambda i: tuple(i.tokens))
-        runs = split_buckets(self._items, self.threshold)
-        runs.sort(key=len, reverse=True)
+        """Release what is due at `now` (everything if `flush`)."""
         out: list[Bucket] = []
-        keep: list[list[Item]] = []
-        pooled: list[Item] = []
-        over = max(0, len(self._items) - self.max_prompts)
-        for run in runs:
-            overdue = any(now - i.arrived >= self.max_wait for i in run)
-            if len(run) >= self.min_bucket:
-                out.append(self._keyed(run))
-            elif flush or overdue or over > 0:
-                pooled.extend(run)
-                over -= len(run)
-            else:
-                keep.append(run)
-        for i in range(0, len(pooled), max(self.min_bucket, 1)):
-            out.append(Bucket(pooled[i : i + self.min_bucket]))
-        self._items = [i for run in keep for i in run]
-        self._bytes = sum(4 * len(i.tokens) for i in self._items)
-        return out
+        pool = Bucket([])
 
-    def _keyed(self, run: list[Item]) -> Bucket:
-        plen = bucket_prefix_len(run)
-        return Bucket(run, block_hashes(run[0].tokens[:plen], self.block_size), plen)
+        def emit(items: list[Item]) -> None:
+            nonlocal pool
+            keyed = self._keyed(items)
+            if len(items) >= self.min_bucket:
+                out.append(keyed)
+                return
+            pool.items.extend(items)
+            pool.parts.append((len(items), keyed.key))
+            if len(pool.items) >= self.min_bucket:
+                out.append(pool)
+                pool = Bucket([])
+
+        # 1. Overdue prompts go now, with their whole bucket.
+        while True:
+            self._clean_ages()
+            if not self._ages or now - self._ages[0][0] < self.max_wait:
+                break
+            emit(self._take(self._start_of(self._ages[0][1])))
+        # 2. Over the bounds (or flushing): largest buckets first.
+        while self._items and (flush or self.over()):
+            emit(self._take(self._largest()))
+        if pool.items:  # a partial mixed batch goes too: its prompts were due
+            out.append(pool)
+        return out

@@ -41,6 +41,7 @@ class Bucketer:
             max_wait=cfg.max_wait,
             block_size=cfg.block_size,
         )
+        self.last_input = time.monotonic()
         # stream sequence -> [message, prompts not yet published downstream]
         self.holding: dict[int, list] = {}
         self.wake = asyncio.Event()
@@ -60,10 +61,12 @@ class Bucketer:
             if self.buffer.full():
                 await asyncio.sleep(0.05)
                 continue
-            msgs = await fetch(sub, 32, timeout=0.25)
+            msgs = await fetch(sub, 32, timeout=0.1)
             now = time.monotonic()
             for msg in msgs:
                 self.take(msg, now)
+            if msgs:
+                self.last_input = now
             self.wake.set()
         # Shutdown: release everything buffered, publish it, then drain.
         try:
@@ -98,8 +101,10 @@ class Bucketer:
                 for bucket in buckets:
                     await self.send(bucket, stop_retrying=True)
                 return
-            buckets = self.buffer.pop(time.monotonic())
-            for bucket in buckets:
+            now = time.monotonic()
+            # No input for a while = end of input (as far as this node can tell): flush.
+            idle = now - self.last_input >= self.cfg.idle_flush
+            for bucket in self.buffer.pop(now, flush=idle):
                 await self.send(bucket)
             self.wake.clear()
             try:
@@ -107,8 +112,17 @@ class Bucketer:
             except asyncio.TimeoutError:
                 pass
 
+    def route_request(self, bucket: Bucket, tokens: int) -> m.RouteRequest:
+        parts = []
+        start = 0
+        for n, key in bucket.parts:
+            part_tokens = sum(it.payload.work_tokens for it in bucket.items[start : start + n])
+            parts.append(m.RoutePart(n, part_tokens, key))
+            start += n
+        return m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key, parts)
+
     async def route(self, bucket: Bucket, tokens: int, stop_retrying: bool) -> list[m.Assignment]:
-        req = m.encode(m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key))
+        req = m.encode(self.route_request(bucket, tokens))
         while True:
             try:
                 msg = await self.nc.request(subjects.ROUTE, req, timeout=2.0)
@@ -128,7 +142,7 @@ class Bucketer:
             await asyncio.sleep(delay)
 
     async def send(self, bucket: Bucket, stop_retrying: bool = False) -> None:
-        tokens = sum(len(i.tokens) for i in bucket.items)
+        tokens = sum(it.payload.work_tokens for it in bucket.items)
         try:
             assignments = await self.route(bucket, tokens, stop_retrying)
         except TimeoutError:
@@ -138,8 +152,10 @@ class Bucketer:
         for a in assignments:
             items = bucket.items[start : start + a.prompts]
             start += a.prompts
-            for i in range(0, len(items), self.cfg.max_batch):
-                part = items[i : i + self.cfg.max_batch]
+            done = 0
+            for part in m.chunked(items, lambda it: m.prompt_size(it.payload), self.cfg.max_batch):
+                i = done
+                done += len(part)
                 work = m.WorkBatch(bucket_id, [it.payload for it in part], bucket.key)
                 try:
                     await publish(self.js, subjects.work(a.replica), m.encode(work))

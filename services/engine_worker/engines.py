@@ -64,7 +64,9 @@ class EchoEngine:
     async def start(self) -> None:
         return None
 
-    async def generate(self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec) -> Completion:
+    async def generate(
+        self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0
+    ) -> Completion:
         self.running += 1
         try:
             if self.delay:
@@ -78,6 +80,9 @@ class EchoEngine:
         self.stats.running = self.running
         return self.stats
 
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
     async def shutdown(self) -> None:
         return None
 
@@ -85,8 +90,11 @@ class EchoEngine:
 class VllmEngine:
     """vLLM's `AsyncLLM` in this process, prefix caching on, fed with token ids."""
 
-    def __init__(self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int, enforce_eager: bool) -> None:
+    def __init__(
+        self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int, enforce_eager: bool, priority: bool
+    ) -> None:
         self.args = dict(
+            scheduling_policy="priority" if priority else "fcfs",
             model=model,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
@@ -128,7 +136,9 @@ class VllmEngine:
         self.stats.block_size = cache.block_size
         log.info("vllm engine started", kv_blocks=self.stats.kv_blocks, block_size=self.stats.block_size)
 
-    async def generate(self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec) -> Completion:
+    async def generate(
+        self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0
+    ) -> Completion:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -149,7 +159,9 @@ class VllmEngine:
             raise RequestFailed(f"bad sampling parameters: {exc}") from exc
         final = None
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=tokens), params, request_id):
+            prompt = TokensPrompt(prompt_token_ids=tokens)
+            kwargs = {"priority": priority} if self.args["scheduling_policy"] == "priority" else {}
+            async for out in self.llm.generate(prompt, params, request_id, **kwargs):
                 final = out
         except EngineDeadError:
             raise
@@ -169,6 +181,9 @@ class VllmEngine:
     def snapshot(self) -> EngineStats:
         return self.stats
 
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.llm.reset_prefix_cache())
+
     async def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
@@ -186,4 +201,5 @@ def make_engine(cfg) -> EchoEngine | VllmEngine:
         kv_cache_blocks=cfg.kv_cache_blocks,
         max_num_seqs=cfg.max_num_seqs,
         enforce_eager=cfg.enforce_eager,
+        priority=cfg.scheduling == "prefix-groups",
     )

@@ -24,11 +24,13 @@ from nats.aio.msg import Msg
 
 from shared import messages as m
 from shared import subjects
+from shared import tokens as tk
 from shared.config import EngineWorkerConfig
 from shared.jobs import JobCache
 from shared.nats_conn import close, connect, pull_subscription, provision
 from shared.runtime import PublishError, fetch, keep_in_progress, publish
 from services.engine_worker.engines import RequestFailed, make_engine
+from services.engine_worker.grouping import GroupPriorities
 
 log = structlog.get_logger()
 
@@ -45,6 +47,7 @@ class EngineWorker:
         self.inflight = 0
         self.inflight_tokens = 0
         self.done_prompt_tokens = 0
+        self.done_work_tokens = 0
         self.cached_tokens = 0
         self.completed = 0
         self.window_free = asyncio.Event()
@@ -53,14 +56,17 @@ class EngineWorker:
         self.outbox: dict[str, list[tuple[m.Result, int]]] = defaultdict(list)
         self.tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
+        self.groups = GroupPriorities(block_size=128, max_age=4 * cfg.window)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
+        self.groups.block_size = self.engine.snapshot().block_size or 128
         nc = await connect(self.cfg.nats_url, f"engine-{self.cfg.replica}")
         self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)
         self.jobs = JobCache(await self.js.key_value(subjects.JOBS_KV))
         self.sub = sub = await pull_subscription(self.js, subjects.engine_consumer(self.cfg.replica))
+        await nc.subscribe(subjects.engine_reset(self.cfg.replica), cb=self.on_reset)
         self.ready = True
         log.info("engine-worker ready", engine=self.cfg.engine, window=self.cfg.window)
         background = [
@@ -101,6 +107,13 @@ class EngineWorker:
             log.error("engine dead: exiting for the supervisor to restart", error=repr(self.fatal))
             sys.exit(3)
 
+    async def on_reset(self, msg: Msg) -> None:
+        """Request/reply: empty the engine's prefix cache (benchmarks start each method
+        from a cold cache without restarting the engine)."""
+        ok = await self.engine.reset_prefix_cache()
+        log.info("prefix cache reset", ok=ok)
+        await msg.respond(b"ok" if ok else b"busy")
+
     async def start_batch(self, msg: Msg) -> None:
         try:
             work = m.work_batch_decoder.decode(msg.data)
@@ -117,18 +130,20 @@ class EngineWorker:
         for prompt in work.prompts:
             lookup = await self.jobs.get(prompt.job)
             self.inflight += 1
-            self.inflight_tokens += len(prompt.tokens)
+            self.inflight_tokens += prompt.work_tokens
             task = asyncio.create_task(self.run_prompt(seq, prompt, lookup.spec, lookup.error))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
     async def run_prompt(self, seq: int, prompt: m.Prompt, spec: m.JobSpec | None, job_error: str | None) -> None:
-        base = m.Result(prompt.id, prompt.columns, replica=self.cfg.replica, prompt_tokens=len(prompt.tokens))
+        token_ids = tk.unpack(prompt.tokens)
+        base = m.Result(prompt.id, prompt.columns, replica=self.cfg.replica, prompt_tokens=len(token_ids))
         try:
             if spec is None:
                 raise RequestFailed(job_error or "unknown job")
             request_id = f"{prompt.job}:{prompt.id}:{uuid.uuid4().hex[:8]}"
-            c = await self.engine.generate(request_id, prompt.id, prompt.tokens, spec.sampling)
+            priority = self.groups.priority(prompt.tokens)
+            c = await self.engine.generate(request_id, prompt.id, token_ids, spec.sampling, priority)
             result = msgspec.structs.replace(
                 base,
                 output=c.output,
@@ -138,6 +153,7 @@ class EngineWorker:
                 output_tokens=c.output_tokens,
             )
             self.cached_tokens += c.cached_tokens
+            self.done_prompt_tokens += c.prompt_tokens
         except RequestFailed as exc:
             result = msgspec.structs.replace(base, error=str(exc), finish_reason=m.FinishReason.ERROR)
         except asyncio.CancelledError:
@@ -147,10 +163,10 @@ class EngineWorker:
             return
         finally:
             self.inflight -= 1
-            self.inflight_tokens -= len(prompt.tokens)
+            self.inflight_tokens -= prompt.work_tokens
             self.window_free.set()
         self.completed += 1
-        self.done_prompt_tokens += len(prompt.tokens)
+        self.done_work_tokens += prompt.work_tokens
         rows = self.outbox[prompt.job]
         rows.append((result, seq))
         if len(rows) >= self.cfg.result_batch:
@@ -160,9 +176,9 @@ class EngineWorker:
         rows = self.outbox.pop(job, [])
         if not rows:
             return
-        batch = m.ResultBatch(job, [r for r, _ in rows])
         try:
-            await publish(self.js, subjects.results(job), m.encode(batch))
+            for run in m.chunked([r for r, _ in rows], m.result_size, self.cfg.result_batch):
+                await publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, run)))
         except PublishError as exc:
             # The batches stay unacked (and in_progress stops for none): redelivered later.
             log.error("result publish failed", job=job, error=str(exc))
@@ -202,6 +218,8 @@ class EngineWorker:
             kv_blocks=s.kv_blocks,
             block_size=s.block_size,
             prompt_tokens=self.done_prompt_tokens,
+            done_tokens=self.done_work_tokens,
+            window=self.cfg.window,
             cached_tokens=self.cached_tokens,
             completed=self.completed,
         )

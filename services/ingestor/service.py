@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from array import array
 from collections import defaultdict
 
 import structlog
@@ -20,12 +19,13 @@ from nats.aio.msg import Msg
 
 from shared import messages as m
 from shared import subjects
+from shared import tokens as tk
 from shared.config import IngestorConfig
 from shared.jobs import JobCache
 from shared.nats_conn import close, connect, pull_subscription, provision
 from shared.prefix_keys import block_hashes
 from shared.runtime import PublishError, ack_all, fetch, publish
-from shared.sharding import pick_node
+from shared.sharding import Sharder
 from shared.tokenize import load_tokenizer, model_max_len
 from services.ingestor.validate import Record, Rejected, parse, length_error
 
@@ -34,12 +34,12 @@ log = structlog.get_logger()
 MAX_PROMPTS_PER_MESSAGE = 512
 
 
-def shard_key(tokens: list[int], block_size: int) -> int:
+def shard_key(tokens: bytes, block_size: int) -> int:
+    """Hash of the prompt's first KV block (of the whole prompt if shorter)."""
     hashes = block_hashes(tokens, block_size, max_blocks=1)
     if hashes:
         return hashes[0]
-    digest = hashlib.blake2b(array("I", tokens).tobytes(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return int.from_bytes(hashlib.blake2b(tokens, digest_size=8).digest(), "little") >> 1
 
 
 class Ingestor:
@@ -48,6 +48,7 @@ class Ingestor:
         self.tokenizer = load_tokenizer(cfg.model)
         self.max_model_len = min(cfg.max_model_len, model_max_len(cfg.model, cfg.max_model_len))
         self.bucketers: dict[str, float] = {}  # node -> last heartbeat (monotonic)
+        self.sharder = Sharder(epsilon=cfg.shard_epsilon)
 
     def live_nodes(self) -> list[str]:
         now = time.monotonic()
@@ -73,8 +74,13 @@ class Ingestor:
         log.info("ingestor ready", max_model_len=self.max_model_len)
         while not stop.is_set():
             msgs = await fetch(sub, self.cfg.fetch_batch, timeout=1.0)
-            if msgs:
+            if not msgs:
+                continue
+            try:
                 await self.handle(msgs)
+            except Exception:  # noqa: BLE001 - never die on one batch: it is redelivered
+                log.exception("ingest batch failed; naked for redelivery")
+                await asyncio.gather(*(msg.nak(delay=2.0) for msg in msgs), return_exceptions=True)
         await close(nc, sub)
 
     async def handle(self, msgs: list[Msg]) -> None:
@@ -106,23 +112,23 @@ class Ingestor:
         by_node: dict[str, list[m.Prompt]] = defaultdict(list)
         nodes = self.live_nodes()
         for (job, rec, sampling), enc in zip(good, encodings):
-            tokens = enc.ids
-            err = length_error(len(tokens), sampling.max_tokens, self.max_model_len)
+            err = length_error(len(enc.ids), sampling.max_tokens, self.max_model_len)
             if err is not None:
                 errors[job].append(
-                    m.Result(rec.id, rec.columns, error=err, prompt_tokens=len(tokens), finish_reason=m.FinishReason.ERROR)
+                    m.Result(rec.id, rec.columns, error=err, prompt_tokens=len(enc.ids), finish_reason=m.FinishReason.ERROR)
                 )
                 continue
-            node = pick_node(shard_key(tokens, self.cfg.block_size), nodes)
-            by_node[node].append(m.Prompt(job, rec.id, tokens, rec.columns))
+            tokens = tk.pack(enc.ids)
+            node = self.sharder.pick(shard_key(tokens, self.cfg.block_size), nodes)
+            by_node[node].append(m.Prompt(job, rec.id, tokens, rec.columns, sampling.max_tokens))
         # 3. Publish everything, wait for the acks, then ack the inputs.
         pubs = []
         for node, prompts in by_node.items():
-            for i in range(0, len(prompts), MAX_PROMPTS_PER_MESSAGE):
-                batch = m.PromptBatch(prompts[i : i + MAX_PROMPTS_PER_MESSAGE])
-                pubs.append(publish(self.js, subjects.bucket(node), m.encode(batch)))
+            for run in m.chunked(prompts, m.prompt_size, MAX_PROMPTS_PER_MESSAGE):
+                pubs.append(publish(self.js, subjects.bucket(node), m.encode(m.PromptBatch(run))))
         for job, rows in errors.items():
-            pubs.append(publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, rows))))
+            for run in m.chunked(rows, m.result_size, MAX_PROMPTS_PER_MESSAGE):
+                pubs.append(publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, run))))
         for msg, why in dead:
             pubs.append(self.dead_letter(msg, why))
         try:

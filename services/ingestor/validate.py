@@ -45,23 +45,29 @@ def header_id(headers: dict[str, str] | None) -> PromptId | None:
         return None
 
 
+INT64 = range(-(2**63), 2**63)
+
+
 def parse(data: bytes, headers: dict[str, str] | None = None) -> Record | Rejected:
     hid = header_id(headers)
+    is_json = data.lstrip()[:1] == b"{"
     try:
-        body = _json.decode(data) if data[:1] in (b"{", b" ", b"\n", b"\t") else _msgpack.decode(data)
+        body = _json.decode(data) if is_json else _msgpack.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-        # NOTE: msgspec raises UnicodeDecodeError (not DecodeError) for invalid UTF-8.
-        reason = "invalid UTF-8" if _bad_utf8(data) else "malformed message"
-        return Rejected(hid, f"{reason}: {exc}")
-    rid = body.get("id", hid)
-    if isinstance(rid, bool) or not isinstance(rid, int | str):
-        return Rejected(hid, "missing or invalid 'id' (want an integer or a string)")
+        # NOTE: msgspec raises UnicodeDecodeError (not DecodeError) for invalid UTF-8 in a
+        # string; a JSON body is text, so any invalid UTF-8 in it is the cause.
+        bad_text = isinstance(exc, UnicodeDecodeError) or (is_json and _bad_utf8(data))
+        return Rejected(hid, f"{'invalid UTF-8' if bad_text else 'malformed message'}: {exc}")
+    if not isinstance(body, dict):
+        return Rejected(hid, "malformed message: want a JSON object or msgpack map")
+    rid = body.pop("id", hid)
+    if isinstance(rid, bool) or not isinstance(rid, int | str) or (isinstance(rid, int) and rid not in INT64):
+        return Rejected(hid, "missing or invalid 'id' (want a 64-bit integer or a string)")
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         return Rejected(rid, "missing 'prompt' (want a string)")
     if not prompt.strip():
         return Rejected(rid, "empty prompt")
-    del body["id"]
     return Record(rid, prompt, _columns_encoder.encode(body))
 
 

@@ -28,9 +28,12 @@ log = structlog.get_logger()
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.fleet = Fleet(dead_after=cfg.dead_after, cap_tokens=cfg.replica_cap_tokens, history=cfg.history)
-        self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens)
+        self.fleet = Fleet(
+            dead_after=cfg.dead_after, cap_tokens=cfg.replica_cap_tokens, history=cfg.history, cap_windows=cfg.cap_windows
+        )
+        self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor)
         self.routed = 0
+        self.split = 0
 
     def on_status(self, status: m.EngineStatus) -> None:
         self.fleet.observe(
@@ -38,17 +41,31 @@ class Router:
             time.monotonic(),
             ready=status.ready,
             outstanding=status.outstanding_tokens,
-            done_tokens=status.prompt_tokens,
+            done_tokens=status.done_tokens,
             kv_blocks=status.kv_blocks,
+            window=status.window,
         )
 
     def decide(self, req: m.RouteRequest) -> m.RouteReply:
         now = time.monotonic()
-        replica = self.policy.route(self.fleet, now, req.tokens, req.key)
-        if replica is None:
+        if req.parts:
+            chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key) for p in req.parts])
+        else:
+            chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key)
+        if chosen is None:
             return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.2)
         self.routed += 1
-        return m.RouteReply([m.Assignment(replica.name, req.prompts)])
+        self.split += len(chosen) > 1
+        return m.RouteReply([m.Assignment(r.name, n) for r, n in chosen])
+
+    def set_policy(self, name: str) -> None:
+        """Switch policy at run time (benchmarks compare policies on warm engines);
+        the prefix history is forgotten so the new policy starts clean."""
+        self.policy = make_policy(name, slack_tokens=self.cfg.load_slack_tokens, split_factor=self.cfg.split_factor)
+        self.fleet.forget_history()
+        for r in self.fleet.replicas.values():
+            r.routed_prompts = 0
+        log.info("policy set", policy=name)
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, "router")
@@ -71,7 +88,17 @@ class Router:
         service = await add_service(
             nc, name="prefixflow-router", version="0.1.0", description="prefix-aware bucket routing"
         )
+        async def on_policy(request: Request) -> None:
+            name = request.data.decode().strip()
+            try:
+                self.set_policy(name)
+            except ValueError as exc:
+                await request.respond_error("400", str(exc))
+                return
+            await request.respond(name.encode())
+
         await service.add_endpoint(name="route", subject=subjects.ROUTE, handler=on_route)
+        await service.add_endpoint(name="policy", subject=subjects.ROUTER_POLICY, handler=on_policy)
         log.info("router ready", policy=self.cfg.policy)
         last_report = time.monotonic()
         while not stop.is_set():
@@ -84,7 +111,9 @@ class Router:
                 last_report = now
                 log.info(
                     "fleet",
+                    policy=self.policy.name,
                     routed=self.routed,
+                    split=self.split,
                     live=[r.name for r in self.fleet.live(now)],
                     outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
                 )

@@ -34,6 +34,15 @@ OUTPUT_TYPES = {
 }
 
 
+def _stringify_mixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    mixed = set()
+    for name in rows[0] if rows else ():
+        kinds = {type(r[name]) for r in rows if r[name] is not None}
+        if len(kinds) > 1:
+            mixed.add(name)
+    return [{k: (str(v) if k in mixed and v is not None else v) for k, v in r.items()} for r in rows]
+
+
 def result_row(r: Result) -> dict[str, Any]:
     row: dict[str, Any] = {"id": r.id}
     if r.columns:
@@ -110,7 +119,13 @@ class JobOutput:
         return len(rows)
 
     def _to_table(self, rows: list[dict[str, Any]]) -> pa.Table:
-        inferred = pa.Table.from_pylist([{n: r.get(n) for n in self.types} for r in rows])
+        aligned = [{n: r.get(n) for n in self.types} for r in rows]
+        try:
+            inferred = pa.Table.from_pylist(aligned)
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            # Mixed Python types in a column (say int and str ids in one job): write the
+            # part with those columns as strings rather than leave the rows stuck.
+            inferred = pa.Table.from_pylist(_stringify_mixed(aligned))
         fields = []
         for f in inferred.schema:
             known = self.types.get(f.name)
