@@ -57,7 +57,9 @@ class BucketerConfig(CommonConfig, kw_only=True):
     node: Annotated[str, _d("this node's name (bucketer subject pfx.bucket.<node>)")] = "node0"
     buffer_prompts: Annotated[int, _d("most prompts held in the buffer", gt=0)] = 5000
     buffer_bytes: Annotated[int, _d("most token bytes held in the buffer", gt=0)] = 256 * 1024 * 1024
-    min_bucket: Annotated[int, _d("a bucket this large is sent as soon as it forms", gt=0)] = 16
+    min_bucket: Annotated[
+        int, _d("released buckets this large go out keyed by their prefix; smaller ones are pooled", gt=0)
+    ] = 16
     threshold: Annotated[
         float, _d("new bucket when neighbours share less than this fraction of the shorter prompt", ge=0, le=1)
     ] = 0.33

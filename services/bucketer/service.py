@@ -58,7 +58,10 @@ class Bucketer:
         ]
         dispatcher = asyncio.create_task(self.dispatch(stop))
         while not stop.is_set():
-            if self.buffer.full():
+            if self.buffer.over():
+                # Full: stop pulling (backpressure) until the dispatcher releases buckets.
+                # Input is waiting, so this is not the idle end of input.
+                self.last_input = time.monotonic()
                 await asyncio.sleep(0.05)
                 continue
             msgs = await fetch(sub, 32, timeout=0.1)

@@ -264,13 +264,18 @@ class PrefixAware(Policy):
 
     def route_parts(self, fleet, now, parts):
         """Each part goes where its own prefix is (the reference loses this: it sends a
-        pooled batch with no key). Consecutive parts for one replica are merged."""
+        pooled batch with no key). Consecutive parts for one replica are merged. The cap
+        admits the batch as a whole: parts go to replicas with room while any has room,
+        the rest of an admitted batch to the least loaded."""
         if not fleet.open(now):
             return None
         out: Assignments = []
         for prompts, tokens, key in parts:
-            ranked = self.ranked(fleet, fleet.open(now) or fleet.live(now), key)
-            r = ranked[0]
+            open_ = fleet.open(now)
+            if open_:
+                r = self.ranked(fleet, open_, key)[0]
+            else:
+                r = min(fleet.live(now), key=lambda x: (x.outstanding, x.name))
             fleet.assign(r, prompts, tokens, key)
             if out and out[-1][0] is r:
                 out[-1] = (r, out[-1][1] + prompts)

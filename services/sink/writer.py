@@ -80,7 +80,7 @@ class JobOutput:
     def _load_existing(self) -> None:
         for part in self.parts():
             table = pq.read_table(part, columns=["id", "error"])
-            self.seen.update(table.column("id").to_pylist())
+            self.seen.update(map(str, table.column("id").to_pylist()))
             self.rows += table.num_rows
             self.errors += table.num_rows - pc.sum(pc.is_null(table.column("error"))).as_py()
             self.next_part = max(self.next_part, int(part.stem.split("-")[1]) + 1)
@@ -91,9 +91,12 @@ class JobOutput:
 
     def add(self, result: Result) -> bool:
         """Queue a result for the next part; False if this id was already taken."""
-        if result.id in self.seen:
+        # NOTE: ids are compared as text, so a restart that reads back ids a mixed-type job
+        # wrote as strings still recognises a redelivered int id.
+        key = str(result.id)
+        if key in self.seen:
             return False
-        self.seen.add(result.id)
+        self.seen.add(key)
         row = result_row(result)
         for name in row:
             self.types.setdefault(name, OUTPUT_TYPES.get(name))
@@ -136,7 +139,29 @@ class JobOutput:
         try:
             return inferred.cast(pa.schema(fields))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            return inferred  # the input changed a column's type mid-job: keep what it is
+            pass
+        # A column changed type mid-job (say int ids, then a string id): make every such
+        # column a string column, in this part and in the parts already written, so the
+        # directory still reads as one table.
+        for f in inferred.schema:
+            known = self.types.get(f.name)
+            if known is not None and known != f.type and not pa.types.is_null(f.type):
+                self._promote_to_string(f.name)
+        fields = [pa.field(f.name, self.types.get(f.name) or f.type) for f in inferred.schema]
+        return inferred.cast(pa.schema(fields))
+
+    def _promote_to_string(self, name: str) -> None:
+        if self.types.get(name) == pa.string():
+            return
+        self.types[name] = pa.string()
+        for part in self.parts():
+            table = pq.read_table(part)
+            if name in table.column_names and table.schema.field(name).type != pa.string():
+                i = table.column_names.index(name)
+                table = table.set_column(i, pa.field(name, pa.string()), table.column(name).cast(pa.string()))
+                tmp = part.with_suffix(".tmp")
+                pq.write_table(table, tmp)
+                os.replace(tmp, part)
 
     def summarize(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
         """Totals over every part, overall and per replica; written to `_summary.json`."""
