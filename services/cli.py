@@ -5,6 +5,7 @@
     prefixflow serve NAME [flags]                   run one service (see --help of each)
     prefixflow run INPUT --out DIR [...]            all-in-one: local cluster + job + summary
     prefixflow submit INPUT --out DIR [--nats URL]  submit a job to a running cluster
+    prefixflow bench methods|pipeline ...          benchmarks (docs/benchmarks.md)
 """
 
 from __future__ import annotations
@@ -208,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-blocks", type=int, default=0, help="cap each replica's KV cache (blocks)")
     p.set_defaults(fn=cmd_run)
 
+    from services.bench import add_parsers as add_bench_parsers
+
+    p = sub.add_parser("bench", help="benchmarks (methods comparison on vLLM; pipeline throughput)")
+    add_bench_parsers(p.add_subparsers(dest="bench", required=True))
+
     p = sub.add_parser("submit", help="submit INPUT to a running cluster and wait for it")
     add_job_args(p)
     p.add_argument("--nats", default=os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
@@ -217,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        # Client commands: only warnings and errors (the services log at their own level).
+        from shared.logs import setup_logging
+
+        setup_logging("prefixflow", fmt="console", level="warning")
     args.fn(args)
 
 

@@ -28,7 +28,8 @@ from shared.nats_conn import close, connect, provision
 from shared.runtime import publish
 
 READ_BATCH = 4096
-PUBLISH_CONCURRENCY = 512
+PUBLISH_CONCURRENCY = 256
+ROWS_PER_MESSAGE = 64
 
 
 def read_rows(path: str | Path) -> Iterator[list[dict[str, Any]]]:
@@ -42,14 +43,24 @@ def read_rows(path: str | Path) -> Iterator[list[dict[str, Any]]]:
         raise SystemExit(f"{path}: want a .parquet or .jsonl file")
     row_number = 0
     for batch in batches:
-        if "prompt" not in batch.schema.names:
-            raise SystemExit(f"{path}: no 'prompt' column (columns: {batch.schema.names})")
+        if "prompt" not in batch.schema.names and "prompt_token_ids" not in batch.schema.names:
+            raise SystemExit(f"{path}: no 'prompt' or 'prompt_token_ids' column (columns: {batch.schema.names})")
         rows = batch.to_pylist()
         if "id" not in batch.schema.names:
             for i, row in enumerate(rows):
                 row["id"] = row_number + i
         row_number += len(rows)
         yield rows
+
+
+def finished_ids(out_dir: str | Path):
+    """Ids already written to `out_dir` by an earlier run of the job (resume)."""
+    from services.sink.idset import IdSet
+
+    done = IdSet()
+    for part in sorted(Path(out_dir).glob("part-*.parquet")):
+        done.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
+    return done
 
 
 def count_rows(path: str | Path) -> int | None:
@@ -77,16 +88,22 @@ class Submitter:
     async def create(self, spec: m.JobSpec) -> None:
         await self.jobs_kv.put(spec.job, m.encode_json(spec))
 
-    async def publish_rows(self, job: str, rows: list[dict[str, Any]]) -> list:
+    async def publish_rows(self, job: str, rows: list[dict[str, Any]], *, batch: int = ROWS_PER_MESSAGE) -> list:
+        """Publish rows as msgpack arrays of up to `batch` rows (about 256 KiB at most);
+        `batch=1` sends one map per row with its id in the `Pfx-Id` header."""
         encoder = msgspec.msgpack.Encoder()
         subject = subjects.ingest(job)
-        ids = []
+        ids = [row["id"] for row in rows]
         coros = []
-        for row in rows:
-            rid = row["id"]
-            ids.append(rid)
-            headers = {"Pfx-Id": msgspec.json.encode(rid).decode(), "Nats-Msg-Id": f"{job}:{rid}"}
-            coros.append(publish(self.js, subject, encoder.encode(row), headers=headers))
+        if batch == 1:
+            for row in rows:
+                rid = msgspec.json.encode(row["id"]).decode()
+                coros.append(publish(self.js, subject, encoder.encode(row), headers={"Pfx-Id": rid, "Nats-Msg-Id": f"{job}:{rid}"}))
+        else:
+            size = lambda row: len(str(row.get("prompt", ""))) + 5 * len(row.get("prompt_token_ids") or ()) + 64  # noqa: E731
+            for run in m.chunked(rows, size, batch, max_bytes=256 * 1024):
+                msg_id = f"{job}:{run[0]['id']}:{run[-1]['id']}:{len(run)}"
+                coros.append(publish(self.js, subject, encoder.encode(run), headers={"Nats-Msg-Id": msg_id}))
         for i in range(0, len(coros), PUBLISH_CONCURRENCY):
             await asyncio.gather(*coros[i : i + PUBLISH_CONCURRENCY])
         return ids
@@ -143,12 +160,21 @@ async def submit(
         spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=time.time())
         await client.create(spec)
         seen: set = set()
+        # Resume: rows an earlier run of this job already wrote are not sent again.
+        done = finished_ids(out_dir)
         expected = count_rows(input_path)
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
+        skipped = 0
         for rows in read_rows(input_path):
-            seen.update(await client.publish_rows(job, rows))
+            seen.update(r["id"] for r in rows)
+            todo = [r for r in rows if r["id"] not in done] if len(done) else rows
+            skipped += len(rows) - len(todo)
+            if todo:
+                await client.publish_rows(job, todo)
             bar.update(len(rows))
         bar.close()
+        if skipped:
+            print(f"resuming job {job}: {skipped} rows already done, {len(seen) - skipped} sent", flush=True)
         sealed = msgspec.structs.replace(spec, total=len(seen))
         await client.create(sealed)
         return await client.wait(job, len(seen), progress=progress, timeout=timeout, check=check)

@@ -125,6 +125,14 @@ class LocalCluster:
             await nc.drain()
         return time.monotonic() - t0
 
+    def kill(self) -> None:
+        """SIGKILL every process at once (an outage, not a shutdown)."""
+        for proc in self.running.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.running.values():
+            proc.wait()
+
     def stop(self, timeout: float = 15.0) -> None:
         services = [n for n in self.running if n != "nats"]
         for group in (services, ["nats"]):

@@ -69,6 +69,15 @@ class BucketerConfig(CommonConfig, kw_only=True):
     ] = 0.5
     block_size: Annotated[int, _d("KV block size in tokens (prefix-key block length)", gt=0)] = 128
     max_batch: Annotated[int, _d("most prompts in one work message", gt=0)] = 256
+    pool_size: Annotated[
+        int, _d("pooled (mixed) batches go out at this many prompts (at least min_bucket)", gt=0)
+    ] = 64
+    eager: Annotated[
+        bool, _d("also release the largest buckets whenever the router reports free room on the replicas")
+    ] = True
+    eager_delay: Annotated[
+        float, _d("eager release waits until the oldest prompt has been buffered this long, seconds", ge=0)
+    ] = 0.15
 
     def __post_init__(self) -> None:
         _check_name("node", self.node)
@@ -101,9 +110,15 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     ] = 0
     max_num_seqs: Annotated[int, _d("vLLM max_num_seqs (requests scheduled together)", gt=0)] = 256
     result_batch: Annotated[int, _d("results per published message", gt=0)] = 64
-    result_linger: Annotated[float, _d("seconds a partial result batch may wait", gt=0)] = 0.2
+    result_linger: Annotated[float, _d("seconds a partial result batch may wait", gt=0)] = 0.05
     echo_delay: Annotated[float, _d("echo engine: seconds per prompt (to simulate work)", ge=0)] = 0.0
+    echo_crash_token: Annotated[
+        int, _d("echo engine: exit like a dead engine on a prompt holding this token id (fault tests; -1: off)", ge=-1)
+    ] = -1
     enforce_eager: Annotated[bool, _d("vLLM enforce_eager (no graph capture; fast start)")] = True
+    status_interval: Annotated[
+        float, _d("seconds between status messages (the router's view of load lags by this much)", gt=0)
+    ] = 0.25
     scheduling: Annotated[
         Literal["prefix-groups", "fcfs"],
         _d("prefix-groups: vLLM priority scheduling, prompts of a prefix group seen earlier first; fcfs: arrival order"),
@@ -115,7 +130,7 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
 
 class SinkConfig(CommonConfig, kw_only=True):
     flush_rows: Annotated[int, _d("rows buffered per job before a Parquet part is written", gt=0)] = 4096
-    flush_seconds: Annotated[float, _d("longest a row waits before its part is written", gt=0)] = 1.0
+    flush_seconds: Annotated[float, _d("longest a row waits before its part is written", gt=0)] = 0.5
     fetch_batch: Annotated[int, _d("result messages fetched per pull", gt=0)] = 64
 
 

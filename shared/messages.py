@@ -172,6 +172,8 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     subtracts these from what it routed here."""
     window: int = 0
     """Most prompts the worker keeps in flight."""
+    idle_seconds: float = 0.0
+    """Cumulative time with no prompt in the engine."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
@@ -215,6 +217,18 @@ class RouteReply(msgspec.Struct, omit_defaults=True):
     assignments: list[Assignment] = msgspec.field(default_factory=list)
     retry_after: float = 0.0
     error: str | None = None
+
+
+class RouterRoom(msgspec.Struct, omit_defaults=True):
+    """router -> bucketer: free capacity of the fleet, in work tokens (-1: unbounded).
+    The `daft` policy reports 0: the reference releases buckets only when its buffer is
+    over its limit or at end of input."""
+
+    tokens: int = 0
+    live: int = 0
+
+
+router_room_decoder = msgspec.msgpack.Decoder(RouterRoom)
 
 
 # --- batching -----------------------------------------------------------------------

@@ -21,6 +21,9 @@ from shared.subjects import ConsumerSpec, StreamSpec
 
 log = structlog.get_logger()
 
+last_reconnect = 0.0
+"""Event-loop time of this process's last NATS reconnect (0: never)."""
+
 
 async def connect(url: str, name: str, *, wait: float = 120.0) -> Client:
     """Connect, retrying for up to `wait` seconds until the server is up (services may
@@ -30,6 +33,8 @@ async def connect(url: str, name: str, *, wait: float = 120.0) -> Client:
         log.warning("nats disconnected")
 
     async def on_reconnect() -> None:
+        global last_reconnect
+        last_reconnect = asyncio.get_running_loop().time()
         log.info("nats reconnected")
 
     async def on_error(exc: Exception) -> None:
@@ -149,3 +154,61 @@ async def close(nc: Client, *subs) -> None:
             await nc.close()
         except Exception:  # noqa: BLE001 - nothing left to close
             pass
+
+
+class DurablePull:
+    """A pull subscription on a durable consumer that re-creates and re-binds the
+    consumer if it disappears (the router takes over a dead replica's consumer by
+    re-creating it; a worker that was only paused then simply binds again)."""
+
+    STALL_CHECK = 5.0
+    """Seconds of empty fetches after which the consumer is asked whether it has work."""
+
+    def __init__(self, js: JetStreamContext, spec: ConsumerSpec) -> None:
+        self.js, self.spec = js, spec
+        self.sub: JetStreamContext.PullSubscription | None = None
+        self.empty_since: float | None = None
+
+    async def fetch(self, batch: int, timeout: float) -> list:
+        from shared.runtime import fetch
+
+        try:
+            if self.sub is None:
+                self.sub = await asyncio.wait_for(pull_subscription(self.js, self.spec), 10.0)
+            # NOTE: a fetch in flight across a reconnect can outlive its own timeout;
+            # a hard deadline turns that hang into a re-bind.
+            msgs = await asyncio.wait_for(fetch(self.sub, batch, timeout), timeout + 5.0)
+            await self._watchdog(bool(msgs))
+            return msgs
+        except (NotFoundError, BadRequestError, nats.errors.Error, asyncio.TimeoutError) as exc:
+            log.warning("consumer lost; re-binding", consumer=self.spec.durable, error=repr(exc))
+            await self.unsubscribe()
+            await asyncio.sleep(0.5)
+            return []
+
+    async def _watchdog(self, got: bool) -> None:
+        """Self-heal a subscription that stopped receiving (seen after a nats-server
+        restart under load): nothing for STALL_CHECK seconds while the consumer holds
+        deliverable messages means re-bind."""
+        now = asyncio.get_running_loop().time()
+        if got:
+            self.empty_since = None
+            return
+        if self.empty_since is None:
+            self.empty_since = now
+            return
+        if now - self.empty_since < self.STALL_CHECK:
+            return
+        self.empty_since = now
+        info = await self.js.consumer_info(self.spec.stream, self.spec.durable)
+        if info.num_pending > 0:
+            log.warning("consumer has work but nothing arrives: re-binding", consumer=self.spec.durable, pending=info.num_pending)
+            await self.unsubscribe()
+
+    async def unsubscribe(self) -> None:
+        if self.sub is not None:
+            try:
+                await self.sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self.sub = None

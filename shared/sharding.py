@@ -49,7 +49,8 @@ class Sharder:
     def pick(self, key: int, nodes: Sequence[str], weight: float = 1.0) -> str:
         ranked = ranking(key, nodes)
         limit = self.bound(nodes, weight)
-        node = next((n for n in ranked if self.load.get(n, 0.0) + weight <= limit), ranked[0])
+        fallback = min(ranked, key=lambda n: self.load.get(n, 0.0))  # nowhere has room: least loaded
+        node = next((n for n in ranked if self.load.get(n, 0.0) + weight <= limit), fallback)
         self.load[node] = self.load.get(node, 0.0) + weight
         self._since_decay += 1
         if self._since_decay >= self.decay_every:

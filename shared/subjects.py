@@ -48,6 +48,16 @@ def engine_reset(replica: str) -> str:
     return f"{PREFIX}.engine.{replica}.reset"
 
 
+def engine_scheduling(replica: str) -> str:
+    """Request/reply: set the replica's scheduling (`prefix-groups` or `fcfs`)."""
+    return f"{PREFIX}.engine.{replica}.scheduling"
+
+
+def engine_status_request(replica: str) -> str:
+    """Request/reply: the replica's status now (instead of waiting for the next tick)."""
+    return f"{PREFIX}.engine.{replica}.status"
+
+
 def bucketer_heartbeat(node: str) -> str:
     return f"{PREFIX}.hb.bucketer.{node}"
 
@@ -64,6 +74,8 @@ def job_from_subject(subject: str) -> str:
 
 ROUTE = f"{PREFIX}.route"
 """Request/reply subject of the router service (nats.micro endpoint)."""
+ROUTER_ROOM = f"{PREFIX}.router.room"
+"""Request/reply: work tokens the open replicas can still take (`messages.RouterRoom`)."""
 ROUTER_POLICY = f"{PREFIX}.router.policy"
 """Request/reply: switch the router's policy (body: the policy name)."""
 ALL_STATUS = f"{PREFIX}.status.*"
@@ -121,21 +133,27 @@ class ConsumerSpec(msgspec.Struct, frozen=True):
     max_deliver: int = 20
 
 
+# ack_wait bounds how long a crashed holder's messages wait before redelivery (the
+# time-to-recover after a SIGKILL); holders of long-lived messages send in_progress()
+# every IN_PROGRESS_EVERY seconds, well inside it.
+IN_PROGRESS_EVERY = 3.0
+
+
 def ingestor_consumer() -> ConsumerSpec:
     # One durable shared by every ingestor: pull consumers load-balance by themselves.
-    return ConsumerSpec(INGEST_STREAM.name, "ingestor", f"{PREFIX}.ingest.*", 4096)
+    return ConsumerSpec(INGEST_STREAM.name, "ingestor", f"{PREFIX}.ingest.*", 4096, ack_wait=10.0)
 
 
 def bucketer_consumer(node: str) -> ConsumerSpec:
-    return ConsumerSpec(BUCKET_STREAM.name, f"bucketer-{node}", bucket(node), 1024)
+    return ConsumerSpec(BUCKET_STREAM.name, f"bucketer-{node}", bucket(node), 1024, ack_wait=10.0)
 
 
 def engine_consumer(replica: str) -> ConsumerSpec:
-    return ConsumerSpec(WORK_STREAM.name, f"engine-{replica}", work(replica), 256, ack_wait=60.0)
+    return ConsumerSpec(WORK_STREAM.name, f"engine-{replica}", work(replica), 256, ack_wait=10.0)
 
 
 def sink_consumer() -> ConsumerSpec:
-    return ConsumerSpec(RESULTS_STREAM.name, "sink", f"{PREFIX}.results.*", 2048)
+    return ConsumerSpec(RESULTS_STREAM.name, "sink", f"{PREFIX}.results.*", 2048, ack_wait=10.0)
 
 
 # --- key-value buckets ---------------------------------------------------------------

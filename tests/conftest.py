@@ -24,6 +24,10 @@ from shared import messages as m
 from shared import subjects
 from shared.nats_conn import close, connect
 
+from shared.logs import setup_logging
+
+setup_logging("tests", fmt="console", level="warning")
+
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 

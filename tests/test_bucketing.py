@@ -26,7 +26,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), prompts),
         st.tuples(st.just("advance"), st.floats(0, 3)),
-        st.tuples(st.just("pop"), st.none()),
+        st.tuples(st.just("pop"), st.sampled_from([0, 0, 5, 40])),
     ),
     max_size=120,
 )
@@ -60,8 +60,12 @@ def test_no_loss_no_dup_bounds_wait_and_reference_buckets(ops, max_prompts, min_
     inserted: dict[int, float] = {}
     released: list[int] = []
 
-    def pop(flush: bool = False) -> None:
-        for bucket in buf.pop(now, flush=flush):
+    def pop(flush: bool = False, budget: float = 0) -> None:
+        before = len(buf)
+        out = buf.pop(now, flush=flush, budget=budget)
+        if budget and before and not flush:
+            assert out, "free room and prompts waiting: something must be released"
+        for bucket in out:
             check_bucket(bucket, buf)
             released.extend(it.payload for it in bucket.items)
         # Bounded after every pop, and nothing left that waited max_wait.
@@ -76,7 +80,7 @@ def test_no_loss_no_dup_bounds_wait_and_reference_buckets(ops, max_prompts, min_
         elif op == "advance":
             now += arg
         else:
-            pop()
+            pop(budget=arg)
         # The incremental structure always equals the static reference computation.
         assert buf.bucket_sizes() == static_sizes(buf)
         assert sum(buf.bucket_sizes()) == len(buf)

@@ -351,11 +351,11 @@ steps_st = st.lists(
         st.tuples(st.just("done"), st.integers(0, 3), st.integers(0, 10_000)),
     ),
     min_size=30,  # long enough for keys to fall out of an 8-key window
-    max_size=120,
+    max_size=80,
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(n=st.integers(2, 4), kv=st.sampled_from([0, 1, 1000]), steps=steps_st)
 def test_property_matches_reference_rules(n, kv, steps):
     names = [f"r{i}" for i in range(n)]

@@ -10,7 +10,10 @@ Release (`pop`):
 1. every bucket holding a prompt that has waited `max_wait` (the reference has no time
    limit; we guarantee one);
 2. while the buffer is over `max_prompts` / `max_bytes`: the largest bucket (reference);
-3. on `flush` (end of input): everything, largest first (reference).
+3. on `flush` (end of input): everything, largest first (reference);
+4. with a `budget` (free room the router reports on the replicas): the largest buckets
+   up to that much work, so engines are never idle while prompts wait (not in the
+   reference, which buffers until full).
 Buckets of at least `min_bucket` go out keyed by their common prefix; smaller ones are
 pooled into mixed batches of at least `min_bucket` with no key (reference). Everything
 released leaves the buffer: nothing is held forever and nothing is released twice.
@@ -41,6 +44,8 @@ class Item:
     """Whatever the caller needs back (the wire prompt)."""
     ref: Hashable = None
     """Identity of the source message (for the caller's ack bookkeeping)."""
+    weight: int = 0
+    """Work this prompt brings (prompt + output tokens); 0: its token count."""
 
 
 @dataclass(slots=True)
@@ -87,6 +92,7 @@ class PrefixBuffer:
         threshold: float = 0.33,
         max_wait: float = 5.0,
         block_size: int = 128,
+        pool_size: int = 0,
     ) -> None:
         self.max_prompts = max_prompts
         self.max_bytes = max_bytes
@@ -94,6 +100,8 @@ class PrefixBuffer:
         self.threshold = threshold
         self.max_wait = max_wait
         self.block_size = block_size
+        self.pool_size = max(pool_size, min_bucket)
+        """Pooled batches go out at this size (>= min_bucket, as in the reference)."""
         self._items: SortedDict = SortedDict()  # Key -> Item, in token order
         self._starts: SortedList = SortedList()  # keys that begin a bucket
         self._by_size: SortedList = SortedList()  # (size, start key)
@@ -229,8 +237,10 @@ class PrefixBuffer:
         plen = tk.common_prefix(items[0].tokens, items[-1].tokens) if len(items) > 1 else tk.count(items[0].tokens)
         return Bucket(items, block_hashes(items[0].tokens[: plen * tk.WIDTH], self.block_size), plen)
 
-    def pop(self, now: float, *, flush: bool = False) -> list[Bucket]:
-        """Release what is due at `now` (everything if `flush`)."""
+    def pop(self, now: float, *, flush: bool = False, budget: float = 0) -> list[Bucket]:
+        """Release what is due at `now` (everything if `flush`), then, largest first,
+        buckets worth up to about `budget` work tokens (the replicas' free room: feeding
+        idle engines beats waiting for better buckets)."""
         out: list[Bucket] = []
         pool = Bucket([])
 
@@ -242,7 +252,7 @@ class PrefixBuffer:
                 return
             pool.items.extend(items)
             pool.parts.append((len(items), keyed.key))
-            if len(pool.items) >= self.min_bucket:
+            if len(pool.items) >= self.pool_size:
                 out.append(pool)
                 pool = Bucket([])
 
@@ -255,6 +265,11 @@ class PrefixBuffer:
         # 2. Over the bounds (or flushing): largest buckets first.
         while self._items and (flush or self.over()):
             emit(self._take(self._largest()))
+        # 3. Work-conserving: the replicas have room, so the largest buckets go now.
+        while self._items and budget > 0:
+            items = self._take(self._largest())
+            budget -= sum(it.weight or tk.count(it.tokens) for it in items)
+            emit(items)
         if pool.items:  # a partial mixed batch goes too: its prompts were due
             out.append(pool)
         return out

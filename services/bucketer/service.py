@@ -23,11 +23,14 @@ from nats.aio.msg import Msg
 from shared import messages as m
 from shared import subjects
 from shared.config import BucketerConfig
-from shared.nats_conn import close, connect, pull_subscription, provision
-from shared.runtime import PublishError, fetch, keep_in_progress, publish
+from shared.nats_conn import DurablePull, close, connect, provision
+from shared.poison import error_rows, is_poison, quarantine
+from shared.runtime import PublishError, keep_in_progress, publish
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
 
 log = structlog.get_logger()
+
+SEND_CONCURRENCY = 32
 
 
 class Bucketer:
@@ -40,6 +43,7 @@ class Bucketer:
             threshold=cfg.threshold,
             max_wait=cfg.max_wait,
             block_size=cfg.block_size,
+            pool_size=cfg.pool_size,
         )
         self.last_input = time.monotonic()
         # stream sequence -> [message, prompts not yet published downstream]
@@ -50,11 +54,11 @@ class Bucketer:
         nc = await connect(self.cfg.nats_url, f"bucketer-{self.cfg.node}")
         self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)
-        sub = await pull_subscription(self.js, subjects.bucketer_consumer(self.cfg.node))
+        sub = DurablePull(self.js, subjects.bucketer_consumer(self.cfg.node))
         log.info("bucketer ready", node=self.cfg.node)
         tasks = [
             asyncio.create_task(self.heartbeat(stop)),
-            asyncio.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], 10.0, stop)),
+            asyncio.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], subjects.IN_PROGRESS_EVERY, stop)),
         ]
         dispatcher = asyncio.create_task(self.dispatch(stop))
         while not stop.is_set():
@@ -64,10 +68,10 @@ class Bucketer:
                 self.last_input = time.monotonic()
                 await asyncio.sleep(0.05)
                 continue
-            msgs = await fetch(sub, 32, timeout=0.1)
+            msgs = await sub.fetch(32, timeout=0.1)
             now = time.monotonic()
             for msg in msgs:
-                self.take(msg, now)
+                await self.take(msg, now)
             if msgs:
                 self.last_input = now
             self.wake.set()
@@ -80,40 +84,57 @@ class Bucketer:
             t.cancel()
         await close(nc, sub)
 
-    def take(self, msg: Msg, now: float) -> None:
+    async def take(self, msg: Msg, now: float) -> None:
         try:
             batch = m.prompt_batch_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
-            log.error("undecodable prompt batch: terminated", error=str(exc))
-            asyncio.ensure_future(msg.term())
+            await quarantine(self.js, msg, f"undecodable prompt batch: {exc}")
             return
         seq = msg.metadata.sequence.stream
         if seq in self.holding:  # redelivered while we still hold it: keep the first copy
+            return
+        if is_poison(msg):
+            await quarantine(self.js, msg, "bucketing failed repeatedly", error_rows(batch.prompts, "poison message"))
             return
         if not batch.prompts:
             asyncio.ensure_future(msg.ack())
             return
         self.holding[seq] = [msg, len(batch.prompts)]
         for p in batch.prompts:
-            self.buffer.insert(Item(p.tokens, now, p, seq))
+            self.buffer.insert(Item(p.tokens, now, p, seq, p.work_tokens))
 
     async def dispatch(self, stop: asyncio.Event) -> None:
         while True:
             if stop.is_set():
                 buckets = self.buffer.pop(time.monotonic(), flush=True)
-                for bucket in buckets:
-                    await self.send(bucket, stop_retrying=True)
+                await asyncio.gather(*(self.send(b, stop_retrying=True) for b in buckets))
                 return
             now = time.monotonic()
             # No input for a while = end of input (as far as this node can tell): flush.
             idle = now - self.last_input >= self.cfg.idle_flush
-            for bucket in self.buffer.pop(now, flush=idle):
-                await self.send(bucket)
+            oldest = self.buffer.oldest()
+            settled = oldest is not None and now - oldest >= self.cfg.eager_delay
+            budget = await self.room() if settled and not idle else 0
+            # Route and publish up to SEND_CONCURRENCY buckets at once (each waits for its
+            # route reply and publish ack; one at a time would cap the rate at 1/RTT).
+            buckets = self.buffer.pop(now, flush=idle, budget=budget)
+            for i in range(0, len(buckets), SEND_CONCURRENCY):
+                await asyncio.gather(*(self.send(b) for b in buckets[i : i + SEND_CONCURRENCY]))
             self.wake.clear()
             try:
                 await asyncio.wait_for(self.wake.wait(), 0.2)
             except asyncio.TimeoutError:
                 pass
+
+    async def room(self) -> float:
+        """Free room on the replicas (work tokens) if eager release is on; 0 otherwise."""
+        if not self.cfg.eager:
+            return 0
+        try:
+            reply = m.router_room_decoder.decode((await self.nc.request(subjects.ROUTER_ROOM, b"", timeout=1.0)).data)
+        except Exception:  # noqa: BLE001 - router away: release by the reference rules only
+            return 0
+        return float("inf") if reply.tokens < 0 else reply.tokens
 
     def route_request(self, bucket: Bucket, tokens: int) -> m.RouteRequest:
         parts = []

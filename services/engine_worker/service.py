@@ -27,8 +27,9 @@ from shared import subjects
 from shared import tokens as tk
 from shared.config import EngineWorkerConfig
 from shared.jobs import JobCache
-from shared.nats_conn import close, connect, pull_subscription, provision
-from shared.runtime import PublishError, fetch, keep_in_progress, publish
+from shared.nats_conn import DurablePull, close, connect, provision
+from shared.poison import error_rows, is_poison, quarantine
+from shared.runtime import PublishError, keep_in_progress, publish
 from services.engine_worker.engines import RequestFailed, make_engine
 from services.engine_worker.grouping import GroupPriorities
 
@@ -57,6 +58,14 @@ class EngineWorker:
         self.tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
         self.groups = GroupPriorities(block_size=128, max_age=4 * cfg.window)
+        self.scheduling = cfg.scheduling
+        self.idle_seconds = 0.0
+        """Time with no prompt in the engine, since start (the bench's idle fraction)."""
+        self.idle_since: float | None = time.monotonic()
+        self.max_running = 0
+        self.last_status = 0.0
+        self.window = min(cfg.window, 64)
+        """Current in-flight bound (adapted by `adapt_window`)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
@@ -65,17 +74,23 @@ class EngineWorker:
         self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)
         self.jobs = JobCache(await self.js.key_value(subjects.JOBS_KV))
-        self.sub = sub = await pull_subscription(self.js, subjects.engine_consumer(self.cfg.replica))
+        self.sub = sub = DurablePull(self.js, subjects.engine_consumer(self.cfg.replica))
         await nc.subscribe(subjects.engine_reset(self.cfg.replica), cb=self.on_reset)
+        await nc.subscribe(subjects.engine_scheduling(self.cfg.replica), cb=self.on_scheduling)
+
+        async def on_status_request(msg: Msg) -> None:
+            await msg.respond(m.encode(self.status()))
+
+        await nc.subscribe(subjects.engine_status_request(self.cfg.replica), cb=on_status_request)
         self.ready = True
         log.info("engine-worker ready", engine=self.cfg.engine, window=self.cfg.window)
         background = [
             asyncio.create_task(self.report_status(stop)),
             asyncio.create_task(self.linger_flush(stop)),
-            asyncio.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], 20.0, stop)),
+            asyncio.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], subjects.IN_PROGRESS_EVERY, stop)),
         ]
         while not stop.is_set() and self.fatal is None:
-            room = self.cfg.window - self.inflight
+            room = self.window - self.inflight
             if room <= 0:
                 self.window_free.clear()
                 try:
@@ -83,8 +98,8 @@ class EngineWorker:
                 except asyncio.TimeoutError:
                     pass
                 continue
-            # One work batch at a time while nearly full; a few when the engine is starving.
-            msgs = await fetch(sub, 1 if room < self.cfg.window // 2 else 4, timeout=0.5)
+            # One work batch (up to --max-batch prompts) at a time.
+            msgs = await sub.fetch(1, timeout=0.5)
             for msg in msgs:
                 await self.start_batch(msg)
         await self.shutdown(stop, background)
@@ -114,26 +129,77 @@ class EngineWorker:
         log.info("prefix cache reset", ok=ok)
         await msg.respond(b"ok" if ok else b"busy")
 
+    async def on_scheduling(self, msg: Msg) -> None:
+        """Request/reply: switch between `prefix-groups` and `fcfs` (benchmarks run the
+        reference methods on vanilla FCFS vLLM)."""
+        mode = msg.data.decode().strip()
+        if mode not in ("prefix-groups", "fcfs"):
+            await msg.respond(b"error: want prefix-groups or fcfs")
+            return
+        self.scheduling = mode
+        log.info("scheduling set", scheduling=mode)
+        await msg.respond(mode.encode())
+
+    def _track_idle(self) -> None:
+        now = time.monotonic()
+        if self.inflight == 0 and self.idle_since is None:
+            self.idle_since = now
+        elif self.inflight > 0 and self.idle_since is not None:
+            self.idle_seconds += now - self.idle_since
+            self.idle_since = None
+
     async def start_batch(self, msg: Msg) -> None:
         try:
             work = m.work_batch_decoder.decode(msg.data)
         except msgspec.DecodeError as exc:
-            log.error("undecodable work batch: terminated", error=str(exc))
-            await msg.term()
+            await quarantine(self.js, msg, f"undecodable work batch: {exc}")
             return
         seq = msg.metadata.sequence.stream
+        if seq not in self.holding and is_poison(msg):
+            # It keeps failing (say, a prompt that kills the engine): error rows, not a loop.
+            await quarantine(self.js, msg, "generation failed repeatedly", error_rows(work.prompts, "poison message"))
+            return
         if seq in self.holding or not work.prompts:
             if not work.prompts:
                 await msg.ack()
             return
         self.holding[seq] = [msg, len(work.prompts)]
+        if self.cfg.engine == "echo" and self.cfg.echo_crash_token >= 0:
+            # Test hook of the echo engine: a prompt holding this token id kills the
+            # worker like an engine-killing request would (exit 3, engine dead).
+            if any(self.cfg.echo_crash_token in tk.unpack(p.tokens) for p in work.prompts):
+                log.error("echo engine: crash token seen, dying like a dead engine")
+                sys.exit(3)
+        if self.cfg.engine == "echo" and not self.cfg.echo_delay:
+            await self.echo_batch(seq, work.prompts)
+            return
         for prompt in work.prompts:
             lookup = await self.jobs.get(prompt.job)
             self.inflight += 1
             self.inflight_tokens += prompt.work_tokens
+            self._track_idle()
             task = asyncio.create_task(self.run_prompt(seq, prompt, lookup.spec, lookup.error))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
+
+    async def echo_batch(self, seq: int, prompts: list[m.Prompt]) -> None:
+        """The instant echo engine: a whole batch at once, no task per prompt (so the
+        pipeline benchmark measures the orchestration, not this worker's task overhead)."""
+        for prompt in prompts:
+            spec = (await self.jobs.get(prompt.job)).spec
+            n = len(prompt.tokens) // tk.WIDTH
+            out = min(n, spec.sampling.max_tokens if spec else 0)
+            result = m.Result(
+                prompt.id, prompt.columns, f"{out} tokens", m.FinishReason.LENGTH, n, 0, out, self.cfg.replica,
+                None if spec else "unknown job",
+            )
+            self.outbox[prompt.job].append((result, seq))
+            self.completed += 1
+            self.done_prompt_tokens += n
+            self.done_work_tokens += prompt.work_tokens
+        for job in {p.job for p in prompts}:
+            if len(self.outbox[job]) >= self.cfg.result_batch:
+                await self.flush(job)
 
     async def run_prompt(self, seq: int, prompt: m.Prompt, spec: m.JobSpec | None, job_error: str | None) -> None:
         token_ids = tk.unpack(prompt.tokens)
@@ -142,7 +208,7 @@ class EngineWorker:
             if spec is None:
                 raise RequestFailed(job_error or "unknown job")
             request_id = f"{prompt.job}:{prompt.id}:{uuid.uuid4().hex[:8]}"
-            priority = self.groups.priority(prompt.tokens)
+            priority = self.groups.priority(prompt.tokens) if self.scheduling == "prefix-groups" else 0
             c = await self.engine.generate(request_id, prompt.id, token_ids, spec.sampling, priority)
             result = msgspec.structs.replace(
                 base,
@@ -164,6 +230,7 @@ class EngineWorker:
         finally:
             self.inflight -= 1
             self.inflight_tokens -= prompt.work_tokens
+            self._track_idle()
             self.window_free.set()
         self.completed += 1
         self.done_work_tokens += prompt.work_tokens
@@ -195,6 +262,10 @@ class EngineWorker:
             if held[1] == 0:
                 del self.holding[seq]
                 await held[0].ack()
+        # Completed work frees room at the router: tell it now, not at the next tick
+        # (rate-limited), or a fast engine is throttled by the router's stale view.
+        if time.monotonic() - self.last_status >= 0.05:
+            await self.publish_status()
 
     async def flush_all(self) -> None:
         await asyncio.gather(*(self.flush(job) for job in list(self.outbox)))
@@ -219,12 +290,26 @@ class EngineWorker:
             block_size=s.block_size,
             prompt_tokens=self.done_prompt_tokens,
             done_tokens=self.done_work_tokens,
-            window=self.cfg.window,
+            window=self.window,
             cached_tokens=self.cached_tokens,
             completed=self.completed,
+            idle_seconds=self.idle_seconds + (time.monotonic() - self.idle_since if self.idle_since is not None else 0.0),
         )
 
+    def adapt_window(self) -> None:
+        """In flight: twice what vLLM manages to run at once (its KV cache decides), between
+        16 and `--window`. Keeps vLLM's queue from running dry without pulling work out of
+        the bucketer (where it can still be grouped) long before the engine can use it."""
+        snap = self.engine.snapshot()
+        if not snap.kv_blocks:  # no KV cache to respect (echo engine): keep --window
+            self.window = self.cfg.window
+            return
+        self.max_running = max(self.max_running, snap.running)
+        if self.max_running:
+            self.window = max(16, min(self.cfg.window, 2 * self.max_running))
+
     async def publish_status(self) -> None:
+        self.last_status = time.monotonic()
         try:
             await self.nc.publish(subjects.status(self.cfg.replica), m.encode(self.status()))
         except Exception:  # noqa: BLE001 - reconnecting: the next tick retries
@@ -233,6 +318,7 @@ class EngineWorker:
     async def report_status(self, stop: asyncio.Event) -> None:
         last_log = 0.0
         while not stop.is_set():
+            self.adapt_window()
             await self.publish_status()
             now = time.monotonic()
             if now - last_log >= 10.0 and self.completed:
@@ -241,4 +327,4 @@ class EngineWorker:
                 log.info("engine status", inflight=s.inflight, running=s.running, waiting=s.waiting,
                          completed=s.completed, kv_usage=round(s.kv_usage, 3),
                          hit_rate=round(s.cached_tokens / max(s.prompt_tokens, 1), 3))
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(self.cfg.status_interval)

@@ -22,12 +22,13 @@ from shared import subjects
 from shared import tokens as tk
 from shared.config import IngestorConfig
 from shared.jobs import JobCache
-from shared.nats_conn import close, connect, pull_subscription, provision
+from shared.nats_conn import DurablePull, close, connect, provision
 from shared.prefix_keys import block_hashes
-from shared.runtime import PublishError, ack_all, fetch, publish
+from shared.poison import deliveries, is_poison, quarantine
+from shared.runtime import PublishError, ack_all, publish
 from shared.sharding import Sharder
 from shared.tokenize import load_tokenizer, model_max_len
-from services.ingestor.validate import Record, Rejected, parse, length_error
+from services.ingestor.validate import Record, Rejected, length_error, parse_many
 
 log = structlog.get_logger()
 
@@ -46,6 +47,7 @@ class Ingestor:
     def __init__(self, cfg: IngestorConfig) -> None:
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.model)
+        self.vocab_size = self.tokenizer.get_vocab_size()
         self.max_model_len = min(cfg.max_model_len, model_max_len(cfg.model, cfg.max_model_len))
         self.bucketers: dict[str, float] = {}  # node -> last heartbeat (monotonic)
         self.sharder = Sharder(epsilon=cfg.shard_epsilon)
@@ -61,7 +63,7 @@ class Ingestor:
         await provision(js)
         self.js = js
         self.jobs = JobCache(await js.key_value(subjects.JOBS_KV))
-        sub = await pull_subscription(js, subjects.ingestor_consumer())
+        sub = DurablePull(js, subjects.ingestor_consumer())
 
         async def on_heartbeat(msg: Msg) -> None:
             try:
@@ -73,15 +75,34 @@ class Ingestor:
         await nc.subscribe(subjects.ALL_BUCKETER_HEARTBEATS, cb=on_heartbeat)
         log.info("ingestor ready", max_model_len=self.max_model_len)
         while not stop.is_set():
-            msgs = await fetch(sub, self.cfg.fetch_batch, timeout=1.0)
+            msgs = await sub.fetch(self.cfg.fetch_batch, timeout=1.0)
             if not msgs:
                 continue
-            try:
-                await self.handle(msgs)
-            except Exception:  # noqa: BLE001 - never die on one batch: it is redelivered
-                log.exception("ingest batch failed; naked for redelivery")
-                await asyncio.gather(*(msg.nak(delay=2.0) for msg in msgs), return_exceptions=True)
+            # Redelivered messages go one at a time: a poison message must not keep
+            # failing the good messages fetched with it.
+            fresh = [msg for msg in msgs if deliveries(msg) == 1]
+            for group in ([fresh] if fresh else []) + [[msg] for msg in msgs if deliveries(msg) > 1]:
+                await self.handle_safely(group)
         await close(nc, sub)
+
+    async def handle_safely(self, msgs: list[Msg]) -> None:
+        if len(msgs) == 1 and is_poison(msgs[0]):
+            msg = msgs[0]
+            rows = []
+            try:
+                job = subjects.job_from_subject(msg.subject)
+                why = f"poison message: failed {deliveries(msg)} deliveries"
+                rows = [(job, m.Result(r.id, getattr(r, "columns", b""), error=why, finish_reason=m.FinishReason.ERROR))
+                        for r in parse_many(msg.data, msg.headers) if r.id is not None]
+            except Exception:  # noqa: BLE001 - unparseable: dead letter only
+                pass
+            await quarantine(self.js, msg, "ingest failed repeatedly", rows)
+            return
+        try:
+            await self.handle(msgs)
+        except Exception:  # noqa: BLE001 - never die on one batch: it is redelivered
+            log.exception("ingest batch failed; naked for redelivery")
+            await asyncio.gather(*(msg.nak(delay=1.0) for msg in msgs), return_exceptions=True)
 
     async def handle(self, msgs: list[Msg]) -> None:
         t0 = time.perf_counter()
@@ -92,7 +113,7 @@ class Ingestor:
         for msg in msgs:
             job = subjects.job_from_subject(msg.subject)
             try:
-                parsed = parse(msg.data, msg.headers)
+                records = parse_many(msg.data, msg.headers)
             except Exception as exc:  # noqa: BLE001 - one bad message must never stop the service
                 dead.append((msg, f"unparseable message: {exc!r}"))
                 continue
@@ -100,25 +121,32 @@ class Ingestor:
             if lookup.spec is None:
                 dead.append((msg, lookup.error or "unknown job"))
                 continue
-            if isinstance(parsed, Rejected):
-                if parsed.id is None:
-                    dead.append((msg, parsed.error))
-                else:
-                    errors[job].append(m.Result(parsed.id, error=parsed.error, finish_reason=m.FinishReason.ERROR))
-                continue
-            good.append((job, parsed, lookup.spec.sampling))
-        # 2. Tokenize in one call (the Rust tokenizer runs the batch in parallel).
-        encodings = self.tokenizer.encode_batch([rec.prompt for _, rec, _ in good]) if good else []
+            for parsed in records:
+                if isinstance(parsed, Rejected):
+                    if parsed.id is None:
+                        dead.append((msg, parsed.error))
+                    else:
+                        errors[job].append(m.Result(parsed.id, error=parsed.error, finish_reason=m.FinishReason.ERROR))
+                    continue
+                good.append((job, parsed, lookup.spec.sampling))
+        # 2. Tokenize in one call (the Rust tokenizer runs the batch in parallel; the
+        #    "fast" variant skips offsets we do not use). Pre-tokenized rows skip it.
+        texts = [rec.prompt for _, rec, _ in good if rec.token_ids is None]
+        encoded = iter(self.tokenizer.encode_batch_fast(texts) if texts else [])
+        encodings = [rec.token_ids if rec.token_ids is not None else next(encoded).ids for _, rec, _ in good]
         by_node: dict[str, list[m.Prompt]] = defaultdict(list)
         nodes = self.live_nodes()
-        for (job, rec, sampling), enc in zip(good, encodings):
-            err = length_error(len(enc.ids), sampling.max_tokens, self.max_model_len)
+        vocab = self.vocab_size
+        for (job, rec, sampling), ids in zip(good, encodings):
+            err = length_error(len(ids), sampling.max_tokens, self.max_model_len)
+            if err is None and rec.token_ids is not None and max(ids) >= vocab:
+                err = f"token id {max(ids)} outside the model's vocabulary ({vocab})"
             if err is not None:
                 errors[job].append(
-                    m.Result(rec.id, rec.columns, error=err, prompt_tokens=len(enc.ids), finish_reason=m.FinishReason.ERROR)
+                    m.Result(rec.id, rec.columns, error=err, prompt_tokens=len(ids), finish_reason=m.FinishReason.ERROR)
                 )
                 continue
-            tokens = tk.pack(enc.ids)
+            tokens = tk.pack(ids)
             node = self.sharder.pick(shard_key(tokens, self.cfg.block_size), nodes)
             by_node[node].append(m.Prompt(job, rec.id, tokens, rec.columns, sampling.max_tokens))
         # 3. Publish everything, wait for the acks, then ack the inputs.
@@ -129,7 +157,7 @@ class Ingestor:
         for job, rows in errors.items():
             for run in m.chunked(rows, m.result_size, MAX_PROMPTS_PER_MESSAGE):
                 pubs.append(publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, run))))
-        for msg, why in dead:
+        for msg, why in dict((id(msg), (msg, why)) for msg, why in dead).values():
             pubs.append(self.dead_letter(msg, why))
         try:
             await asyncio.gather(*pubs)
@@ -139,7 +167,7 @@ class Ingestor:
             return
         await ack_all(msgs)
         n_err = sum(len(v) for v in errors.values())
-        log.info(
+        log.debug(
             "ingested",
             messages=len(msgs),
             prompts=sum(len(v) for v in by_node.values()),

@@ -1,9 +1,12 @@
 """Parsing and validating one ingest message: pure functions, no I/O.
 
 An ingest message is a JSON object or a msgpack map with at least `id` (int or string)
-and `prompt` (non-empty string); every other field is an input column carried through to
+and `prompt` (non-empty string) or `prompt_token_ids` (pre-tokenized: a list of token
+ids, not carried to the output); every other field is an input column carried through to
 the output. The publisher may also send the id in the `Pfx-Id` header (JSON-encoded):
-then even a message whose body cannot be decoded yields an error row for that id.
+then even a message whose body cannot be decoded yields an error row for that id. A
+message may also be an array of such objects (what `prefixflow submit` sends: far fewer
+messages per prompt); each element is validated on its own.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ ID_HEADER = "Pfx-Id"
 
 _json = msgspec.json.Decoder(dict[str, Any])
 _msgpack = msgspec.msgpack.Decoder(dict[str, Any])
+_json_any = msgspec.json.Decoder()
+_msgpack_any = msgspec.msgpack.Decoder()
 _id_decoder = msgspec.json.Decoder(int | str)
 _columns_encoder = msgspec.msgpack.Encoder()
 
@@ -27,6 +32,8 @@ class Record(msgspec.Struct):
     prompt: str
     columns: bytes
     """msgpack map of every field but `id` (so `prompt` is carried through too)."""
+    token_ids: list[int] | None = None
+    """Pre-tokenized input (`prompt_token_ids`): the ingestor skips tokenization."""
 
 
 class Rejected(msgspec.Struct):
@@ -60,12 +67,39 @@ def parse(data: bytes, headers: dict[str, str] | None = None) -> Record | Reject
         return Rejected(hid, f"{'invalid UTF-8' if bad_text else 'malformed message'}: {exc}")
     if not isinstance(body, dict):
         return Rejected(hid, "malformed message: want a JSON object or msgpack map")
+    return _record(body, hid)
+
+
+def parse_many(data: bytes, headers: dict[str, str] | None = None) -> list[Record | Rejected]:
+    """Like `parse`, but a body that is an array yields one result per element."""
+    stripped = data.lstrip()[:1]
+    if stripped == b"[" or (stripped and 0x90 <= stripped[0] <= 0x9F) or stripped in (b"\xdc", b"\xdd"):
+        try:
+            body = _json_any.decode(data) if stripped == b"[" else _msgpack_any.decode(data)
+        except (msgspec.DecodeError, UnicodeDecodeError):
+            return [parse(data, headers)]
+        if isinstance(body, list):
+            return [
+                _record(e, None) if isinstance(e, dict) else Rejected(None, "malformed element: want an object")
+                for e in body
+            ]
+    return [parse(data, headers)]
+
+
+def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
     rid = body.pop("id", hid)
     if isinstance(rid, bool) or not isinstance(rid, int | str) or (isinstance(rid, int) and rid not in INT64):
         return Rejected(hid, "missing or invalid 'id' (want a 64-bit integer or a string)")
+    token_ids = body.pop("prompt_token_ids", None)
+    if token_ids is not None:
+        if not isinstance(token_ids, list) or not all(type(t) is int and 0 <= t < 2**32 for t in token_ids):
+            return Rejected(rid, "invalid 'prompt_token_ids' (want a list of token ids)")
+        if not token_ids:
+            return Rejected(rid, "empty prompt")
+        return Record(rid, "", _columns_encoder.encode(body), token_ids)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
-        return Rejected(rid, "missing 'prompt' (want a string)")
+        return Rejected(rid, "missing 'prompt' (want a string, or 'prompt_token_ids')")
     if not prompt.strip():
         return Rejected(rid, "empty prompt")
     return Record(rid, prompt, _columns_encoder.encode(body))

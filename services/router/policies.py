@@ -92,9 +92,11 @@ class Fleet:
         r = self.replicas.get(name)
         if r is None:
             r = self.replicas[name] = Replica(name)
-        completed = done_tokens - r.done_tokens if done_tokens >= r.done_tokens else done_tokens
+        if done_tokens < r.done_tokens:  # the worker restarted: its own count is the truth
+            r.outstanding = outstanding
+        else:
+            r.outstanding = max(r.outstanding - (done_tokens - r.done_tokens), outstanding, 0)
         r.done_tokens = done_tokens
-        r.outstanding = max(r.outstanding - completed, outstanding, 0)
         r.last_seen, r.ready, r.kv_blocks, r.window = now, ready, kv_blocks, window
 
     def live(self, now: float) -> list[Replica]:
@@ -128,6 +130,10 @@ class Fleet:
             ):
                 r.history_blocks -= len(r.history.popleft()[0])
 
+    def room(self, now: float) -> float:
+        """Work tokens the open replicas can take before reaching their caps."""
+        return sum(max(0.0, self.cap(r) - r.outstanding) for r in self.open(now))
+
     def forget_history(self) -> None:
         for r in self.replicas.values():
             r.history.clear()
@@ -139,6 +145,9 @@ Assignments = list[tuple[Replica, int]]
 
 class Policy:
     name = "base"
+    eager = True
+    """Whether the bucketer may release buckets early when replicas have room (the
+    reference does not: `Daft` sets it False)."""
 
     def route(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int]) -> Assignments | None:
         """Pick replicas for a bucket and record the assignment in `fleet`."""
@@ -189,6 +198,7 @@ class Daft(Policy):
     """The reference policy, rule for rule (see the module docstring)."""
 
     name = "daft"
+    eager = False
     LOAD_SLACK = 256
     HISTORY = 8
 

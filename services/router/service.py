@@ -19,7 +19,8 @@ from nats.micro.request import Request
 from shared import messages as m
 from shared import subjects
 from shared.config import RouterConfig
-from shared.nats_conn import close, connect
+from shared.nats_conn import close, connect, provision
+from services.router.failover import Failover
 from services.router.policies import Fleet, make_policy
 
 log = structlog.get_logger()
@@ -53,7 +54,8 @@ class Router:
         else:
             chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key)
         if chosen is None:
-            return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.2)
+            # Capped: retry once the next status may have freed room (~50 ms); none live: 1 s.
+            return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.05)
         self.routed += 1
         self.split += len(chosen) > 1
         return m.RouteReply([m.Assignment(r.name, n) for r, n in chosen])
@@ -69,6 +71,9 @@ class Router:
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, "router")
+        self.js = nc.jetstream()
+        await provision(self.js)
+        failover = Failover(self)
 
         async def on_status(msg: Msg) -> None:
             try:
@@ -97,15 +102,26 @@ class Router:
                 return
             await request.respond(name.encode())
 
+        async def on_room(request: Request) -> None:
+            now = time.monotonic()
+            room = self.fleet.room(now) if self.policy.eager else 0.0
+            tokens = -1 if room == float("inf") else int(room)
+            await request.respond(m.encode(m.RouterRoom(tokens, len(self.fleet.live(now)))))
+
         await service.add_endpoint(name="route", subject=subjects.ROUTE, handler=on_route)
+        await service.add_endpoint(name="room", subject=subjects.ROUTER_ROOM, handler=on_room)
         await service.add_endpoint(name="policy", subject=subjects.ROUTER_POLICY, handler=on_policy)
         log.info("router ready", policy=self.cfg.policy)
         last_report = time.monotonic()
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), 5.0)
+                await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+            try:
+                await failover.tick()
+            except Exception as exc:  # noqa: BLE001 - failover retries next tick
+                log.warning("failover tick failed", error=repr(exc))
             now = time.monotonic()
             if now - last_report >= 5.0:
                 last_report = now
@@ -117,5 +133,7 @@ class Router:
                     live=[r.name for r in self.fleet.live(now)],
                     outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
                 )
+        for pull in failover.rescuing.values():
+            await pull.unsubscribe()
         await service.stop()
         await close(nc)

@@ -19,8 +19,9 @@ from shared import messages as m
 from shared import subjects
 from shared.config import SinkConfig
 from shared.jobs import JobCache
-from shared.nats_conn import close, connect, pull_subscription, provision
-from shared.runtime import ack_all, fetch
+from shared.nats_conn import DurablePull, close, connect, provision
+from shared.poison import deliveries, is_poison, quarantine
+from shared.runtime import ack_all
 from services.sink.writer import JobOutput
 
 log = structlog.get_logger()
@@ -33,7 +34,8 @@ class Sink:
         self.cfg = cfg
         self.outputs: dict[str, JobOutput] = {}
         self.done: set[str] = set()
-        self.held: list[Msg] = []
+        self.held: dict[str, list[Msg]] = {}
+        """Messages whose rows are queued, by job: acked once their job's part is on disk."""
         self.pending_rows = 0
         self.last_flush = time.monotonic()
 
@@ -43,11 +45,11 @@ class Sink:
         await provision(self.js)
         self.jobs = JobCache(await self.js.key_value(subjects.JOBS_KV), ttl=1.0)
         self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
-        sub = await pull_subscription(self.js, subjects.sink_consumer())
+        sub = DurablePull(self.js, subjects.sink_consumer())
         log.info("sink ready")
         last_check = 0.0
         while not stop.is_set():
-            msgs = await fetch(sub, self.cfg.fetch_batch, timeout=0.2)
+            msgs = await sub.fetch(self.cfg.fetch_batch, timeout=0.2)
             for msg in msgs:
                 await self.take(msg)
             now = time.monotonic()
@@ -83,22 +85,40 @@ class Sink:
             return
         out = await self.output(batch.job)
         if out is None:
-            log.warning("results for an unknown job: retried later", job=batch.job)
-            await msg.nak(delay=5.0)
+            if is_poison(msg):
+                await quarantine(self.js, msg, f"results for unknown job {batch.job!r}")
+            else:
+                log.warning("results for an unknown job: retried later", job=batch.job)
+                await msg.nak(delay=5.0)
             return
-        added = sum(out.add(r) for r in batch.results)
+        results = batch.results
+        if is_poison(msg):
+            # Writing these rows failed again and again: keep only id and an error, which
+            # always writes, so the job still completes; the original is dead-lettered.
+            why = f"poison message: result could not be written after {deliveries(msg)} deliveries"
+            results = [m.Result(r.id, error=why, finish_reason=m.FinishReason.ERROR, replica=r.replica) for r in results]
+            await quarantine(self.js, msg, "sink failed repeatedly")
+            msg = None
+        added = sum(out.add(r) for r in results)
         self.pending_rows += added
         if added:
             self.done.discard(batch.job)
-        self.held.append(msg)
+        if msg is not None:
+            self.held.setdefault(batch.job, []).append(msg)
 
     async def flush(self) -> None:
         written = {}
-        for job, out in self.outputs.items():
-            if out.pending:
+        for job, out in list(self.outputs.items()):
+            if not out.pending:
+                continue
+            try:
                 written[job] = await asyncio.to_thread(out.flush)
-        await ack_all(self.held)
-        self.held, self.pending_rows, self.last_flush = [], 0, time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - one job's bad rows must not stop the others
+                log.error("part write failed; its messages will be redelivered", job=job, error=repr(exc))
+                out.drop_pending()
+                await asyncio.gather(*(msg.nak(delay=1.0) for msg in self.held.pop(job, [])), return_exceptions=True)
+        await ack_all([msg for msgs in self.held.values() for msg in msgs])
+        self.held, self.pending_rows, self.last_flush = {}, 0, time.monotonic()
         for job, n in written.items():
             out = self.outputs[job]
             log.info("part written", job=job, rows=n, total_rows=out.rows, errors=out.errors)

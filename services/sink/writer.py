@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from services.sink.idset import IdSet
 from shared.messages import JobSpec, Result, columns_decoder
 
 OUTPUT_TYPES = {
@@ -64,7 +65,7 @@ class JobOutput:
         self.job = job
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.seen: set = set()
+        self.seen = IdSet()
         self.rows = 0
         self.errors = 0
         self.pending: list[dict[str, Any]] = []
@@ -80,7 +81,7 @@ class JobOutput:
     def _load_existing(self) -> None:
         for part in self.parts():
             table = pq.read_table(part, columns=["id", "error"])
-            self.seen.update(map(str, table.column("id").to_pylist()))
+            self.seen.update(table.column("id").to_pylist())
             self.rows += table.num_rows
             self.errors += table.num_rows - pc.sum(pc.is_null(table.column("error"))).as_py()
             self.next_part = max(self.next_part, int(part.stem.split("-")[1]) + 1)
@@ -91,17 +92,21 @@ class JobOutput:
 
     def add(self, result: Result) -> bool:
         """Queue a result for the next part; False if this id was already taken."""
-        # NOTE: ids are compared as text, so a restart that reads back ids a mixed-type job
-        # wrote as strings still recognises a redelivered int id.
-        key = str(result.id)
-        if key in self.seen:
+        # NOTE: ids compare as text (IdSet), so a restart that reads back ids a mixed-type
+        # job wrote as strings still recognises a redelivered int id.
+        if not self.seen.add(result.id):
             return False
-        self.seen.add(key)
         row = result_row(result)
         for name in row:
             self.types.setdefault(name, OUTPUT_TYPES.get(name))
         self.pending.append(row)
         return True
+
+    def drop_pending(self) -> None:
+        """Forget queued rows that could not be written (their messages are redelivered)."""
+        for row in self.pending:
+            self.seen.discard(row["id"])
+        self.pending = []
 
     def flush(self) -> int:
         """Write the queued rows as one part; returns the number written."""
