@@ -205,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=os.environ.get("PFX_MODEL", cfgmod.DEFAULT_MODEL), help="model directory or hub id")
     p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
     p.add_argument("--engine", choices=("vllm", "echo"), default="vllm", help="engine (default vllm)")
-    p.add_argument("--policy", default="prefix-aware", choices=("prefix-aware", "least-loaded", "round-robin"))
+    p.add_argument(
+        "--policy", default="prefix-aware", choices=("prefix-aware", "daft", "least-loaded", "round-robin"), help="routing policy"
+    )
     p.add_argument("--kv-cache-blocks", type=int, default=0, help="cap each replica's KV cache (blocks)")
     p.set_defaults(fn=cmd_run)
 

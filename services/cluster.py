@@ -22,7 +22,7 @@ import structlog
 
 from shared import messages as m
 from shared import subjects
-from shared.nats_conn import connect
+from shared.nats_conn import close, connect
 
 log = structlog.get_logger()
 
@@ -65,6 +65,30 @@ def prefixflow_argv() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "services.cli"]
 
 
+async def wait_replicas_ready(url: str, replicas: list[str], timeout: float, alive=lambda: None) -> float:
+    """Wait until every named replica has reported `ready` on its status subject;
+    `alive()` runs each round (raise there if a process died). Returns seconds waited."""
+    t0 = time.monotonic()
+    nc = await connect(url, "prefixflow-wait")
+    ready: set[str] = set()
+
+    async def on_status(msg) -> None:
+        st = m.engine_status_decoder.decode(msg.data)
+        if st.ready:
+            ready.add(st.replica)
+
+    await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
+    try:
+        while not set(replicas) <= ready:
+            alive()
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"replicas not ready after {timeout} s: {sorted(set(replicas) - ready)}")
+            await asyncio.sleep(0.25)
+    finally:
+        await close(nc)
+    return time.monotonic() - t0
+
+
 class LocalCluster:
     """Start the processes on a free port with a private JetStream store; stop them in
     order (services first, nats-server last) with SIGTERM, then SIGKILL stragglers."""
@@ -105,25 +129,7 @@ class LocalCluster:
 
     async def wait_ready(self, replicas: list[str], timeout: float = 300.0) -> float:
         """Wait until every replica reports ready; returns the seconds it took."""
-        t0 = time.monotonic()
-        nc = await connect(self.url, "prefixflow-run")
-        ready: set[str] = set()
-
-        async def on_status(msg) -> None:
-            st = m.engine_status_decoder.decode(msg.data)
-            if st.ready:
-                ready.add(st.replica)
-
-        await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
-        try:
-            while not set(replicas) <= ready:
-                self.check_alive()
-                if time.monotonic() - t0 > timeout:
-                    raise TimeoutError(f"replicas not ready after {timeout} s: {sorted(set(replicas) - ready)}")
-                await asyncio.sleep(0.5)
-        finally:
-            await nc.drain()
-        return time.monotonic() - t0
+        return await wait_replicas_ready(self.url, replicas, timeout, self.check_alive)
 
     def kill(self) -> None:
         """SIGKILL every process at once (an outage, not a shutdown)."""

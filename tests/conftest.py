@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import free_port
+from services.cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
 from services.make_model import make_model
 from shared import messages as m
 from shared import subjects
@@ -66,28 +66,6 @@ def nats_server(tmp_path):
     server = NatsServer(tmp_path / "nats").start()
     yield server
     server.stop()
-
-
-async def wait_replicas_ready(url: str, replicas: list[str], timeout: float, alive=lambda: None) -> float:
-    t0 = time.monotonic()
-    nc = await connect(url, "tests")
-    ready: set[str] = set()
-
-    async def on_status(msg) -> None:
-        st = m.engine_status_decoder.decode(msg.data)
-        if st.ready:
-            ready.add(st.replica)
-
-    await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
-    try:
-        while not set(replicas) <= ready:
-            alive()
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"replicas not ready: {sorted(set(replicas) - ready)}")
-            await asyncio.sleep(0.5)
-    finally:
-        await close(nc)
-    return time.monotonic() - t0
 
 
 class HonchoCluster:
