@@ -94,7 +94,7 @@ class RouterConfig(CommonConfig, kw_only=True):
     dead_after: Annotated[float, _d("seconds without status before a replica is excluded", gt=0)] = 5.0
     history: Annotated[int, _d("prefix keys remembered per replica when it reports no KV capacity", gt=0)] = 64
     load_slack_tokens: Annotated[
-        int, _d("prefix-aware: a replica this many tokens above the least loaded may still win on a match (0: half its cap)", ge=0)
+        int, _d("prefix-aware: a replica this many tokens above the least loaded may still win on a match (0: its cap)", ge=0)
     ] = 0
     split_factor: Annotated[
         float, _d("prefix-aware: split a bucket larger than this many fair shares of the outstanding work", gt=0)

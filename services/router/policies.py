@@ -236,14 +236,15 @@ class PrefixAware(Policy):
     def __init__(self, slack_tokens: int = 0, split_factor: float = 2.0) -> None:
         self.slack_tokens = slack_tokens
         """Load slack within which a prefix match beats a lighter replica (0: automatic,
-        half the replica cap or 64k tokens)."""
+        the replica's cap, or 64k tokens). NOTE: half a cap proved too little once the
+        feed window adapts to a small KV cache: balancing then overrode affinity."""
         self.split_factor = split_factor
 
     def slack(self, fleet: Fleet, r: Replica) -> float:
         if self.slack_tokens:
             return self.slack_tokens
         cap = fleet.cap(r)
-        return cap / 2 if math.isfinite(cap) else 65536
+        return cap if math.isfinite(cap) else 65536
 
     def ranked(self, fleet: Fleet, candidates: list[Replica], key: Sequence[int]) -> list[Replica]:
         """Eligible replicas, best first: longest match, most recent, least loaded."""
