@@ -142,7 +142,6 @@ def test_run_all_in_one_and_clean_shutdown(tmp_path, tiny_model):
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"prompt": f" hello world number {i}", "tag": i % 3}) + "\n" for i in range(50)))
     out = tmp_path / "out"
-    t0 = time.monotonic()
     res = run_cli("run", str(data), "--out", str(out), "--model", str(tiny_model), "--engine", "echo", "--max-tokens", "4",
                   "--no-progress", "--job", "all-in-one", "--timeout", "120", timeout=200)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -151,4 +150,4 @@ def test_run_all_in_one_and_clean_shutdown(tmp_path, tiny_model):
     assert all(r["tag"] == r["id"] % 3 and r["error"] is None for r in rows)
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["rows"] == 50 and set(summary["replicas"]) <= {"r0", "r1"}
-    assert "replicas ready" in res.stdout and time.monotonic() - t0 < 120
+    assert "replicas ready" in res.stdout
