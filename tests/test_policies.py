@@ -183,6 +183,39 @@ def test_prefix_aware_no_match_is_least_loaded():
     assert names(p.choose(f, NOW, 1, 10, [])) == [("b", 1)]
 
 
+def test_prefix_aware_affinity_never_starves_a_replica():
+    """A replica that (re)joined with no history gets work once the best match already
+    holds a window of work; before that, affinity wins."""
+    f = Fleet(cap_tokens=100_000)
+    for name in ("a", "b"):
+        f.observe(name, NOW, ready=True, outstanding=0, done_tokens=0, window=4)
+    p = PrefixAware(split_factor=NO_SPLIT)
+    f.assign(f.replicas["b"], 1, 100, [1, 2])  # avg prompt 100 tokens: a window is 400
+    chosen = [one(p, f, tokens=100, key=[1, 2]) for _ in range(6)]
+    # b is fed to one window (400 tokens) by affinity, then the hungry a takes the rest
+    assert chosen == ["b", "b", "b", "a", "a", "a"]
+    assert f.hungry(f.replicas["a"]) and not f.hungry(f.replicas["b"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 2000), min_size=2, max_size=4),
+    windows=st.lists(st.integers(1, 8), min_size=4, max_size=4),
+    holder=st.integers(0, 3),
+)
+def test_prefix_aware_feeds_hungry_replicas_property(loads, windows, holder):
+    f = Fleet(cap_tokens=10**6)
+    for i, load in enumerate(loads):
+        f.observe(f"r{i}", NOW, ready=True, outstanding=load, done_tokens=0, window=windows[i])
+    f.assign(f.replicas[f"r{holder % len(loads)}"], 1, 100, [5, 6])
+    hungry_before = {r.name for r in f.replicas.values() if f.hungry(r)}
+    choice = one(PrefixAware(slack_tokens=10**6, split_factor=NO_SPLIT), f, tokens=10, key=[5, 6])
+    if hungry_before:
+        assert choice in hungry_before  # never a fed replica while another runs dry
+    else:
+        assert choice == f"r{holder % len(loads)}"  # everyone fed: affinity decides
+
+
 def test_prefix_aware_uses_best_entry_of_history():
     f = fleet(("a", 0), ("b", 0), cap=10_000)
     f.assign(f.replicas["a"], 1, 0, [1])

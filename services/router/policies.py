@@ -16,7 +16,9 @@ Policies:
   `slack` tokens of the least loaded; the score is the longest block-prefix match against
   a history sized like the replica's KV cache (so a partial match counts, and a prefix
   the cache has surely evicted does not); ties go to the most recent, then the least
-  loaded; a bucket larger than `split_factor` x a replica's fair share is split.
+  loaded; affinity never starves a replica (while one holds less than one engine window
+  of work, a busier best match is passed over); a bucket larger than `split_factor` x a
+  replica's fair share is split.
 
 Flow control is the same for every policy: replicas that stopped reporting, are not
 ready, or hold their cap of outstanding work are never chosen.
@@ -111,6 +113,10 @@ class Fleet:
         if r.window and self.avg_prompt_tokens:
             return self.cap_windows * r.window * self.avg_prompt_tokens
         return math.inf
+
+    def hungry(self, r: Replica) -> bool:
+        """Outstanding work below one engine window: the replica is about to run dry."""
+        return bool(r.window and self.avg_prompt_tokens) and r.outstanding < r.window * self.avg_prompt_tokens
 
     def open(self, now: float) -> list[Replica]:
         """Live replicas with room for more work."""
@@ -247,9 +253,16 @@ class PrefixAware(Policy):
         return cap if math.isfinite(cap) else 65536
 
     def ranked(self, fleet: Fleet, candidates: list[Replica], key: Sequence[int]) -> list[Replica]:
-        """Eligible replicas, best first: longest match, most recent, least loaded."""
+        """Eligible replicas, best first: longest match, most recent, least loaded.
+        Affinity never starves a replica: while one is hungry (under one window of
+        work) and the best match is not, only hungry replicas are eligible."""
         floor = min(r.outstanding for r in candidates)
         eligible = [r for r in candidates if r.outstanding <= floor + self.slack(fleet, r)]
+        hungry = [r for r in eligible if fleet.hungry(r)]
+        if hungry and len(hungry) < len(eligible):
+            best = max(eligible, key=lambda r: (best_match(r, key) if key else (0, 0), -r.outstanding, r.name))
+            if not fleet.hungry(best):
+                eligible = hungry
         scored = sorted(eligible, key=lambda r: (best_match(r, key) if key else (0, 0), -r.outstanding, r.name), reverse=True)
         if not key or best_match(scored[0], key)[0] == 0:
             scored = sorted(eligible, key=lambda r: (r.outstanding, r.name))
