@@ -90,6 +90,10 @@ def serve(name: str, args: argparse.Namespace | None = None) -> None:
         exec_nats(args or argparse.Namespace(nats_url=None, store_dir=None))
         return
     cfg = cfgmod.load(SERVICES[name], args)
+    if name == "engine-worker" and cfg.engine == "vllm":
+        from services.engine_worker.guard import start_guard
+
+        start_guard()  # vLLM's engine core must not outlive this process (see guard.py)
     context = {"replica": cfg.replica} if name == "engine-worker" else {}
     if name == "bucketer":
         context = {"node": cfg.node}

@@ -153,6 +153,7 @@ def test_vllm_replica_killed_at_a_third_fails_over(tmp_path, tiny_model):
     """Two real vLLM replicas (their own cluster: killing an engine under honcho would
     stop honcho); r0 is SIGKILLed at about a third of the job and not restarted."""
     from services.cluster import LocalCluster, processes
+    from services.engine_worker.guard import descendants, proc_stat
     from tests.conftest import wait_replicas_ready
 
     data = tmp_path / "prompts.parquet"
@@ -175,9 +176,15 @@ def test_vllm_replica_killed_at_a_third_fails_over(tmp_path, tiny_model):
                 await client.publish_rows("failover", rows)
                 while ((await client.status("failover")) or m.JobStatus("failover")).rows < len(rows) // 3:
                     await asyncio.sleep(0.05)
+                children = descendants(cluster.running["engine0"].pid)
+                assert children, "the vLLM engine core runs in child processes"
                 killed_at = time.monotonic()
                 cluster.running["engine0"].kill()
                 status = await client.wait("failover", len(rows), progress=False, timeout=600)
+                # The guard SIGKILLs the engine core of a SIGKILLed worker: no orphans.
+                while any(proc_stat(pid) is not None and proc_stat(pid)[1] == t for pid, t in children.items()):
+                    assert time.monotonic() - killed_at < 30, "vLLM engine core orphaned by a killed worker"
+                    await asyncio.sleep(0.2)
                 return status, time.monotonic() - killed_at
 
         status, after_kill = asyncio.run(go())
