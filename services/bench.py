@@ -444,16 +444,19 @@ async def bench_pipeline_once(args, num_prompts: int) -> dict[str, Any]:
         for r, e in zip(rows, encoded):
             r["prompt_token_ids"] = e.ids
     print(f"{num_prompts} prompts generated in {time.monotonic() - t_data:.1f} s", flush=True)
+    import shutil
+
+    job = f"pipeline-{num_prompts}"
+    shutil.rmtree(Path(args.work_dir) / job, ignore_errors=True)  # a rerun must not resume the last run
     cluster = LocalCluster(
         processes(args.replicas, engine=args.engine),
-        workdir=Path(args.work_dir) / f"pipeline-{num_prompts}",
+        workdir=Path(args.work_dir) / job,
         env={"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning"},
     )
     cluster.start()
     try:
         await cluster.wait_ready([f"r{i}" for i in range(args.replicas)], timeout=600)
         async with Submitter(cluster.url) as client:
-            job = f"pipeline-{num_prompts}"
             spec = m.JobSpec(job=job, out_dir=str(Path(args.work_dir) / job / "out"), sampling=m.SamplingSpec(max_tokens=1))
             await client.create(spec)
             t0 = time.monotonic()

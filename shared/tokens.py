@@ -24,6 +24,11 @@ def unpack(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype=_DTYPE).tolist()
 
 
+def max_id(data: bytes) -> int:
+    """Largest token id in packed `data` (which holds at least one)."""
+    return int(np.frombuffer(data, dtype=_DTYPE).max())
+
+
 def count(data: bytes) -> int:
     return len(data) // WIDTH
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.ingestor.validate import ID_HEADER, Record, Rejected, header_id, length_error, parse
+from shared import tokens as tk
 
 pytestmark = pytest.mark.unit
 
@@ -247,3 +248,39 @@ def test_round_trip_property(rid, prompt, extra, encoding):
     assert rec.id == rid and type(rec.id) is type(rid)
     assert rec.prompt == prompt
     assert cols(rec) == {"prompt": prompt, **extra}
+
+
+# --- pre-tokenized prompts ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[1, 2, 3], [0], [2**32 - 1, 7]],
+)
+def test_prompt_token_ids_are_packed(ids):
+    rec = parse(msgspec.msgpack.encode({"id": 5, "prompt_token_ids": ids, "lang": "en"}))
+    assert isinstance(rec, Record) and rec.tokens == tk.pack(ids) and tk.unpack(rec.tokens) == ids
+    assert msgspec.msgpack.decode(rec.columns) == {"lang": "en"}  # token ids are not a column
+
+
+@pytest.mark.parametrize(
+    "ids, error",
+    [
+        ([], "empty prompt"),
+        ([1, -1], "invalid 'prompt_token_ids'"),
+        ([1, 2**32], "invalid 'prompt_token_ids'"),
+        ([1, 2.0], "invalid 'prompt_token_ids'"),
+        ([1, True], "invalid 'prompt_token_ids'"),
+        ([1, "2"], "invalid 'prompt_token_ids'"),
+        ("1 2 3", "invalid 'prompt_token_ids'"),
+    ],
+)
+def test_bad_prompt_token_ids_are_rejected_with_their_id(ids, error):
+    rej = parse(msgspec.json.encode({"id": "x", "prompt_token_ids": ids}))
+    assert isinstance(rej, Rejected) and rej.id == "x" and error in rej.error
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=64))
+def test_prompt_token_ids_roundtrip_property(ids):
+    rec = parse(msgspec.msgpack.encode({"id": 1, "prompt_token_ids": ids}))
+    assert isinstance(rec, Record) and tk.unpack(rec.tokens) == ids and tk.max_id(rec.tokens) == max(ids)

@@ -5,7 +5,7 @@ Two tasks share a bounded `PrefixBuffer`:
   room (a full buffer stops the pulling: backpressure up to the ingestor);
 - the dispatcher takes due buckets, asks the router where each goes (retrying while the
   router says retry-after - the buffer meanwhile keeps filling, which is exactly when
-  buckets get better), publishes them to `pfx.work.<replica>`, and acks an input message
+  buckets get better; the router's freed-room event cuts the wait short), publishes them to `pfx.work.<replica>`, and acks an input message
   once every prompt it carried has been durably published downstream.
 """
 
@@ -49,12 +49,21 @@ class Bucketer:
         # stream sequence -> [message, prompts not yet published downstream]
         self.holding: dict[int, list] = {}
         self.wake = asyncio.Event()
+        self.freed = asyncio.Event()
+        """Set (and replaced) whenever the router announces freed room."""
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, f"bucketer-{self.cfg.node}")
         self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)
         sub = DurablePull(self.js, subjects.bucketer_consumer(self.cfg.node))
+
+        async def on_freed(_msg: Msg) -> None:
+            freed, self.freed = self.freed, asyncio.Event()
+            freed.set()
+            self.wake.set()
+
+        await nc.subscribe(subjects.ROUTER_ROOM_FREED, cb=on_freed)
         log.info("bucketer ready", node=self.cfg.node)
         tasks = [
             asyncio.create_task(self.heartbeat(stop)),
@@ -148,6 +157,7 @@ class Bucketer:
     async def route(self, bucket: Bucket, tokens: int, stop_retrying: bool) -> list[m.Assignment]:
         req = m.encode(self.route_request(bucket, tokens))
         while True:
+            freed = self.freed  # a freed-room notice from now on ends the retry wait
             try:
                 msg = await self.nc.request(subjects.ROUTE, req, timeout=2.0)
                 if msg.headers and msg.headers.get("Nats-Service-Error"):
@@ -163,7 +173,10 @@ class Bucketer:
                 delay = 1.0
             if stop_retrying:
                 raise TimeoutError("router has no capacity during shutdown")
-            await asyncio.sleep(delay)
+            try:
+                await asyncio.wait_for(freed.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
 
     async def send(self, bucket: Bucket, stop_retrying: bool = False) -> None:
         tokens = sum(it.payload.work_tokens for it in bucket.items)

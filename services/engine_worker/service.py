@@ -35,6 +35,9 @@ from services.engine_worker.grouping import GroupPriorities
 
 log = structlog.get_logger()
 
+STATUS_MIN_GAP = 0.02
+"""Seconds between two status messages at least."""
+
 
 class EngineDead(Exception):
     pass
@@ -64,6 +67,8 @@ class EngineWorker:
         self.idle_since: float | None = time.monotonic()
         self.max_running = 0
         self.last_status = 0.0
+        self.status_due = asyncio.Event()
+        """Set when completed work should reach the router before the next tick."""
         self.window = min(cfg.window, 64)
         """Current in-flight bound (adapted by `adapt_window`)."""
 
@@ -262,10 +267,9 @@ class EngineWorker:
             if held[1] == 0:
                 del self.holding[seq]
                 await held[0].ack()
-        # Completed work frees room at the router: tell it now, not at the next tick
-        # (rate-limited), or a fast engine is throttled by the router's stale view.
-        if time.monotonic() - self.last_status >= 0.05:
-            await self.publish_status()
+        # Completed work frees room at the router: tell it now, not at the next tick,
+        # or a fast engine is throttled by the router's stale view.
+        self.status_due.set()
 
     async def flush_all(self) -> None:
         await asyncio.gather(*(self.flush(job) for job in list(self.outbox)))
@@ -327,4 +331,11 @@ class EngineWorker:
                 log.info("engine status", inflight=s.inflight, running=s.running, waiting=s.waiting,
                          completed=s.completed, kv_usage=round(s.kv_usage, 3),
                          hit_rate=round(s.cached_tokens / max(s.prompt_tokens, 1), 3))
-            await asyncio.sleep(self.cfg.status_interval)
+            # Next status at the tick, or as soon as completed work is due (at most every
+            # STATUS_MIN_GAP: a fast engine must not flood the router).
+            await asyncio.sleep(STATUS_MIN_GAP)
+            try:
+                await asyncio.wait_for(self.status_due.wait(), max(self.cfg.status_interval - STATUS_MIN_GAP, 0.0))
+            except asyncio.TimeoutError:
+                pass
+            self.status_due.clear()

@@ -131,22 +131,22 @@ class Ingestor:
                 good.append((job, parsed, lookup.spec.sampling))
         # 2. Tokenize in one call (the Rust tokenizer runs the batch in parallel; the
         #    "fast" variant skips offsets we do not use). Pre-tokenized rows skip it.
-        texts = [rec.prompt for _, rec, _ in good if rec.token_ids is None]
+        texts = [rec.prompt for _, rec, _ in good if rec.tokens is None]
         encoded = iter(self.tokenizer.encode_batch_fast(texts) if texts else [])
-        encodings = [rec.token_ids if rec.token_ids is not None else next(encoded).ids for _, rec, _ in good]
+        packed = [rec.tokens if rec.tokens is not None else tk.pack(next(encoded).ids) for _, rec, _ in good]
         by_node: dict[str, list[m.Prompt]] = defaultdict(list)
         nodes = self.live_nodes()
         vocab = self.vocab_size
-        for (job, rec, sampling), ids in zip(good, encodings):
-            err = length_error(len(ids), sampling.max_tokens, self.max_model_len)
-            if err is None and rec.token_ids is not None and max(ids) >= vocab:
-                err = f"token id {max(ids)} outside the model's vocabulary ({vocab})"
+        for (job, rec, sampling), tokens in zip(good, packed):
+            n = tk.count(tokens)
+            err = length_error(n, sampling.max_tokens, self.max_model_len)
+            if err is None and rec.tokens is not None and (top := tk.max_id(tokens)) >= vocab:
+                err = f"token id {top} outside the model's vocabulary ({vocab})"
             if err is not None:
                 errors[job].append(
-                    m.Result(rec.id, rec.columns, error=err, prompt_tokens=len(ids), finish_reason=m.FinishReason.ERROR)
+                    m.Result(rec.id, rec.columns, error=err, prompt_tokens=n, finish_reason=m.FinishReason.ERROR)
                 )
                 continue
-            tokens = tk.pack(ids)
             node = self.sharder.pick(shard_key(tokens, self.cfg.block_size), nodes)
             by_node[node].append(m.Prompt(job, rec.id, tokens, rec.columns, sampling.max_tokens))
         # 3. Publish everything, wait for the acks, then ack the inputs.

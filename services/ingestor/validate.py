@@ -11,6 +11,8 @@ messages per prompt); each element is validated on its own.
 
 from __future__ import annotations
 
+import array
+import sys
 from typing import Any
 
 import msgspec
@@ -32,8 +34,9 @@ class Record(msgspec.Struct):
     prompt: str
     columns: bytes
     """msgpack map of every field but `id` (so `prompt` is carried through too)."""
-    token_ids: list[int] | None = None
-    """Pre-tokenized input (`prompt_token_ids`): the ingestor skips tokenization."""
+    tokens: bytes | None = None
+    """Pre-tokenized input (`prompt_token_ids`), packed (`shared.tokens`): the ingestor
+    skips tokenization."""
 
 
 class Rejected(msgspec.Struct):
@@ -92,17 +95,35 @@ def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
         return Rejected(hid, "missing or invalid 'id' (want a 64-bit integer or a string)")
     token_ids = body.pop("prompt_token_ids", None)
     if token_ids is not None:
-        if not isinstance(token_ids, list) or not all(type(t) is int and 0 <= t < 2**32 for t in token_ids):
+        packed = _pack_ids(token_ids)
+        if packed is None:
             return Rejected(rid, "invalid 'prompt_token_ids' (want a list of token ids)")
-        if not token_ids:
+        if not packed:
             return Rejected(rid, "empty prompt")
-        return Record(rid, "", _columns_encoder.encode(body), token_ids)
+        return Record(rid, "", _columns_encoder.encode(body), packed)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         return Rejected(rid, "missing 'prompt' (want a string, or 'prompt_token_ids')")
     if not prompt.strip():
         return Rejected(rid, "empty prompt")
     return Record(rid, prompt, _columns_encoder.encode(body))
+
+
+def _pack_ids(token_ids: Any) -> bytes | None:
+    """Token ids as packed big-endian uint32 (`shared.tokens.pack`), None unless a list
+    of integers in [0, 2**32). C loops only: `map(type)` rules out bools and floats,
+    `array` checks the range as it fills."""
+    if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= {int}:
+        return None
+    try:
+        ids = array.array("I", token_ids)
+    except (TypeError, OverflowError):
+        return None
+    if ids.itemsize != 4:  # pragma: no cover - 'I' is 32-bit on every platform we run on
+        ids = array.array("L", ids)
+    if sys.byteorder == "little":
+        ids.byteswap()
+    return ids.tobytes()
 
 
 def _bad_utf8(data: bytes) -> bool:

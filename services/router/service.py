@@ -36,16 +36,23 @@ class Router:
         self.routed = 0
         self.split = 0
 
-    def on_status(self, status: m.EngineStatus) -> None:
+    def on_status(self, status: m.EngineStatus) -> bool:
+        """Apply a status; True when it freed room on a replica that can take work."""
+        now = time.monotonic()
+        r = self.fleet.replicas.get(status.replica)
+        before = r.outstanding if r is not None else None
         self.fleet.observe(
             status.replica,
-            time.monotonic(),
+            now,
             ready=status.ready,
             outstanding=status.outstanding_tokens,
             done_tokens=status.done_tokens,
             kv_blocks=status.kv_blocks,
             window=status.window,
         )
+        r = self.fleet.replicas[status.replica]
+        freed = before is None or r.outstanding < before
+        return freed and r in self.fleet.open(now)
 
     def decide(self, req: m.RouteRequest) -> m.RouteReply:
         now = time.monotonic()
@@ -77,9 +84,12 @@ class Router:
 
         async def on_status(msg: Msg) -> None:
             try:
-                self.on_status(m.engine_status_decoder.decode(msg.data))
+                freed = self.on_status(m.engine_status_decoder.decode(msg.data))
             except Exception as exc:  # noqa: BLE001 - never let a bad status kill the sub
                 log.warning("bad status message", error=repr(exc))
+                return
+            if freed:
+                await nc.publish(subjects.ROUTER_ROOM_FREED, b"")
 
         async def on_route(request: Request) -> None:
             try:
