@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -427,25 +428,21 @@ def cpu_seconds(pid: int) -> float | None:
 async def bench_pipeline_once(args, num_prompts: int) -> dict[str, Any]:
     from services.client import Submitter
     from services.cluster import LocalCluster, processes
-    from services.dataset import prefix_repetition
+    from services.dataset import prefix_repetition, prefix_repetition_ids
     from services.make_model import make_model
+    from shared.tokenize import load_tokenizer
 
     model = str(make_model(args.model) if args.model == ".prefixflow/models/tiny-llama" else Path(args.model))
     t_data = time.monotonic()
-    table = prefix_repetition(
-        tokenizer_dir=model, num_prompts=num_prompts, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
-        num_prefixes=args.num_prefixes, output_len=1, seed=args.seed,
-    )
-    rows = [{"id": r["id"], "prompt": r["prompt"]} for r in table.select(["id", "prompt"]).to_pylist()]
-    if args.pretokenized:
-        from shared.tokenize import load_tokenizer
-
-        encoded = load_tokenizer(model).encode_batch_fast([r.pop("prompt") for r in rows])
-        for r, e in zip(rows, encoded):
-            r["prompt_token_ids"] = e.ids
+    shape = dict(num_prompts=num_prompts, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                 num_prefixes=args.num_prefixes, seed=args.seed)
+    if args.pretokenized:  # the dataset's token ids, no text round trip
+        _, ids = prefix_repetition_ids(load_tokenizer(model), **shape)
+        rows = [{"id": i, "prompt_token_ids": t} for i, t in enumerate(ids.tolist())]
+    else:
+        table = prefix_repetition(tokenizer_dir=model, output_len=1, **shape)
+        rows = [{"id": r["id"], "prompt": r["prompt"]} for r in table.select(["id", "prompt"]).to_pylist()]
     print(f"{num_prompts} prompts generated in {time.monotonic() - t_data:.1f} s", flush=True)
-    import shutil
-
     job = f"pipeline-{num_prompts}"
     shutil.rmtree(Path(args.work_dir) / job, ignore_errors=True)  # a rerun must not resume the last run
     cluster = LocalCluster(

@@ -21,6 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from shared.tokenize import load_tokenizer
+
 SCHEMA = pa.schema(
     [
         ("id", pa.int64()),
@@ -53,20 +55,11 @@ def prefix_repetition(
         raise ValueError("num_prompts, prefix_len, suffix_len and output_len must be >= 0")
     if num_prefixes < 1:
         raise ValueError("num_prefixes must be >= 1")
-    tokenizer = _load_tokenizer(tokenizer_dir)
-    words = _whole_word_token_ids(tokenizer)
-    rng = np.random.default_rng(seed)
-
-    # Prompts per prefix: num_prompts // P each, the first num_prompts % P get one more.
-    per_prefix = np.full(num_prefixes, num_prompts // num_prefixes)
-    per_prefix[: num_prompts % num_prefixes] += 1
-    prefixes = rng.choice(words, size=(num_prefixes, prefix_len))
-    suffixes = rng.choice(words, size=(num_prompts, suffix_len))
-    prefix_ids = np.repeat(np.arange(num_prefixes, dtype=np.int32), per_prefix)
-    token_ids = np.concatenate([prefixes[prefix_ids], suffixes], axis=1)
-
-    order = rng.permutation(num_prompts)
-    prefix_ids, token_ids = prefix_ids[order], token_ids[order]
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    prefix_ids, token_ids = prefix_repetition_ids(
+        tokenizer, num_prompts=num_prompts, prefix_len=prefix_len, suffix_len=suffix_len,
+        num_prefixes=num_prefixes, seed=seed,
+    )
     prompts = tokenizer.decode_batch(token_ids.tolist(), skip_special_tokens=False)
     encoded = [e.ids for e in tokenizer.encode_batch(prompts)]
 
@@ -89,6 +82,25 @@ def prefix_repetition(
     }
     schema = SCHEMA.with_metadata({METADATA_KEY: json.dumps(metadata)})
     return pa.table(columns, schema=schema)
+
+
+def prefix_repetition_ids(
+    tokenizer, *, num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids behind ``prefix_repetition`` (same seed, same ids): the prefix group
+    of each prompt and a (num_prompts, prefix_len + suffix_len) array, shuffled. Drawn
+    from whole-word tokens, so they are exactly what the prompt text encodes to."""
+    words = _whole_word_token_ids(tokenizer)
+    rng = np.random.default_rng(seed)
+    # Prompts per prefix: num_prompts // P each, the first num_prompts % P get one more.
+    per_prefix = np.full(num_prefixes, num_prompts // num_prefixes)
+    per_prefix[: num_prompts % num_prefixes] += 1
+    prefixes = rng.choice(words, size=(num_prefixes, prefix_len))
+    suffixes = rng.choice(words, size=(num_prompts, suffix_len))
+    prefix_ids = np.repeat(np.arange(num_prefixes, dtype=np.int32), per_prefix)
+    token_ids = np.concatenate([prefixes[prefix_ids], suffixes], axis=1)
+    order = rng.permutation(num_prompts)
+    return prefix_ids[order], token_ids[order]
 
 
 def write_prefix_repetition(out_file: str | Path, **kwargs) -> pa.Table:
@@ -129,12 +141,6 @@ def ideal_hit_rate(table: pa.Table, prefix_len: int | None = None, *, block_size
 
 
 analytic_ideal_hit_rate = ideal_hit_rate
-
-
-def _load_tokenizer(tokenizer_dir: str | Path):
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
 
 
 def _whole_word_token_ids(tokenizer) -> np.ndarray:

@@ -45,7 +45,7 @@ class ModelConfig(CommonConfig, kw_only=True):
 
 
 class IngestorConfig(ModelConfig, kw_only=True):
-    fetch_batch: Annotated[int, _d("ingest messages fetched per pull", gt=0)] = 256
+    fetch_batch: Annotated[int, _d("ingest messages fetched per pull", gt=0)] = 64
     default_node: Annotated[str, _d("bucketer node used while no bucketer has reported")] = "node0"
     block_size: Annotated[int, _d("KV block size in tokens (sharding key length)", gt=0)] = 128
     shard_epsilon: Annotated[

@@ -120,3 +120,15 @@ def test_ideal_hit_rate_from_metadata(dataset_tokenizer_dir):
     # vLLM CPU uses 128-token blocks: 12 of 16 prompts hit 256 of their 512 tokens
     assert ideal_hit_rate(table, block_size=128) == pytest.approx(12 * 256 / (16 * 512))
     assert ideal_hit_rate(table, block_size=96) == pytest.approx(12 * 192 / (16 * 512))
+
+
+def test_prefix_repetition_ids_are_what_the_prompts_encode_to(dataset_tokenizer_dir, tokenizer):
+    from services.dataset import prefix_repetition_ids
+
+    shape = dict(num_prompts=40, prefix_len=12, suffix_len=5, num_prefixes=3, seed=4)
+    table = prefix_repetition(tokenizer_dir=dataset_tokenizer_dir, output_len=2, **shape)
+    tok = tokenizer
+    groups, ids = prefix_repetition_ids(tok, **shape)
+    assert ids.shape == (40, 17)
+    assert [e.ids for e in tok.encode_batch(table["prompt"].to_pylist())] == ids.tolist()
+    assert groups.tolist() == table["prefix_id"].to_pylist()

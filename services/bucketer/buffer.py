@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -68,7 +69,12 @@ def linked(a: bytes, b: bytes, threshold: float) -> bool:
     """The reference rule: neighbours stay in one bucket when their common prefix is at
     least `threshold` of the shorter prompt."""
     shorter = min(len(a), len(b)) // tk.WIDTH
-    return shorter > 0 and tk.common_prefix(a, b) >= threshold * shorter
+    if shorter == 0:
+        return False
+    # common prefix >= threshold * shorter  <=>  the first ceil(threshold * shorter)
+    # tokens are equal: one memcmp, no search for the exact common prefix.
+    need = math.ceil(threshold * shorter) * tk.WIDTH
+    return a[:need] == b[:need]
 
 
 def split_sorted(token_lists: list[bytes], threshold: float) -> list[int]:
@@ -104,9 +110,9 @@ class PrefixBuffer:
         """Pooled batches go out at this size (>= min_bucket, as in the reference)."""
         self._items: SortedDict = SortedDict()  # Key -> Item, in token order
         self._starts: SortedList = SortedList()  # keys that begin a bucket
-        self._by_size: SortedList = SortedList()  # (size, start key)
+        self._by_size: list[tuple[int, int, Key]] = []  # max-heap (-size, seq, start), lazily cleaned
         self._size: dict[Key, int] = {}  # start key -> bucket size
-        self._ages: list[tuple[float, Key]] = []  # min-heap, lazily cleaned
+        self._ages: list[tuple[float, int, Key]] = []  # min-heap, lazily cleaned
         self._seq = itertools.count()
         self._bytes = 0
 
@@ -142,18 +148,21 @@ class PrefixBuffer:
         return self._starts[self._starts.bisect_right(key) - 1]
 
     def _set_size(self, start: Key, size: int) -> None:
-        old = self._size.get(start)
-        if old is not None:
-            self._by_size.remove((old, start))
         self._size[start] = size
-        self._by_size.add((size, start))
+        heapq.heappush(self._by_size, (-size, start[1], start))
+        if len(self._by_size) > 2 * len(self._size) + 1024:  # drop the stale entries
+            self._by_size = [(-n, s[1], s) for s, n in self._size.items()]
+            heapq.heapify(self._by_size)
 
-    def _drop_start(self, start: Key) -> None:
-        self._by_size.remove((self._size.pop(start), start))
+    def _drop_start(self, start: Key) -> int:
+        """Remove a bucket boundary; returns the size the bucket had."""
+        size = self._size.pop(start)
         self._starts.remove(start)
+        return size
 
-    def _add_start(self, start: Key) -> None:
+    def _add_start(self, start: Key, size: int) -> None:
         self._starts.add(start)
+        self._set_size(start, size)
 
     def _recount(self, start: Key) -> None:
         i = self._starts.index(start)
@@ -172,38 +181,39 @@ class PrefixBuffer:
         nxt: Key | None = self._items.peekitem(pos)[0] if pos < len(self._items) else None
         self._items[key] = item
         self._bytes += len(item.tokens)
-        heapq.heappush(self._ages, (item.arrived, key))
+        heapq.heappush(self._ages, (item.arrived, key[1], key))
 
-        touched: list[Key] = []
+        # Most inserts join a bucket without moving any boundary: a size update. Only a
+        # split needs recounting (index lookups).
         if prev is None:
             # New first item: it joins the first bucket or starts its own.
             if nxt is not None and self._link(key, nxt):
-                self._drop_start(nxt)
-            self._add_start(key)
-            touched.append(key)
-        else:
-            start = self._start_of(prev)
-            inside = nxt is not None and nxt not in self._size  # prev and nxt share a bucket
-            join_prev = self._link(prev, key)
-            join_next = nxt is not None and self._link(key, nxt)
-            if inside:
-                if not join_prev:
-                    self._add_start(key)
-                    touched.append(key)
-                if not join_next:
-                    self._add_start(nxt)
-                    touched.append(nxt)
+                self._add_start(key, self._drop_start(nxt) + 1)
             else:
-                if not join_prev:
-                    self._add_start(key)
-                    touched.append(key)
-                if nxt is not None and join_next:
-                    # key and nxt are one bucket now: nxt no longer starts one.
-                    self._drop_start(nxt)
-            touched.append(start)
-        for s in touched:
-            if s in self._starts:
-                self._recount(s)
+                self._add_start(key, 1)
+            return
+        start = self._start_of(prev)
+        join_prev = self._link(prev, key)
+        join_next = nxt is not None and self._link(key, nxt)
+        if nxt is not None and nxt not in self._size:  # inside the bucket of prev and nxt
+            if join_prev and join_next:
+                self._set_size(start, self._size[start] + 1)
+                return
+            # The bucket splits: at key, at nxt, or both.
+            if not join_prev:
+                self._add_start(key, 0)
+            if not join_next:
+                self._add_start(nxt, 0)
+            for s in (start, key, nxt):
+                if s in self._size:
+                    self._recount(s)
+        elif join_prev:  # key ends prev's bucket; nxt's bucket (if any) may join too
+            merged = self._drop_start(nxt) if join_next else 0
+            self._set_size(start, self._size[start] + 1 + merged)
+        elif join_next:  # key begins nxt's bucket
+            self._add_start(key, self._drop_start(nxt) + 1)
+        else:
+            self._add_start(key, 1)
 
     # --- removal ----------------------------------------------------------------------
 
@@ -225,11 +235,16 @@ class PrefixBuffer:
         return items
 
     def _clean_ages(self) -> None:
-        while self._ages and self._ages[0][1] not in self._items:
+        while self._ages and self._ages[0][2] not in self._items:
             heapq.heappop(self._ages)
 
     def _largest(self) -> Key:
-        return self._by_size[-1][1]
+        """Start of the largest bucket (the oldest start among equals)."""
+        while True:
+            neg, _, start = self._by_size[0]
+            if self._size.get(start) == -neg:
+                return start
+            heapq.heappop(self._by_size)
 
     # --- release ----------------------------------------------------------------------
 
@@ -261,7 +276,7 @@ class PrefixBuffer:
             self._clean_ages()
             if not self._ages or now - self._ages[0][0] < self.max_wait:
                 break
-            emit(self._take(self._start_of(self._ages[0][1])))
+            emit(self._take(self._start_of(self._ages[0][2])))
         # 2. Over the bounds (or flushing): largest buckets first.
         while self._items and (flush or self.over()):
             emit(self._take(self._largest()))

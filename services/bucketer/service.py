@@ -31,6 +31,9 @@ from services.bucketer.buffer import Bucket, Item, PrefixBuffer
 log = structlog.get_logger()
 
 SEND_CONCURRENCY = 32
+FETCH_MESSAGES = 4
+"""Prompt batches pulled at once (each up to 512 prompts): how far past its bound the
+buffer can get before the intake stops."""
 
 
 class Bucketer:
@@ -77,7 +80,7 @@ class Bucketer:
                 self.last_input = time.monotonic()
                 await asyncio.sleep(0.05)
                 continue
-            msgs = await sub.fetch(32, timeout=0.1)
+            msgs = await sub.fetch(FETCH_MESSAGES, timeout=0.1)
             now = time.monotonic()
             for msg in msgs:
                 await self.take(msg, now)
@@ -108,6 +111,9 @@ class Bucketer:
         if not batch.prompts:
             asyncio.ensure_future(msg.ack())
             return
+        # Held until its last prompt is published, which may take a while (prompts of one
+        # message go to many buckets): keep only what acking needs, not the raw payload.
+        msg.data = b""
         self.holding[seq] = [msg, len(batch.prompts)]
         for p in batch.prompts:
             self.buffer.insert(Item(p.tokens, now, p, seq, p.work_tokens))
