@@ -42,6 +42,7 @@ from shared import tokens as tk
 from shared.nats_conn import close, connect, provision
 from shared.runtime import publish
 
+WARMUP_PROMPTS = 64
 METHODS = ("naive", "continuous", "sorted", "bucketing-daft", "bucketing")
 EXTRA_METHODS = ("bucketing-round-robin",)
 WORK_BATCH = 16
@@ -262,9 +263,22 @@ async def bench_methods_async(args) -> dict[str, Any]:
         jobs_kv = await js.key_value(subjects.JOBS_KV)
         tokenizer = load_tokenizer(model)
         rows = [{"id": r["id"], "prompt": r["prompt"]} for r in table.to_pylist()]
-        for method in args.methods:
-            job = f"bench-{method}-{int(time.time())}"
+        # Warm-up (not timed): the engines' first requests pay one-off costs (kernel
+        # selection, allocator growth) that would otherwise land on the first method.
+        warm = f"bench-warmup-{int(time.time())}"
+        warm_prompts = to_prompts(warm, table.slice(0, min(WARMUP_PROMPTS, table.num_rows)), args.output_len, tokenizer)
+        spec = m.JobSpec(job=warm, out_dir=str(out_root / "warmup"), sampling=sampling, created_at=time.time(), total=len(warm_prompts))
+        await jobs_kv.put(warm, m.encode_json(spec))
+        shutil.rmtree(out_root / "warmup", ignore_errors=True)
+        await prepare_engines(nc, replicas, "fcfs")
+        ts = time.monotonic()
+        await run_direct("continuous", nc, js, warm, warm_prompts, replicas, args.naive_batch)
+        warmup = time.monotonic() - ts
+        print(f"warm-up: {len(warm_prompts)} prompts in {warmup:.1f} s (not timed)", flush=True)
+        for round_, method in [(k, meth) for k in range(args.repeat) for meth in args.methods]:
+            job = f"bench-{method}-{round_}-{int(time.time())}"
             out_dir = out_root / method
+            shutil.rmtree(out_dir, ignore_errors=True)  # the last run's rows would be taken as done
             scheduling = "prefix-groups" if method == "bucketing" else "fcfs"
             await prepare_engines(nc, replicas, scheduling)
             before = {r: (await engine_status(nc, r)).idle_seconds for r in replicas}
@@ -289,16 +303,30 @@ async def bench_methods_async(args) -> dict[str, Any]:
         await close(nc)
     finally:
         cluster.stop()
-    naive = next((r for r in results if r.method == "naive"), None)
+    medians = [median_run([r for r in results if r.method == meth]) for meth in args.methods]
+    naive = next((r for r in medians if r.method == "naive"), None)
     report = {
         "config": {k: v for k, v in vars(args).items() if k not in ("fn",)},
         "machine": machine_info(),
         "engine_startup_seconds": round(startup, 1),
+        "warmup_seconds": round(warmup, 1),
         "ideal_hit_rate": round(ideal, 4),
         "total_seconds": round(time.monotonic() - t0, 1),
-        "methods": [asdict(r) | {"vs_naive": round(naive.wall_seconds / r.wall_seconds, 3) if naive else None} for r in results],
+        "methods": [
+            asdict(r)
+            | {
+                "vs_naive": round(naive.wall_seconds / r.wall_seconds, 3) if naive else None,
+                "runs": [{"wall_seconds": x.wall_seconds, "hit_rate": x.hit_rate} for x in results if x.method == r.method],
+            }
+            for r in medians
+        ],
     }
     return report
+
+
+def median_run(runs: list[MethodResult]) -> MethodResult:
+    """The run with the median wall time (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r.wall_seconds)[(len(runs) - 1) // 2]
 
 
 def machine_info() -> dict[str, Any]:
@@ -318,7 +346,10 @@ def print_methods_table(report: dict[str, Any]) -> None:
         idle = " ".join(f"{k}={v:.0%}" for k, v in r["idle_fraction"].items())
         print(f"{r['method']:>22} {r['wall_seconds']:9.2f} {vs:>9} {r['hit_rate']:9.1%} {r['output_tokens_per_second']:10.1f}  {idle}")
     print(f"{'ideal hit rate':>22} {'':9} {'':9} {report['ideal_hit_rate']:9.1%}")
-    print(f"(engine start-up {report['engine_startup_seconds']} s, not timed)")
+    rounds = len(report["methods"][0]["runs"]) if report["methods"] else 0
+    if rounds > 1:
+        print(f"(each method: the median-wall run of {rounds} interleaved rounds; all runs in the JSON)")
+    print(f"(engine start-up {report['engine_startup_seconds']} s and a {WARMUP_PROMPTS}-prompt warm-up {report.get('warmup_seconds')} s, not timed)")
 
 
 def plot_methods(report: dict[str, Any], path: str | Path) -> None:
@@ -355,11 +386,13 @@ def cmd_methods(args) -> None:
         args.num_prefixes = args.num_prefixes or 128
         args.output_len = args.output_len or 32
         args.naive_batch = args.naive_batch or 128
+        args.repeat = args.repeat or 3
     else:
         args.num_prompts = args.num_prompts or 200_000
         args.num_prefixes = args.num_prefixes or 512
         args.output_len = args.output_len or 128
         args.naive_batch = args.naive_batch or 512
+    args.repeat = args.repeat or 1
     args.methods = [s.strip() for s in args.methods.split(",")]
     unknown = set(args.methods) - set(METHODS) - set(EXTRA_METHODS)
     if unknown:
@@ -390,6 +423,10 @@ def add_parsers(sub) -> None:
         help="KV blocks per replica (128 tokens each on CPU): less than the prefixes need, as on the reference's GPUs",
     )
     p.add_argument("--window", type=int, default=256, help="engine-worker in-flight window (prompts)")
+    p.add_argument(
+        "--repeat", type=int, default=0,
+        help="rounds over all methods, interleaved; each method reports its median-wall run (default 1; 3 with --quick)",
+    )
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS + EXTRA_METHODS)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=".prefixflow/models/tiny-llama")

@@ -76,8 +76,10 @@ class BucketerConfig(CommonConfig, kw_only=True):
         bool, _d("also release the largest buckets whenever the router reports free room on the replicas")
     ] = True
     eager_delay: Annotated[
-        float, _d("eager release waits until the oldest prompt has been buffered this long, seconds", ge=0)
-    ] = 0.15
+        float,
+        _d("eager release waits until the oldest prompt has been buffered this long, seconds "
+           "(lets a burst land so groups go out whole, not as fragments)", ge=0),
+    ] = 1.0
 
     def __post_init__(self) -> None:
         _check_name("node", self.node)
