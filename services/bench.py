@@ -3,7 +3,8 @@
 `methods` reproduces the reference comparison on one prefix-repetition dataset against
 the same R engine-worker processes (real vLLM, KV cache constrained so the dataset does
 not fit), each method from a cold prefix cache (`reset_prefix_cache`), engine start-up
-outside every timed region:
+and a short warm-up outside every timed region, in `--repeat` interleaved rounds (each
+method reports its median-wall run: this machine's run-to-run noise is ~10 %):
 
 1. naive       fixed batches sent round-robin; a replica gets its next batch only when
                its whole current batch is done (the straggler tail idles it);
@@ -16,8 +17,9 @@ outside every timed region:
                scheduling.
 Methods 1-3 publish work batches straight to `pfx.work.<replica>`; 4-5 publish prompts
 to the ingest subject like any client. Methods 1-4 run vLLM's FCFS order (the reference
-used vanilla vLLM); 5 uses prefix-group priorities. Wall time runs from the first
-publish to the last result; hit rate is cached / prompt tokens over the job's results.
+used vanilla vLLM); 5 uses prefix-group priorities. Every method's wall time includes
+tokenizing the dataset (methods 1-3 with one batch call, 4-5 in the ingestor) and runs
+from then to the last result; hit rate is cached / prompt tokens over the job's results.
 
 `pipeline` pushes prompts through every service with the `echo` engine (no model) and
 reports prompts per second end to end and each service's peak RSS.
@@ -27,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -140,11 +144,16 @@ async def publish_work(js, replica: str, prompts: list[m.Prompt], tag: str) -> N
         await publish(js, subjects.work(replica), m.encode(m.WorkBatch(f"{tag}-{i}", prompts[i : i + WORK_BATCH])))
 
 
-async def run_direct(method: str, nc, js, job: str, prompts: list[m.Prompt], replicas: list[str], naive_batch: int) -> dict:
-    """Methods 1-3: feed the engine-workers directly. Returns timing extras."""
+async def run_direct(
+    method: str, nc, js, job: str, make_prompts: Callable[[], list[m.Prompt]], replicas: list[str], naive_batch: int
+) -> dict:
+    """Methods 1-3: tokenize (timed, as the pipeline's ingestor is), then feed the
+    engine-workers directly. Returns timing extras."""
     extra: dict[str, Any] = {}
     async with Observer(nc, job) as obs:
         t0 = time.monotonic()
+        prompts = make_prompts()
+        extra["tokenize_seconds"] = round(time.monotonic() - t0, 3)
         if method == "naive":
             batches = [prompts[i : i + naive_batch] for i in range(0, len(prompts), naive_batch)]
 
@@ -272,7 +281,7 @@ async def bench_methods_async(args) -> dict[str, Any]:
         shutil.rmtree(out_root / "warmup", ignore_errors=True)
         await prepare_engines(nc, replicas, "fcfs")
         ts = time.monotonic()
-        await run_direct("continuous", nc, js, warm, warm_prompts, replicas, args.naive_batch)
+        await run_direct("continuous", nc, js, warm, lambda: warm_prompts, replicas, args.naive_batch)
         warmup = time.monotonic() - ts
         print(f"warm-up: {len(warm_prompts)} prompts in {warmup:.1f} s (not timed)", flush=True)
         for round_, method in [(k, meth) for k in range(args.repeat) for meth in args.methods]:
@@ -285,8 +294,8 @@ async def bench_methods_async(args) -> dict[str, Any]:
             if method in ("naive", "continuous", "sorted"):
                 spec = m.JobSpec(job=job, out_dir=str(out_dir), sampling=sampling, created_at=time.time(), total=len(rows))
                 await jobs_kv.put(job, m.encode_json(spec))
-                prompts = to_prompts(job, table, args.output_len, tokenizer)
-                extra = await run_direct(method, nc, js, job, prompts, replicas, args.naive_batch)
+                make = functools.partial(to_prompts, job, table, args.output_len, tokenizer)
+                extra = await run_direct(method, nc, js, job, make, replicas, args.naive_batch)
             else:
                 policy = {"bucketing-daft": "daft", "bucketing": "prefix-aware", "bucketing-round-robin": "round-robin"}[method]
                 reply = await nc.request(subjects.ROUTER_POLICY, policy.encode(), timeout=10)
