@@ -65,7 +65,7 @@ class BucketerConfig(CommonConfig, kw_only=True):
     ] = 0.33
     max_wait: Annotated[float, _d("longest a prompt waits in the buffer, seconds", gt=0)] = 5.0
     idle_flush: Annotated[
-        float, _d("release everything after this long without new input (end of input), seconds", gt=0)
+        float, _d("release everything after this long without new input and none left upstream (end of input), seconds", gt=0)
     ] = 0.5
     block_size: Annotated[int, _d("KV block size in tokens (prefix-key block length)", gt=0)] = 128
     max_batch: Annotated[int, _d("most prompts in one work message", gt=0)] = 256
@@ -77,9 +77,9 @@ class BucketerConfig(CommonConfig, kw_only=True):
     ] = True
     eager_delay: Annotated[
         float,
-        _d("eager release waits until the oldest prompt has been buffered this long, seconds "
-           "(lets a burst land so groups go out whole, not as fragments)", ge=0),
-    ] = 1.0
+        _d("eager release starts once no input is left upstream (the ingest stream and this node's "
+           "bucket stream are drained), or at the latest when the oldest prompt has waited this long, seconds", ge=0),
+    ] = 2.0
 
     def __post_init__(self) -> None:
         _check_name("node", self.node)

@@ -31,6 +31,9 @@ from services.bucketer.buffer import Bucket, Item, PrefixBuffer
 log = structlog.get_logger()
 
 SEND_CONCURRENCY = 32
+EAGER_MIN_WAIT = 0.1
+"""Seconds the oldest prompt waits before eager release may ask whether input landed."""
+CAUGHT_UP_EVERY = 0.1
 FETCH_MESSAGES = 4
 """Prompt batches pulled at once (each up to 512 prompts): how far past its bound the
 buffer can get before the intake stops."""
@@ -53,6 +56,8 @@ class Bucketer:
         self.holding: dict[int, list] = {}
         self.wake = asyncio.Event()
         self.freed = asyncio.Event()
+        self.caught_up_at = (-1.0, False)
+        """(when asked, answer) of the last upstream check."""
         """Set (and replaced) whenever the router announces freed room."""
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -125,10 +130,15 @@ class Bucketer:
                 await asyncio.gather(*(self.send(b, stop_retrying=True) for b in buckets))
                 return
             now = time.monotonic()
-            # No input for a while = end of input (as far as this node can tell): flush.
-            idle = now - self.last_input >= self.cfg.idle_flush
+            # No input for a while and none left upstream = end of input: flush. (A slow
+            # ingest batch can leave this node without input for longer than idle_flush;
+            # flushing then would cut every group of the burst in two.)
+            idle = bool(self.buffer) and now - self.last_input >= self.cfg.idle_flush and await self.caught_up(now)
             oldest = self.buffer.oldest()
-            settled = oldest is not None and now - oldest >= self.cfg.eager_delay
+            # Eager release once the input has landed (groups then go out whole, not as
+            # fragments of a burst still being ingested), or after --eager-delay anyway.
+            waited = -1.0 if oldest is None else now - oldest
+            settled = waited >= self.cfg.eager_delay or (waited >= EAGER_MIN_WAIT and await self.caught_up(now))
             budget = await self.room() if settled and not idle else 0
             # Route and publish up to SEND_CONCURRENCY buckets at once (each waits for its
             # route reply and publish ack; one at a time would cap the rate at 1/RTT).
@@ -140,6 +150,21 @@ class Bucketer:
                 await asyncio.wait_for(self.wake.wait(), 0.2)
             except asyncio.TimeoutError:
                 pass
+
+    async def caught_up(self, now: float) -> bool:
+        """Nothing upstream is still on its way here: the ingest stream has no message
+        left to ingest and this node's bucket stream none left to deliver. (Asked at most
+        every CAUGHT_UP_EVERY seconds; unknown counts as not caught up.)"""
+        if now - self.caught_up_at[0] < CAUGHT_UP_EVERY:
+            return self.caught_up_at[1]
+        try:
+            ingest = await self.js.consumer_info(subjects.INGEST_STREAM.name, subjects.ingestor_consumer().durable)
+            own = await self.js.consumer_info(subjects.BUCKET_STREAM.name, subjects.bucketer_consumer(self.cfg.node).durable)
+            answer = ingest.num_pending + ingest.num_ack_pending == 0 and own.num_pending == 0
+        except Exception:  # noqa: BLE001 - not provisioned yet or reconnecting
+            answer = False
+        self.caught_up_at = (now, answer)
+        return answer
 
     async def room(self) -> float:
         """Free room on the replicas (work tokens) if eager release is on; 0 otherwise."""
