@@ -142,8 +142,9 @@ def test_engine_failover_without_restart(tmp_path, tiny_model, rows):
 
 def test_resume_recomputes_only_unfinished_rows(tmp_path, tiny_model, rows):
     out = tmp_path / "out"
-    # Slower engines (~130 prompts/s each): the outage reliably lands mid-job.
-    first = cluster_for(tmp_path / "one", tiny_model, extra_engine=["--echo-delay", "0.06"])
+    # Slower engines (~130 prompts/s each: 8-prompt work messages, window 8, 60 ms a
+    # prompt): the outage reliably lands mid-job.
+    first = cluster_for(tmp_path / "one", tiny_model, extra_engine=["--echo-delay", "0.06"], env={"PFX_MAX_BATCH": "8"})
     first.start()
     try:
         asyncio.run(wait_replicas_ready(first.url, ["r0", "r1"], 60, first.check_alive))
