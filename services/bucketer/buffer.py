@@ -3,8 +3,9 @@
 Prompts wait in a bounded buffer ordered by token ids. Walking that order, neighbours
 whose common prefix is under `threshold` of the shorter prompt start a new bucket (the
 reference rule). Bucket boundaries are maintained incrementally: an insert or a removal
-only re-examines its neighbours, so insert, pop and "largest bucket" cost O(log n)
-(sorted containers) instead of a re-sort per pop.
+only re-examines its neighbours (most only bump one bucket's size), so insert, pop and
+"largest bucket" cost O(log n) (sorted containers; a lazily cleaned max-heap of bucket
+sizes) instead of a re-sort per pop.
 
 Release (`pop`):
 1. every bucket holding a prompt that has waited `max_wait` (the reference has no time
