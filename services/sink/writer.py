@@ -169,39 +169,37 @@ class JobOutput:
                 os.replace(tmp, part)
 
     def summarize(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
-        """Totals over every part, overall and per replica; written to `_summary.json`."""
+        """Totals over every part, overall and per replica; written to `_summary.json`.
+        Parts are read one at a time (memory stays bounded by a part, not the job)."""
         finished_at = finished_at or time.time()
         wall = max(finished_at - spec.created_at, 1e-9) if spec.created_at else None
         cols = ["error", "prompt_tokens", "cached_tokens", "output_tokens", "replica"]
-        tables = [pq.read_table(p, columns=cols) for p in self.parts()]
-        table = pa.concat_tables(tables, promote_options="default") if tables else None
+        overall = [0, 0, 0, 0, 0]  # rows, errors, prompt, cached, output tokens
+        per_replica: dict[str, list[int]] = {}
+        for part in self.parts():
+            t = pq.read_table(part, columns=cols)
+            _add_totals(overall, t)
+            for name in pc.unique(t.column("replica")).to_pylist():
+                if name:
+                    _add_totals(per_replica.setdefault(name, [0, 0, 0, 0, 0]), t.filter(pc.equal(t.column("replica"), name)))
 
-        def totals(t: pa.Table | None) -> dict[str, Any]:
-            if t is None or t.num_rows == 0:
-                return dict(rows=0, errors=0, prompt_tokens=0, cached_tokens=0, output_tokens=0, prefix_cache_hit_rate=0.0)
-            ok = t.filter(pc.is_null(t.column("error")))
-            prompt = int(pc.sum(ok.column("prompt_tokens")).as_py() or 0)
-            cached = int(pc.sum(ok.column("cached_tokens")).as_py() or 0)
-            output = int(pc.sum(ok.column("output_tokens")).as_py() or 0)
+        def totals(acc: list[int]) -> dict[str, Any]:
+            rows, errors, prompt, cached, output = acc
             out = dict(
-                rows=t.num_rows,
-                errors=t.num_rows - ok.num_rows,
+                rows=rows,
+                errors=errors,
                 prompt_tokens=prompt,
                 cached_tokens=cached,
                 output_tokens=output,
                 prefix_cache_hit_rate=round(cached / prompt, 4) if prompt else 0.0,
             )
-            if wall:
+            if wall and rows:
                 out["output_tokens_per_second"] = round(output / wall, 2)
                 out["total_tokens_per_second"] = round((prompt + output) / wall, 2)
             return out
 
-        summary = dict(job=spec.job, **totals(table), wall_seconds=round(wall, 3) if wall else None)
-        replicas = {}
-        if table is not None and table.num_rows:
-            for name in sorted(x for x in set(table.column("replica").to_pylist()) if x):
-                replicas[name] = totals(table.filter(pc.equal(table.column("replica"), name)))
-        summary["replicas"] = replicas
+        summary = dict(job=spec.job, **totals(overall), wall_seconds=round(wall, 3) if wall else None)
+        summary["replicas"] = {name: totals(per_replica[name]) for name in sorted(per_replica)}
         return summary
 
     def write_summary(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
@@ -210,3 +208,12 @@ class JobOutput:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.dir / "_summary.json")
         return summary
+
+
+def _add_totals(acc: list[int], t: pa.Table) -> None:
+    """Add a table's rows, error rows and token sums of its ok rows to `acc`."""
+    ok = t.filter(pc.is_null(t.column("error")))
+    acc[0] += t.num_rows
+    acc[1] += t.num_rows - ok.num_rows
+    for i, col in enumerate(("prompt_tokens", "cached_tokens", "output_tokens"), start=2):
+        acc[i] += int(pc.sum(ok.column(col)).as_py() or 0)
