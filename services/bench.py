@@ -33,9 +33,9 @@ import functools
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -233,22 +233,14 @@ def summarize(method: str, extra: dict, idle: dict[str, float]) -> MethodResult:
 
 async def bench_methods_async(args) -> dict[str, Any]:
     from services.cluster import LocalCluster, processes
-    from services.dataset import ideal_hit_rate, prefix_repetition
+    from services.dataset import ideal_hit_rate, prefix_repetition, shape_args
     from services.make_model import make_model
     from shared.tokenize import load_tokenizer
 
     model = str(make_model(args.model) if args.model == ".prefixflow/models/tiny-llama" else Path(args.model))
     out_root = Path(args.work_dir)
     out_root.mkdir(parents=True, exist_ok=True)
-    table = prefix_repetition(
-        tokenizer_dir=model,
-        num_prompts=args.num_prompts,
-        prefix_len=args.prefix_len,
-        suffix_len=args.suffix_len,
-        num_prefixes=args.num_prefixes,
-        output_len=args.output_len,
-        seed=args.seed,
-    )
+    table = prefix_repetition(tokenizer_dir=model, **shape_args(args))
     block_size = 128
     ideal = ideal_hit_rate(table, block_size=block_size)
     sampling = m.SamplingSpec(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=1.0)
@@ -473,14 +465,13 @@ def cpu_seconds(pid: int) -> float | None:
 async def bench_pipeline_once(args, num_prompts: int) -> dict[str, Any]:
     from services.client import Submitter
     from services.cluster import LocalCluster, processes
-    from services.dataset import prefix_repetition, prefix_repetition_ids
+    from services.dataset import prefix_repetition, prefix_repetition_ids, shape_args
     from services.make_model import make_model
     from shared.tokenize import load_tokenizer
 
     model = str(make_model(args.model) if args.model == ".prefixflow/models/tiny-llama" else Path(args.model))
     t_data = time.monotonic()
-    shape = dict(num_prompts=num_prompts, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
-                 num_prefixes=args.num_prefixes, seed=args.seed)
+    shape = shape_args(args) | {"num_prompts": num_prompts}  # the pipeline bench has no --output-len
     if args.pretokenized:  # the dataset's token ids, no text round trip
         _, ids = prefix_repetition_ids(load_tokenizer(model), **shape)
         rows = [{"id": i, "prompt_token_ids": t} for i, t in enumerate(ids.tolist())]

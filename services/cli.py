@@ -83,22 +83,13 @@ def cmd_make_model(args: argparse.Namespace) -> None:
 
 
 def cmd_dataset(args: argparse.Namespace) -> None:
-    from services.dataset import write_prefix_repetition
+    from services.dataset import shape_args, write_prefix_repetition
     from services.make_model import make_model
 
     model = args.model
     if model == cfgmod.DEFAULT_MODEL:
         make_model(model)
-    table = write_prefix_repetition(
-        args.out,
-        tokenizer_dir=model,
-        num_prompts=args.num_prompts,
-        prefix_len=args.prefix_len,
-        suffix_len=args.suffix_len,
-        num_prefixes=args.num_prefixes,
-        output_len=args.output_len,
-        seed=args.seed,
-    )
+    table = write_prefix_repetition(args.out, tokenizer_dir=model, **shape_args(args))
     print(f"wrote {table.num_rows} prompts to {args.out}")
 
 

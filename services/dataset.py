@@ -103,6 +103,15 @@ def prefix_repetition_ids(
     return prefix_ids[order], token_ids[order]
 
 
+SHAPE_ARGS = ("num_prompts", "prefix_len", "suffix_len", "num_prefixes", "output_len", "seed")
+
+
+def shape_args(args) -> dict:
+    """The generator's keyword arguments from a command line's parsed flags (those the
+    command has)."""
+    return {name: getattr(args, name) for name in SHAPE_ARGS if hasattr(args, name)}
+
+
 def write_prefix_repetition(out_file: str | Path, **kwargs) -> pa.Table:
     """Generate with ``prefix_repetition(**kwargs)`` and write it to ``out_file`` (Parquet)."""
     table = prefix_repetition(**kwargs)

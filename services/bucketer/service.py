@@ -5,8 +5,9 @@ Two tasks share a bounded `PrefixBuffer`:
   room (a full buffer stops the pulling: backpressure up to the ingestor);
 - the dispatcher takes due buckets, asks the router where each goes (retrying while the
   router says retry-after - the buffer meanwhile keeps filling, which is exactly when
-  buckets get better; the router's freed-room event cuts the wait short), publishes them to `pfx.work.<replica>`, and acks an input message
-  once every prompt it carried has been durably published downstream.
+  buckets get better; the router's freed-room event cuts the wait short), publishes
+  them to `pfx.work.<replica>`, and acks an input message once every prompt it carried
+  has been durably published downstream.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ class Bucketer:
         self.holding: dict[int, list] = {}
         self.wake = asyncio.Event()
         self.freed = asyncio.Event()
+        """Set (and replaced) whenever the router announces freed room."""
         self.caught_up_at = (-1.0, False)
         """(when asked, answer) of the last upstream check."""
-        """Set (and replaced) whenever the router announces freed room."""
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, f"bucketer-{self.cfg.node}")

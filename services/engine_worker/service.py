@@ -178,8 +178,9 @@ class EngineWorker:
         if self.cfg.engine == "echo" and not self.cfg.echo_delay:
             await self.echo_batch(seq, work.prompts)
             return
+        lookups = {job: await self.jobs.get(job) for job in {p.job for p in work.prompts}}
         for prompt in work.prompts:
-            lookup = await self.jobs.get(prompt.job)
+            lookup = lookups[prompt.job]
             self.inflight += 1
             self.inflight_tokens += prompt.work_tokens
             self._track_idle()
@@ -190,8 +191,9 @@ class EngineWorker:
     async def echo_batch(self, seq: int, prompts: list[m.Prompt]) -> None:
         """The instant echo engine: a whole batch at once, no task per prompt (so the
         pipeline benchmark measures the orchestration, not this worker's task overhead)."""
+        specs = {job: (await self.jobs.get(job)).spec for job in {p.job for p in prompts}}
         for prompt in prompts:
-            spec = (await self.jobs.get(prompt.job)).spec
+            spec = specs[prompt.job]
             n = len(prompt.tokens) // tk.WIDTH
             out = min(n, spec.sampling.max_tokens if spec else 0)
             result = m.Result(

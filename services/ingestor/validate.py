@@ -27,6 +27,7 @@ _json_any = msgspec.json.Decoder()
 _msgpack_any = msgspec.msgpack.Decoder()
 _id_decoder = msgspec.json.Decoder(int | str)
 _columns_encoder = msgspec.msgpack.Encoder()
+assert array.array("I").itemsize == 4, "packed token ids are 32-bit"
 
 
 class Record(msgspec.Struct):
@@ -119,8 +120,6 @@ def _pack_ids(token_ids: Any) -> bytes | None:
         ids = array.array("I", token_ids)
     except (TypeError, OverflowError):
         return None
-    if ids.itemsize != 4:  # pragma: no cover - 'I' is 32-bit on every platform we run on
-        ids = array.array("L", ids)
     if sys.byteorder == "little":
         ids.byteswap()
     return ids.tobytes()

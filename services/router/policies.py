@@ -258,12 +258,9 @@ class PrefixAware(Policy):
         work) and the best match is not, only hungry replicas are eligible."""
         floor = min(r.outstanding for r in candidates)
         eligible = [r for r in candidates if r.outstanding <= floor + self.slack(fleet, r)]
-        hungry = [r for r in eligible if fleet.hungry(r)]
-        if hungry and len(hungry) < len(eligible):
-            best = max(eligible, key=lambda r: (best_match(r, key) if key else (0, 0), -r.outstanding, r.name))
-            if not fleet.hungry(best):
-                eligible = hungry
         scored = sorted(eligible, key=lambda r: (best_match(r, key) if key else (0, 0), -r.outstanding, r.name), reverse=True)
+        if not fleet.hungry(scored[0]) and any(fleet.hungry(r) for r in scored):
+            eligible = scored = [r for r in scored if fleet.hungry(r)]
         if not key or best_match(scored[0], key)[0] == 0:
             scored = sorted(eligible, key=lambda r: (r.outstanding, r.name))
         rest = sorted((r for r in candidates if r not in eligible), key=lambda r: (r.outstanding, r.name))
