@@ -64,6 +64,11 @@ class MethodResult:
     hit_rate: float
     output_tokens_per_second: float
     idle_fraction: dict[str, float]
+    groups_split: int = 0
+    """Prefix groups whose prompts ran on more than one replica."""
+    prefix_misses: int = 0
+    """Prompts that did not find their group's whole (block-aligned) prefix cached; the
+    ideal is one per group."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -209,7 +214,20 @@ def timeline(obs: Observer, t0: float) -> dict[str, dict[str, float]]:
     return out
 
 
-def summarize(method: str, extra: dict, idle: dict[str, float]) -> MethodResult:
+def group_stats(results: list[m.Result], group_of: dict[Any, int], prefix_tokens: int) -> tuple[int, int]:
+    """(groups split over replicas, prompts that missed their prefix): how well a method
+    kept each prefix group together. `group_of` maps a prompt id to its prefix group;
+    `prefix_tokens` is the block-aligned shared prefix."""
+    replicas: dict[int, set[str]] = {}
+    misses = 0
+    for r in results:
+        if r.error is None:
+            replicas.setdefault(group_of[r.id], set()).add(r.replica)
+            misses += r.cached_tokens < prefix_tokens
+    return sum(len(v) > 1 for v in replicas.values()), misses
+
+
+def summarize(method: str, extra: dict, idle: dict[str, float], groups: tuple[int, int] = (0, 0)) -> MethodResult:
     results: list[m.Result] = extra.pop("results")
     wall = extra.pop("wall")
     ok = [r for r in results if r.error is None]
@@ -227,13 +245,15 @@ def summarize(method: str, extra: dict, idle: dict[str, float]) -> MethodResult:
         hit_rate=round(cached / prompt, 4) if prompt else 0.0,
         output_tokens_per_second=round(output / wall, 2) if wall else 0.0,
         idle_fraction={r: round(v / wall, 4) for r, v in idle.items()} if wall else {},
+        groups_split=groups[0],
+        prefix_misses=groups[1],
         extra=extra,
     )
 
 
 async def bench_methods_async(args) -> dict[str, Any]:
     from services.cluster import LocalCluster, processes
-    from services.dataset import ideal_hit_rate, prefix_repetition, shape_args
+    from services.dataset import dataset_metadata, ideal_hit_rate, prefix_repetition, shape_args
     from services.make_model import make_model
     from shared.tokenize import load_tokenizer
 
@@ -243,13 +263,16 @@ async def bench_methods_async(args) -> dict[str, Any]:
     table = prefix_repetition(tokenizer_dir=model, **shape_args(args))
     block_size = 128
     ideal = ideal_hit_rate(table, block_size=block_size)
+    group_of = dict(zip(table["id"].to_pylist(), table["prefix_id"].to_pylist()))
+    prefix_tokens = dataset_metadata(table)["shared_prefix_tokens"] // block_size * block_size
     sampling = m.SamplingSpec(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=1.0)
     replicas = [f"r{i}" for i in range(args.replicas)]
     engine_args = ["--kv-cache-blocks", str(args.kv_cache_blocks), "--window", str(args.window)]
+    env = {"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning"}
+    if args.buffer_prompts:
+        env["PFX_BUFFER_PROMPTS"] = str(args.buffer_prompts)
     cluster = LocalCluster(
-        processes(args.replicas, engine="vllm", extra_engine_args=engine_args),
-        workdir=out_root / "cluster",
-        env={"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning"},
+        processes(args.replicas, engine="vllm", extra_engine_args=engine_args), workdir=out_root / "cluster", env=env
     )
     t0 = time.monotonic()
     cluster.start()
@@ -293,11 +316,12 @@ async def bench_methods_async(args) -> dict[str, Any]:
                 assert reply.data.decode() == policy, reply.headers
                 extra = await run_pipeline(nc, cluster.url, job, rows, out_dir, sampling)
             after = {r: (await engine_status(nc, r)).idle_seconds for r in replicas}
-            res = summarize(method, extra, {r: after[r] - before[r] for r in replicas})
+            groups = group_stats(extra["results"], group_of, prefix_tokens)
+            res = summarize(method, extra, {r: after[r] - before[r] for r in replicas}, groups)
             results.append(res)
             print(
                 f"{method:>22}: {res.wall_seconds:8.2f} s  hit {res.hit_rate:6.1%}  out tok/s {res.output_tokens_per_second:8.1f}"
-                f"  idle {res.idle_fraction}",
+                f"  split groups {res.groups_split}  misses {res.prefix_misses}  idle {res.idle_fraction}",
                 flush=True,
             )
         await close(nc)
@@ -311,12 +335,17 @@ async def bench_methods_async(args) -> dict[str, Any]:
         "engine_startup_seconds": round(startup, 1),
         "warmup_seconds": round(warmup, 1),
         "ideal_hit_rate": round(ideal, 4),
+        "groups": len(set(group_of.values())),
         "total_seconds": round(time.monotonic() - t0, 1),
         "methods": [
             asdict(r)
             | {
                 "vs_naive": round(naive.wall_seconds / r.wall_seconds, 3) if naive else None,
-                "runs": [{"wall_seconds": x.wall_seconds, "hit_rate": x.hit_rate} for x in results if x.method == r.method],
+                "runs": [
+                    {"wall_seconds": x.wall_seconds, "hit_rate": x.hit_rate, "groups_split": x.groups_split, "prefix_misses": x.prefix_misses}
+                    for x in results
+                    if x.method == r.method
+                ],
             }
             for r in medians
         ],
@@ -340,12 +369,19 @@ def machine_info() -> dict[str, Any]:
 
 def print_methods_table(report: dict[str, Any]) -> None:
     print()
-    print(f"{'method':>22} {'wall s':>9} {'vs naive':>9} {'hit rate':>9} {'out tok/s':>10}  idle fraction per replica")
+    print(
+        f"{'method':>22} {'wall s':>9} {'vs naive':>9} {'hit rate':>9} {'out tok/s':>10} {'split':>6} {'misses':>7}"
+        "  idle fraction per replica"
+    )
     for r in report["methods"]:
         vs = f"{r['vs_naive']:.2f}x" if r["vs_naive"] else "-"
         idle = " ".join(f"{k}={v:.0%}" for k, v in r["idle_fraction"].items())
-        print(f"{r['method']:>22} {r['wall_seconds']:9.2f} {vs:>9} {r['hit_rate']:9.1%} {r['output_tokens_per_second']:10.1f}  {idle}")
-    print(f"{'ideal hit rate':>22} {'':9} {'':9} {report['ideal_hit_rate']:9.1%}")
+        print(
+            f"{r['method']:>22} {r['wall_seconds']:9.2f} {vs:>9} {r['hit_rate']:9.1%} {r['output_tokens_per_second']:10.1f}"
+            f" {r['groups_split']:6d} {r['prefix_misses']:7d}  {idle}"
+        )
+    print(f"{'ideal':>22} {'':9} {'':9} {report['ideal_hit_rate']:9.1%} {'':10} {0:6d} {report['groups']:7d}")
+    print("(split: prefix groups run on more than one replica; misses: prompts that missed their prefix)")
     rounds = len(report["methods"][0]["runs"]) if report["methods"] else 0
     if rounds > 1:
         print(f"(each method: the median-wall run of {rounds} interleaved rounds; all runs in the JSON)")
@@ -423,6 +459,11 @@ def add_parsers(sub) -> None:
         help="KV blocks per replica (128 tokens each on CPU): less than the prefixes need, as on the reference's GPUs",
     )
     p.add_argument("--window", type=int, default=256, help="engine-worker in-flight window (prompts)")
+    p.add_argument(
+        "--buffer-prompts", type=int, default=0,
+        help="bucketer buffer bound in prompts (default: the bucketer's own); far below the number of prompts, "
+        "prefix groups leave in fragments and routing decides the hit rate",
+    )
     p.add_argument(
         "--repeat", type=int, default=0,
         help="rounds over all methods, interleaved; each method reports its median-wall run (default 1; 3 with --quick)",

@@ -121,8 +121,8 @@ class HonchoCluster:
 
 # The session cluster's KV cache is constrained (128 blocks of 128 tokens per replica) so
 # test datasets do not fit and eviction is real; the bucketer's buffer is small so that a
-# prefix's prompts are spread over several buckets, as in a stream far larger than the
-# buffer (where routing decides the hit rate).
+# prefix's prompts leave in several fragments, as in a stream far larger than the buffer
+# (where routing decides the hit rate).
 CLUSTER_KV_BLOCKS = 128
 CLUSTER_BUFFER_PROMPTS = 64
 

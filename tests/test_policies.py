@@ -490,7 +490,7 @@ def test_route_parts_nowhere_when_all_capped(name):
 def test_route_parts_prefers_open_replicas_and_admits_the_batch_whole():
     # The cap admits a pooled batch as a whole (like a single bucket, which may also take a
     # replica past its cap): parts go to replicas with room while any has room; once none
-    # has, the rest of the admitted batch goes to the least loaded live replica.
+    # has, the rest of the admitted batch is ranked among all live replicas.
     f = fleet(("a", 0), ("b", 0), cap=100)
     p = PrefixAware(slack_tokens=10**6, split_factor=NO_SPLIT)
     out = p.route_parts(f, NOW, [(1, 100, [1]), (1, 100, [2]), (1, 100, [3])])
@@ -498,6 +498,18 @@ def test_route_parts_prefers_open_replicas_and_admits_the_batch_whole():
     assert sorted(r.outstanding for r in f.replicas.values()) == [100, 200]
     # A batch arriving when every replica is at its cap is refused.
     assert p.route_parts(f, NOW, [(1, 10, [4])]) is None
+
+
+def test_route_parts_past_the_caps_still_follows_each_prefix():
+    # Once an admitted batch has filled every replica's cap, its remaining parts still go
+    # where their prefix is (they used to go to the least loaded, scattering prefixes).
+    f = fleet(("a", 0), ("b", 0), cap=100)
+    f.assign(f.replicas["a"], 1, 0, [1])
+    f.assign(f.replicas["b"], 1, 0, [2])
+    p = PrefixAware(slack_tokens=10**6, split_factor=NO_SPLIT)
+    out = p.route_parts(f, NOW, [(1, 100, [1]), (1, 100, [2]), (1, 50, [2]), (1, 10, [1])])
+    assert names(out) == [("a", 1), ("b", 2), ("a", 1)]
+    assert f.replicas["a"].outstanding == 110 and f.replicas["b"].outstanding == 150
 
 
 route_parts_specs = st.lists(

@@ -286,17 +286,14 @@ class PrefixAware(Policy):
     def route_parts(self, fleet, now, parts):
         """Each part goes where its own prefix is (the reference loses this: it sends a
         pooled batch with no key). Consecutive parts for one replica are merged. The cap
-        admits the batch as a whole: parts go to replicas with room while any has room,
-        the rest of an admitted batch to the least loaded."""
+        admits the batch as a whole: parts are ranked among the replicas with room while
+        any has room, then among all live ones (still by affinity: an admitted batch's
+        tail must not scatter its prefixes)."""
         if not fleet.open(now):
             return None
         out: Assignments = []
         for prompts, tokens, key in parts:
-            open_ = fleet.open(now)
-            if open_:
-                r = self.ranked(fleet, open_, key)[0]
-            else:
-                r = min(fleet.live(now), key=lambda x: (x.outstanding, x.name))
+            r = self.ranked(fleet, fleet.open(now) or fleet.live(now), key)[0]
             fleet.assign(r, prompts, tokens, key)
             if out and out[-1][0] is r:
                 out[-1] = (r, out[-1][1] + prompts)

@@ -65,6 +65,14 @@ class Router:
             return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.05)
         self.routed += 1
         self.split += len(chosen) > 1
+        log.debug(
+            "routed",
+            prompts=req.prompts or sum(p.prompts for p in req.parts),
+            key_blocks=len(req.key),
+            keys=[k[-1] % 9973 if k else 0 for k in ([p.key for p in req.parts] or [req.key])],
+            to=[(r.name, n) for r, n in chosen],
+            outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
+        )
         return m.RouteReply([m.Assignment(r.name, n) for r, n in chosen])
 
     def set_policy(self, name: str) -> None:
