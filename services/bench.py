@@ -14,12 +14,15 @@ method reports its median-wall run: this machine's run-to-run noise is ~10 %):
                cut into R contiguous ranges, each streamed to its replica;
 4. bucketing-daft  the full service pipeline with the reference (`daft`) routing;
 5. bucketing   the full service pipeline with the defaults (`prefix-aware` routing,
-               eager release, prefix-group scheduling).
+               eager release, prefix-group scheduling);
+   bucketing-round-robin  (extra) method 5 with `round-robin` routing: what routing
+               alone is worth.
 Methods 1-3 publish work batches straight to `pfx.work.<replica>`; 4-5 publish prompts
 to the ingest subject like any client. Methods 1-4 run vLLM's FCFS order (the reference
-used vanilla vLLM); 5 uses prefix-group priorities. Every method's wall time includes
-tokenizing the dataset (methods 1-3 in one batch call, 4-5 in the ingestor) and runs
-from then to the last result; hit rate is cached / prompt tokens over the job's results.
+used vanilla vLLM); 5 and bucketing-round-robin use prefix-group priorities. Every
+method's wall time includes tokenizing the dataset (methods 1-3 in one batch call, 4-5
+in the ingestor) and runs from then to the last result; hit rate is cached / prompt
+tokens over the job's results.
 
 `pipeline` pushes prompts through every service with the `echo` engine (no model) and
 reports prompts per second end to end and each service's peak RSS.
@@ -303,7 +306,7 @@ async def bench_methods_async(args) -> dict[str, Any]:
             job = f"bench-{method}-{round_}-{int(time.time())}"
             out_dir = out_root / method
             shutil.rmtree(out_dir, ignore_errors=True)  # the last run's rows would be taken as done
-            await prepare_engines(nc, replicas, "prefix-groups" if method == "bucketing" else "fcfs")
+            await prepare_engines(nc, replicas, "prefix-groups" if method in ("bucketing", "bucketing-round-robin") else "fcfs")
             before = {r: (await engine_status(nc, r)).idle_seconds for r in replicas}
             if method in ("naive", "continuous", "sorted"):
                 spec = m.JobSpec(job=job, out_dir=str(out_dir), sampling=sampling, created_at=time.time(), total=len(rows))
