@@ -129,9 +129,9 @@ def test_prefix_aware_routing_reaches_ideal_hit_rate(vllm_cluster, tiny_model, t
     and each replica must keep all 32 prefixes (96 blocks) next to its running requests
     in 128 blocks, so later fragments also find their prefix evicted. Prefix-aware
     keeps a group on one replica (16 prefixes each). Each split or eviction costs 384
-    of 253,952 prompt tokens (0.0015 of hit rate); measured: prefix-aware 0.707-0.724,
-    round-robin 0.668-0.711 (its 10-27 split groups), prefix-aware ahead by >= 0.018 in
-    every run (docs/benchmarks.md)."""
+    of 253,952 prompt tokens (0.0015 of hit rate). Measured in 15 runs: prefix-aware
+    0.710-0.720, round-robin 0.672-0.708 (9-25 split groups), prefix-aware ahead by
+    0.010-0.042 every time (docs/benchmarks.md)."""
     data = tmp_path / "prompts.parquet"
     # 3 prefix blocks + 1 block of suffix and output per prompt (384 + 112 + 8 tokens).
     table = write_prefix_repetition(
