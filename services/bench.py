@@ -230,10 +230,11 @@ def group_stats(results: list[m.Result], group_of: dict[Any, int], prefix_tokens
     return sum(len(v) > 1 for v in replicas.values()), misses
 
 
-def summarize(method: str, extra: dict, idle: dict[str, float], groups: tuple[int, int] = (0, 0)) -> MethodResult:
+def summarize(method: str, extra: dict, idle: dict[str, float], group_of: dict[Any, int], prefix_tokens: int) -> MethodResult:
     results: list[m.Result] = extra.pop("results")
     wall = extra.pop("wall")
     ok = [r for r in results if r.error is None]
+    split, misses = group_stats(results, group_of, prefix_tokens)
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     output = sum(r.output_tokens for r in ok)
@@ -248,8 +249,8 @@ def summarize(method: str, extra: dict, idle: dict[str, float], groups: tuple[in
         hit_rate=round(cached / prompt, 4) if prompt else 0.0,
         output_tokens_per_second=round(output / wall, 2) if wall else 0.0,
         idle_fraction={r: round(v / wall, 4) for r, v in idle.items()} if wall else {},
-        groups_split=groups[0],
-        prefix_misses=groups[1],
+        groups_split=split,
+        prefix_misses=misses,
         extra=extra,
     )
 
@@ -319,8 +320,7 @@ async def bench_methods_async(args) -> dict[str, Any]:
                 assert reply.data.decode() == policy, reply.headers
                 extra = await run_pipeline(nc, cluster.url, job, rows, out_dir, sampling)
             after = {r: (await engine_status(nc, r)).idle_seconds for r in replicas}
-            groups = group_stats(extra["results"], group_of, prefix_tokens)
-            res = summarize(method, extra, {r: after[r] - before[r] for r in replicas}, groups)
+            res = summarize(method, extra, {r: after[r] - before[r] for r in replicas}, group_of, prefix_tokens)
             results.append(res)
             print(
                 f"{method:>22}: {res.wall_seconds:8.2f} s  hit {res.hit_rate:6.1%}  out tok/s {res.output_tokens_per_second:8.1f}"

@@ -132,4 +132,3 @@ def test_prefix_repetition_ids_are_what_the_prompts_encode_to(dataset_tokenizer_
     assert ids.shape == (40, 17)
     assert [e.ids for e in tok.encode_batch(table["prompt"].to_pylist())] == ids.tolist()
     assert groups.tolist() == table["prefix_id"].to_pylist()
-

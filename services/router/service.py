@@ -65,14 +65,15 @@ class Router:
             return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.05)
         self.routed += 1
         self.split += len(chosen) > 1
-        log.debug(
-            "routed",
-            prompts=req.prompts or sum(p.prompts for p in req.parts),
-            key_blocks=len(req.key),
-            keys=[k[-1] % 9973 if k else 0 for k in ([p.key for p in req.parts] or [req.key])],
-            to=[(r.name, n) for r, n in chosen],
-            outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
-        )
+        if self.cfg.log_level == "debug":  # per decision: only build the fields when shown
+            log.debug(
+                "routed",
+                prompts=req.prompts or sum(p.prompts for p in req.parts),
+                # Each part's prefix as (blocks, last block hash in 4 hex digits).
+                keys=[(len(k), f"{k[-1] & 0xFFFF:04x}" if k else "") for k in ([p.key for p in req.parts] or [req.key])],
+                to=[(r.name, n) for r, n in chosen],
+                outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
+            )
         return m.RouteReply([m.Assignment(r.name, n) for r, n in chosen])
 
     def set_policy(self, name: str) -> None:
