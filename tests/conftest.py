@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
-from services.make_model import make_model
-from shared import messages as m
-from shared import subjects
-from shared.nats_conn import close, connect
+from cli.local_cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
+from cli.make_model import make_model
+from shared.wire import subjects
+from shared.bus.connection import close, connect
 
-from shared.logs import setup_logging
+from shared.process.logs import setup_logging
 
 setup_logging("tests", fmt="console", level="warning")
 

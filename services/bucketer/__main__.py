@@ -1,4 +1,4 @@
-from services.serve import main_for
+from services.registry import main_for
 
 if __name__ == "__main__":
     main_for("bucketer")

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from sortedcontainers import SortedDict, SortedList
 
-from shared import tokens as tk
-from shared.prefix_keys import block_hashes
+from shared.prefix import tokens as tk
+from shared.prefix.block_keys import block_hashes
 
 Key = tuple[bytes, int]
 """Sort key of an item: (packed token ids, arrival sequence number)."""
@@ -40,7 +40,7 @@ Key = tuple[bytes, int]
 @dataclass(slots=True)
 class Item:
     tokens: bytes
-    """Packed token ids (`shared.tokens.pack`)."""
+    """Packed token ids (`shared.prefix.tokens.pack`)."""
     arrived: float
     payload: object = None
     """Whatever the caller needs back (the wire prompt)."""

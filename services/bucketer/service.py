@@ -21,12 +21,15 @@ import nats.errors
 import structlog
 from nats.aio.msg import Msg
 
-from shared import messages as m
-from shared import subjects
-from shared.config import BucketerConfig
-from shared.nats_conn import DurablePull, close, connect, provision
-from shared.poison import error_rows, is_poison, quarantine
-from shared.runtime import PublishError, keep_in_progress, publish
+from shared.wire import messages as m
+from shared.wire import subjects
+from shared.process.config import BucketerConfig
+from shared.bus.pull import DurablePull
+from shared.bus.connection import close, connect
+from shared.bus.provision import provision
+from shared.bus.poison import error_rows, is_poison, quarantine
+from shared.bus.publish import PublishError, publish
+from shared.bus.pull import keep_in_progress
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
 
 log = structlog.get_logger()
@@ -49,7 +52,7 @@ class Bucketer:
             min_bucket=cfg.min_bucket,
             threshold=cfg.threshold,
             max_wait=cfg.max_wait,
-            block_size=cfg.block_size,
+            block_size=cfg.hash_block_size,
             pool_size=cfg.pool_size,
         )
         self.last_input = time.monotonic()

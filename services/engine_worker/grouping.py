@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from shared.prefix_keys import block_hashes
+from shared.prefix.block_keys import first_block_key
 
 
 class GroupPriorities:
@@ -26,8 +26,7 @@ class GroupPriorities:
 
     def group(self, tokens: bytes) -> int:
         """A prompt's group: the hash of its first KV block (whole prompt if shorter)."""
-        hashes = block_hashes(tokens, self.block_size, max_blocks=1)
-        return hashes[0] if hashes else hash(tokens)
+        return first_block_key(tokens, self.block_size)
 
     def priority(self, tokens: bytes) -> int:
         """Lower runs first. Stable for a group while it is young."""

@@ -22,14 +22,17 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from shared import messages as m
-from shared import subjects
-from shared import tokens as tk
-from shared.config import EngineWorkerConfig
-from shared.jobs import JobCache
-from shared.nats_conn import DurablePull, close, connect, provision
-from shared.poison import error_rows, is_poison, quarantine
-from shared.runtime import PublishError, keep_in_progress, publish
+from shared.wire import messages as m
+from shared.wire import subjects
+from shared.prefix import tokens as tk
+from shared.process.config import EngineWorkerConfig
+from shared.bus.jobs import JobCache
+from shared.bus.pull import DurablePull
+from shared.bus.connection import close, connect
+from shared.bus.provision import provision
+from shared.bus.poison import error_rows, is_poison, quarantine
+from shared.bus.publish import PublishError, publish
+from shared.bus.pull import keep_in_progress
 from services.engine_worker.engines import RequestFailed, make_engine
 from services.engine_worker.grouping import GroupPriorities
 
@@ -60,7 +63,7 @@ class EngineWorker:
         self.outbox: dict[str, list[tuple[m.Result, int]]] = defaultdict(list)
         self.tasks: set[asyncio.Task] = set()
         self.fatal: BaseException | None = None
-        self.groups = GroupPriorities(block_size=128, max_age=4 * cfg.window)
+        self.groups = GroupPriorities(block_size=cfg.hash_block_size, max_age=4 * cfg.window)
         self.scheduling = cfg.scheduling
         self.idle_seconds = 0.0
         """Time with no prompt in the engine, since start (the bench's idle fraction)."""
@@ -74,7 +77,6 @@ class EngineWorker:
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
-        self.groups.block_size = self.engine.snapshot().block_size or 128
         nc = await connect(self.cfg.nats_url, f"engine-{self.cfg.replica}")
         self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)

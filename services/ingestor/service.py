@@ -10,37 +10,30 @@ stream. Several ingestors can share the work (one durable pull consumer).
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections import defaultdict
 
 import structlog
 from nats.aio.msg import Msg
 
-from shared import messages as m
-from shared import subjects
-from shared import tokens as tk
-from shared.config import IngestorConfig
-from shared.jobs import JobCache
-from shared.nats_conn import DurablePull, close, connect, provision
-from shared.prefix_keys import block_hashes
-from shared.poison import deliveries, is_poison, quarantine
-from shared.runtime import PublishError, ack_all, publish
-from shared.sharding import Sharder
-from shared.tokenize import load_tokenizer, model_max_len
+from shared.wire import messages as m
+from shared.wire import subjects
+from shared.prefix import tokens as tk
+from shared.process.config import IngestorConfig
+from shared.bus.jobs import JobCache
+from shared.bus.pull import DurablePull
+from shared.bus.connection import close, connect
+from shared.bus.provision import provision
+from shared.prefix.block_keys import first_block_key
+from shared.bus.poison import deliveries, is_poison, quarantine
+from shared.bus.publish import PublishError, ack_all, publish
+from shared.prefix.sharding import Sharder
+from shared.prefix.tokenize import load_tokenizer, model_max_len
 from services.ingestor.validate import Record, Rejected, length_error, parse_many
 
 log = structlog.get_logger()
 
 MAX_PROMPTS_PER_MESSAGE = 512
-
-
-def shard_key(tokens: bytes, block_size: int) -> int:
-    """Hash of the prompt's first KV block (of the whole prompt if shorter)."""
-    hashes = block_hashes(tokens, block_size, max_blocks=1)
-    if hashes:
-        return hashes[0]
-    return int.from_bytes(hashlib.blake2b(tokens, digest_size=8).digest(), "little") >> 1
 
 
 class Ingestor:
@@ -147,7 +140,7 @@ class Ingestor:
                     m.Result(rec.id, rec.columns, error=err, prompt_tokens=n, finish_reason=m.FinishReason.ERROR)
                 )
                 continue
-            node = self.sharder.pick(shard_key(tokens, self.cfg.block_size), nodes)
+            node = self.sharder.pick(first_block_key(tokens, self.cfg.hash_block_size), nodes)
             by_node[node].append(m.Prompt(job, rec.id, tokens, rec.columns, sampling.max_tokens))
         # 3. Publish everything, wait for the acks, then ack the inputs.
         pubs = []

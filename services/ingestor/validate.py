@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from shared.messages import PromptId
+from shared.wire.messages import PromptId
 
 ID_HEADER = "Pfx-Id"
 
@@ -36,7 +36,7 @@ class Record(msgspec.Struct):
     columns: bytes
     """msgpack map of every field but `id` (so `prompt` is carried through too)."""
     tokens: bytes | None = None
-    """Pre-tokenized input (`prompt_token_ids`), packed (`shared.tokens`): the ingestor
+    """Pre-tokenized input (`prompt_token_ids`), packed (`shared.prefix.tokens`): the ingestor
     skips tokenization."""
 
 
@@ -111,7 +111,7 @@ def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
 
 
 def _pack_ids(token_ids: Any) -> bytes | None:
-    """Token ids as packed big-endian uint32 (`shared.tokens.pack`), None unless a list
+    """Token ids as packed big-endian uint32 (`shared.prefix.tokens.pack`), None unless a list
     of integers in [0, 2**32). C loops only: `map(type)` rules out bools and floats,
     `array` checks the range as it fills."""
     if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= {int}:

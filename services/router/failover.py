@@ -12,17 +12,16 @@ stops and the worker (re-)binds its consumer.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import structlog
 
-from shared import messages as m
-from shared import subjects
-from shared import nats_conn
-from shared.nats_conn import DurablePull, ensure_consumer
-from shared.poison import PRIOR_DELIVERIES, deliveries, error_rows, is_poison, quarantine
-from shared.runtime import PublishError, publish
+from shared.wire import messages as m
+from shared.wire import subjects
+from shared.bus.pull import DurablePull
+from shared.bus.provision import ensure_consumer
+from shared.bus.poison import PRIOR_DELIVERIES, deliveries, error_rows, is_poison, quarantine
+from shared.bus.publish import PublishError, publish
 
 log = structlog.get_logger()
 
@@ -32,13 +31,18 @@ class Failover:
         self.router = router
         self.rescuing: dict[str, DurablePull] = {}
         self.moved = 0
+        self.reconnected_at: float | None = None
+        """Monotonic time of the router's last NATS reconnect (set by `on_reconnect`)."""
+
+    def on_reconnect(self) -> None:
+        self.reconnected_at = time.monotonic()
 
     async def tick(self) -> None:
         fleet = self.router.fleet
         now = time.monotonic()
         # Just back from our own disconnect: nobody could report meanwhile, so silence is
         # not death. Give every replica one dead_after to be heard again.
-        if nats_conn.last_reconnect and asyncio.get_running_loop().time() - nats_conn.last_reconnect < fleet.dead_after:
+        if self.reconnected_at is not None and now - self.reconnected_at < fleet.dead_after:
             for r in fleet.replicas.values():
                 r.last_seen = max(r.last_seen, now - fleet.dead_after / 2)
             return

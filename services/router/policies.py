@@ -32,7 +32,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared.prefix_keys import matched_blocks
+from shared.prefix.block_keys import matched_blocks
+from shared.process import config as cfgmod
 
 Key = tuple[int, ...]
 MIN_HISTORY = 8
@@ -302,7 +303,7 @@ class PrefixAware(Policy):
         return out
 
 
-POLICIES = ("prefix-aware", "daft", "least-loaded", "round-robin")
+POLICIES = cfgmod.POLICIES
 
 
 def make_policy(name: str, *, slack_tokens: int = 0, split_factor: float = 2.0) -> Policy:

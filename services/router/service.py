@@ -16,10 +16,11 @@ from nats.aio.msg import Msg
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from shared import messages as m
-from shared import subjects
-from shared.config import RouterConfig
-from shared.nats_conn import close, connect, provision
+from shared.wire import messages as m
+from shared.wire import subjects
+from shared.process.config import RouterConfig
+from shared.bus.connection import close, connect
+from shared.bus.provision import provision
 from services.router.failover import Failover
 from services.router.policies import Fleet, make_policy
 
@@ -86,10 +87,10 @@ class Router:
         log.info("policy set", policy=name)
 
     async def run(self, stop: asyncio.Event) -> None:
-        nc = await connect(self.cfg.nats_url, "router")
+        failover = Failover(self)
+        nc = await connect(self.cfg.nats_url, "router", on_reconnect=failover.on_reconnect)
         self.js = nc.jetstream()
         await provision(self.js)
-        failover = Failover(self)
 
         async def on_status(msg: Msg) -> None:
             try:

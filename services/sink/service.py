@@ -15,13 +15,15 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from shared import messages as m
-from shared import subjects
-from shared.config import SinkConfig
-from shared.jobs import JobCache
-from shared.nats_conn import DurablePull, close, connect, provision
-from shared.poison import deliveries, is_poison, quarantine
-from shared.runtime import ack_all
+from shared.wire import messages as m
+from shared.wire import subjects
+from shared.process.config import SinkConfig
+from shared.bus.jobs import JobCache
+from shared.bus.pull import DurablePull
+from shared.bus.connection import close, connect
+from shared.bus.provision import provision
+from shared.bus.poison import deliveries, is_poison, quarantine
+from shared.bus.publish import ack_all
 from services.sink.writer import JobOutput
 
 log = structlog.get_logger()

@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from services.sink.idset import IdSet
-from shared.messages import JobSpec, Result, columns_decoder
+from shared.wire.ids import IdSet
+from shared.wire.messages import JobSpec, Result, columns_decoder
 
 OUTPUT_TYPES = {
     "output": pa.string(),

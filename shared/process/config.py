@@ -1,0 +1,202 @@
+"""Typed configuration for every service, from flags and environment variables.
+
+Each service has a strict `msgspec.Struct`: a field is a flag (`--max-wait`) and an
+environment variable (`PFX_MAX_WAIT`); precedence is flag > environment > default. The
+description in each field's `Meta` is the flag's `--help` text. Values are validated
+(types and ranges) when the service starts, so a bad setting fails at once with a clear
+message instead of misbehaving later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import typing
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from shared.prefix.block_keys import HASH_BLOCK_SIZE
+
+ENV_PREFIX = "PFX_"
+DEFAULT_MODEL = ".prefixflow/models/tiny-llama"
+"""Where `prefixflow make-model` builds the local random-weight model (the default model)."""
+POLICIES = ("prefix-aware", "daft", "least-loaded", "round-robin")
+"""Routing policies (`services/router/policies.py`), the default first."""
+ENGINES = ("vllm", "echo")
+"""Engine kinds: vllm (the real engine), echo (no model; tests of the orchestration)."""
+Policy = Literal["prefix-aware", "daft", "least-loaded", "round-robin"]
+EngineKind = Literal["vllm", "echo"]
+
+Positive = Annotated[int, Meta(gt=0)]
+Seconds = Annotated[float, Meta(gt=0)]
+
+
+def _d(text: str, **constraints: Any) -> Meta:
+    return Meta(description=text, **constraints)
+
+
+class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    nats_url: Annotated[str, _d("NATS server URL(s), comma separated")] = "nats://127.0.0.1:4222"
+    log_format: Annotated[
+        Literal["auto", "console", "json"], _d("log renderer; auto: console on a TTY, else JSON")
+    ] = "auto"
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level")] = "info"
+    drain_timeout: Annotated[float, _d("seconds to finish in-flight work on SIGTERM", gt=0)] = 4.0
+
+
+class ModelConfig(CommonConfig, kw_only=True):
+    model: Annotated[str, _d("model directory or hub id (default: the locally built tiny model)")] = (
+        DEFAULT_MODEL
+    )
+    max_model_len: Annotated[int, _d("longest prompt + output, in tokens", gt=0)] = 4096
+
+
+class IngestorConfig(ModelConfig, kw_only=True):
+    fetch_batch: Annotated[int, _d("ingest messages fetched per pull", gt=0)] = 64
+    default_node: Annotated[str, _d("bucketer node used while no bucketer has reported")] = "node0"
+    hash_block_size: Annotated[int, _d("prefix-key block length in tokens (sharding key)", gt=0)] = HASH_BLOCK_SIZE
+    shard_epsilon: Annotated[
+        float, _d("bounded-load sharding: a bucketer may take (1 + this) x the average recent load", gt=0)
+    ] = 0.25
+
+
+class BucketerConfig(CommonConfig, kw_only=True):
+    node: Annotated[str, _d("this node's name (bucketer subject pfx.bucket.<node>)")] = "node0"
+    buffer_prompts: Annotated[int, _d("most prompts held in the buffer", gt=0)] = 5000
+    buffer_bytes: Annotated[int, _d("most token bytes held in the buffer", gt=0)] = 256 * 1024 * 1024
+    min_bucket: Annotated[
+        int, _d("released buckets this large go out keyed by their prefix; smaller ones are pooled", gt=0)
+    ] = 16
+    threshold: Annotated[
+        float, _d("new bucket when neighbours share less than this fraction of the shorter prompt", ge=0, le=1)
+    ] = 0.33
+    max_wait: Annotated[float, _d("longest a prompt waits in the buffer, seconds", gt=0)] = 5.0
+    idle_flush: Annotated[
+        float, _d("release everything after this long without new input and none left upstream (end of input), seconds", gt=0)
+    ] = 0.5
+    hash_block_size: Annotated[int, _d("prefix-key block length in tokens (bucket keys)", gt=0)] = HASH_BLOCK_SIZE
+    max_batch: Annotated[int, _d("most prompts in one work message", gt=0)] = 256
+    pool_size: Annotated[
+        int, _d("pooled (mixed) batches go out at this many prompts (at least min_bucket)", gt=0)
+    ] = 64
+    eager: Annotated[
+        bool, _d("also release the largest buckets whenever the router reports free room on the replicas")
+    ] = True
+    eager_delay: Annotated[
+        float,
+        _d("eager release starts once no input is left upstream (the ingest stream and this node's "
+           "bucket stream are drained), or at the latest when the oldest prompt has waited this long, seconds", ge=0),
+    ] = 2.0
+
+    def __post_init__(self) -> None:
+        _check_name("node", self.node)
+
+
+class RouterConfig(CommonConfig, kw_only=True):
+    policy: Annotated[
+        Policy, _d("routing policy")
+    ] = "prefix-aware"
+    hash_block_size: Annotated[
+        int, _d("prefix-key block length in tokens (as the bucketers'); engine KV blocks are converted", gt=0)
+    ] = HASH_BLOCK_SIZE
+    replica_cap_tokens: Annotated[
+        int, _d("outstanding work tokens per replica before retry-after (0: cap_windows engine windows)", ge=0)
+    ] = 0
+    cap_windows: Annotated[float, _d("automatic cap: engine windows of average prompts per replica", gt=0)] = 2.0
+    dead_after: Annotated[float, _d("seconds without status before a replica is excluded", gt=0)] = 5.0
+    history: Annotated[int, _d("prefix keys remembered per replica when it reports no KV capacity", gt=0)] = 64
+    load_slack_tokens: Annotated[
+        int, _d("prefix-aware: a replica this many tokens above the least loaded may still win on a match (0: its cap)", ge=0)
+    ] = 0
+    split_factor: Annotated[
+        float, _d("prefix-aware: split a bucket larger than this many fair shares of the outstanding work", gt=0)
+    ] = 2.0
+
+
+class EngineWorkerConfig(ModelConfig, kw_only=True):
+    replica: Annotated[str, _d("this replica's name (work subject pfx.work.<replica>)")] = "r0"
+    engine: Annotated[EngineKind, _d("vllm: the real engine; echo: no model (tests of orchestration)")] = "vllm"
+    window: Annotated[int, _d("most prompts in flight in the engine", gt=0)] = 256
+    kv_cache_blocks: Annotated[
+        int, _d("cap the KV cache at this many blocks (0: as much as the memory budget allows)", ge=0)
+    ] = 0
+    hash_block_size: Annotated[int, _d("prefix-key block length in tokens (prefix groups)", gt=0)] = HASH_BLOCK_SIZE
+    max_num_seqs: Annotated[int, _d("vLLM max_num_seqs (requests scheduled together)", gt=0)] = 256
+    result_batch: Annotated[int, _d("results per published message", gt=0)] = 64
+    result_linger: Annotated[float, _d("seconds a partial result batch may wait", gt=0)] = 0.05
+    echo_delay: Annotated[float, _d("echo engine: seconds per prompt (to simulate work)", ge=0)] = 0.0
+    echo_crash_token: Annotated[
+        int, _d("echo engine: exit like a dead engine on a prompt holding this token id (fault tests; -1: off)", ge=-1)
+    ] = -1
+    enforce_eager: Annotated[bool, _d("vLLM enforce_eager (no graph capture; fast start)")] = True
+    status_interval: Annotated[
+        float, _d("seconds between status messages (the router's view of load lags by this much)", gt=0)
+    ] = 0.25
+    scheduling: Annotated[
+        Literal["prefix-groups", "fcfs"],
+        _d("prefix-groups: vLLM priority scheduling, prompts of a prefix group seen earlier first; fcfs: arrival order"),
+    ] = "prefix-groups"
+
+    def __post_init__(self) -> None:
+        _check_name("replica", self.replica)
+
+
+class SinkConfig(CommonConfig, kw_only=True):
+    flush_rows: Annotated[int, _d("rows buffered per job before a Parquet part is written", gt=0)] = 4096
+    flush_seconds: Annotated[float, _d("longest a row waits before its part is written", gt=0)] = 0.5
+    fetch_batch: Annotated[int, _d("result messages fetched per pull", gt=0)] = 64
+
+
+def _check_name(what: str, name: str) -> None:
+    from shared.wire.subjects import is_valid_name
+
+    if not is_valid_name(name):
+        raise ValueError(f"{what} {name!r} must be 1-64 letters, digits, '-' or '_' (it is a subject token)")
+
+
+C = typing.TypeVar("C", bound=msgspec.Struct)
+
+
+def _field_help(cls: type) -> dict[str, tuple[str, Any]]:
+    """Map field name -> (description, base type) from `Annotated[..., Meta(...)]`."""
+    out: dict[str, tuple[str, Any]] = {}
+    for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+        desc, base = "", hint
+        if typing.get_origin(hint) is Annotated:
+            base, *metas = typing.get_args(hint)
+            desc = next((m.description for m in metas if isinstance(m, Meta) and m.description), "")
+        out[name] = (desc, base)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) -> None:
+    """Add one `--flag` per field of `cls` (default None: resolved in `load`)."""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(cls)}
+    for name, (desc, base) in _field_help(cls).items():
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        help_text = f"{desc} (env {env}; default {defaults[name]!r})"
+        if typing.get_origin(base) is Literal:
+            parser.add_argument(flag, dest=name, choices=typing.get_args(base), help=help_text)
+        elif base is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, help=help_text)
+
+
+def load(cls: type[C], args: argparse.Namespace | None = None, environ: dict[str, str] | None = None) -> C:
+    """Build a validated config: flags override `PFX_*` variables override defaults."""
+    environ = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    for f in msgspec.structs.fields(cls):
+        value = getattr(args, f.name, None) if args is not None else None
+        if value is None:
+            value = environ.get(ENV_PREFIX + f.name.upper())
+        if value is not None:
+            raw[f.name] = value
+    try:
+        return msgspec.convert(raw, cls, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid configuration: {exc}") from None

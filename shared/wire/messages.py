@@ -1,0 +1,291 @@
+"""Every message that crosses the wire, as `msgspec.Struct`s, in one module.
+
+Encoding: msgpack for everything between services (compact, fast, binary-safe); JSON for
+the two key-value records (`JobSpec`, `JobStatus`) so people can read and write them with
+the `nats` CLI. One message type per subject, decoded with a typed decoder.
+
+Schema evolution: new fields are appended with defaults and never retyped, so services of
+mixed versions keep running (wire structs are lenient: unknown fields are ignored).
+High-volume structs are `array_like` (positional, no field names on the wire) and
+`gc=False` (they hold no reference cycles).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+# --- job control (JSON, in the key-value buckets) ------------------------------------
+
+
+class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Sampling parameters for every prompt of a job (a subset of vLLM's SamplingParams).
+
+    Strict: a misspelt or out-of-range parameter is rejected when the job is created."""
+
+    max_tokens: Annotated[int, Meta(gt=0, le=1_000_000)] = 128
+    """Upper bound on generated tokens per prompt."""
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    """Generate at least this many tokens (EOS is suppressed until then)."""
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    """-1 (or 0) disables top-k."""
+    seed: int | None = None
+    """Per-request seed (the prompt's sequence number is added) for reproducible sampling."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks use it with min_tokens == max_tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be <= max_tokens")
+
+
+class JobSpec(msgspec.Struct, omit_defaults=True):
+    """A job: what to run and where to write it. Created by the client before it
+    publishes prompts; `total` is set when the job is sealed (all prompts published)."""
+
+    job: str
+    out_dir: str
+    """Directory the sink writes `part-*.parquet` and `_summary.json` into."""
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    model: str = ""
+    """The model the client expects; informational (the cluster serves one model)."""
+    created_at: float = 0.0
+    """Unix time the job was (last) submitted; the summary's wall time starts here."""
+    total: int | None = None
+    """Number of distinct prompt ids once sealed; None while prompts are still coming."""
+
+
+class JobStatus(msgspec.Struct, omit_defaults=True):
+    """Progress of a job as the sink sees it (rows durably written to Parquet)."""
+
+    job: str
+    rows: int = 0
+    errors: int = 0
+    total: int | None = None
+    done: bool = False
+    updated_at: float = 0.0
+    summary: dict[str, Any] | None = None
+    """The job's `_summary.json`, once done (so clients on other machines can read it)."""
+    failed: bool = False
+    """The cluster cannot run this job (invalid spec, model or task mismatch); see `error`."""
+    error: str | None = None
+    """Why the job failed."""
+
+
+# --- data plane (msgpack) ------------------------------------------------------------
+
+PromptId = int | str
+"""A prompt's id as the user gave it (`id` column); the sink dedupes on (job, id)."""
+
+
+class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """One validated, tokenized prompt on its way to an engine."""
+
+    job: str
+    id: PromptId
+    tokens: bytes
+    """Token ids, packed big-endian uint32 (`shared.prefix.tokens`): compact, and byte order is
+    token order."""
+    columns: bytes = b""
+    """The input row's other columns (msgpack map, `prompt` included), carried through
+    untouched to the output."""
+    max_tokens: int = 0
+    """The job's max_tokens, so load can be counted in tokens (prompt + output)."""
+
+    @property
+    def work_tokens(self) -> int:
+        """Load this prompt puts on a replica: prompt tokens plus output budget."""
+        return len(self.tokens) // 4 + self.max_tokens
+
+
+class PromptBatch(msgspec.Struct, array_like=True, gc=False):
+    """ingestor -> bucketer (`pfx.bucket.<node>`)."""
+
+    prompts: list[Prompt]
+
+
+class WorkBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """bucketer -> engine-worker (`pfx.work.<replica>`): one bucket, or part of one."""
+
+    bucket: str
+    """Unique bucket id (for logs and dedupe of redeliveries in metrics)."""
+    prompts: list[Prompt]
+    key: list[int] = msgspec.field(default_factory=list)
+    """Block-hash chain of the bucket's common token prefix (empty: mixed batch)."""
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+
+class Result(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """One output row: a completion, or an error row (`error` set)."""
+
+    id: PromptId
+    columns: bytes = b""
+    output: str = ""
+    finish_reason: FinishReason = FinishReason.STOP
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    replica: str = ""
+    error: str | None = None
+
+
+class ResultBatch(msgspec.Struct, array_like=True, gc=False):
+    """ingestor (error rows) / engine-worker -> sink (`pfx.results.<job>`)."""
+
+    job: str
+    results: list[Result]
+
+
+class EngineStatus(msgspec.Struct, omit_defaults=True):
+    """engine-worker -> router (`pfx.status.<replica>`), every second, core NATS."""
+
+    replica: str
+    ts: float
+    ready: bool = False
+    running: int = 0
+    """Requests vLLM is running."""
+    waiting: int = 0
+    """Requests queued inside vLLM."""
+    inflight: int = 0
+    """Prompts submitted to the engine and not finished."""
+    outstanding_tokens: int = 0
+    """Work tokens (prompt + max_tokens) of prompts in the engine (the load measure)."""
+    kv_usage: float = 0.0
+    kv_blocks: int = 0
+    """KV-cache capacity in blocks."""
+    block_size: int = 0
+    prompt_tokens: int = 0
+    """Cumulative prompt tokens of finished requests."""
+    cached_tokens: int = 0
+    """Cumulative prefix-cache hit tokens (vLLM's num_cached_tokens)."""
+    completed: int = 0
+    """Cumulative finished prompts."""
+    done_tokens: int = 0
+    """Cumulative work tokens (prompt + max_tokens) of finished prompts: the router
+    subtracts these from what it routed here."""
+    window: int = 0
+    """Most prompts the worker keeps in flight."""
+    idle_seconds: float = 0.0
+    """Cumulative time with no prompt in the engine."""
+
+
+class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
+    """bucketer -> ingestors (`pfx.hb.bucketer.<node>`), every second, core NATS."""
+
+    node: str
+    ts: float
+    buffered: int = 0
+
+
+class RoutePart(msgspec.Struct, array_like=True):
+    """One small bucket inside a pooled batch."""
+
+    prompts: int
+    tokens: int
+    key: list[int] = msgspec.field(default_factory=list)
+
+
+class RouteRequest(msgspec.Struct, omit_defaults=True):
+    """bucketer -> router (`pfx.route`): where should this bucket go?"""
+
+    bucketer: str
+    prompts: int
+    tokens: int
+    """Work tokens (prompt + max_tokens) of all its prompts."""
+    key: list[int] = msgspec.field(default_factory=list)
+    """Block-hash chain of the bucket's common prefix; empty for a pooled batch."""
+    parts: list[RoutePart] = msgspec.field(default_factory=list)
+    """A pooled batch's small buckets, in prompt order (their prompts sum to `prompts`)."""
+
+
+class Assignment(msgspec.Struct, array_like=True):
+    replica: str
+    prompts: int
+
+
+class RouteReply(msgspec.Struct, omit_defaults=True):
+    """router -> bucketer. Either assignments covering every prompt of the bucket, in
+    order, or `retry_after` seconds when every live replica is at its cap."""
+
+    assignments: list[Assignment] = msgspec.field(default_factory=list)
+    retry_after: float = 0.0
+    error: str | None = None
+
+
+class RouterRoom(msgspec.Struct, omit_defaults=True):
+    """router -> bucketer: free capacity of the fleet, in work tokens (-1: unbounded).
+    The `daft` policy reports 0: the reference releases buckets only when its buffer is
+    over its limit or at end of input."""
+
+    tokens: int = 0
+    live: int = 0
+
+
+router_room_decoder = msgspec.msgpack.Decoder(RouterRoom)
+
+
+# --- batching -----------------------------------------------------------------------
+
+MAX_MESSAGE_BYTES = 512 * 1024
+"""Batches are cut to stay well under nats-server's default 1 MiB max payload."""
+
+
+def prompt_size(p: Prompt) -> int:
+    return len(p.tokens) + len(p.columns) + 48
+
+
+def result_size(r: Result) -> int:
+    return len(r.columns) + len(r.output.encode()) * 2 + len(r.error or "") + 64
+
+
+def chunked(items: list, size_of, max_items: int, max_bytes: int = MAX_MESSAGE_BYTES) -> list[list]:
+    """Split `items` into runs of at most `max_items` and about `max_bytes` each."""
+    out: list[list] = []
+    run: list = []
+    run_bytes = 0
+    for item in items:
+        size = size_of(item)
+        if run and (len(run) >= max_items or run_bytes + size > max_bytes):
+            out.append(run)
+            run, run_bytes = [], 0
+        run.append(item)
+        run_bytes += size
+    if run:
+        out.append(run)
+    return out
+
+
+# --- codecs --------------------------------------------------------------------------
+
+msgpack_encoder = msgspec.msgpack.Encoder()
+json_encoder = msgspec.json.Encoder()
+
+prompt_batch_decoder = msgspec.msgpack.Decoder(PromptBatch)
+work_batch_decoder = msgspec.msgpack.Decoder(WorkBatch)
+result_batch_decoder = msgspec.msgpack.Decoder(ResultBatch)
+engine_status_decoder = msgspec.msgpack.Decoder(EngineStatus)
+heartbeat_decoder = msgspec.msgpack.Decoder(BucketerHeartbeat)
+route_request_decoder = msgspec.msgpack.Decoder(RouteRequest)
+route_reply_decoder = msgspec.msgpack.Decoder(RouteReply)
+job_spec_decoder = msgspec.json.Decoder(JobSpec)
+job_status_decoder = msgspec.json.Decoder(JobStatus)
+columns_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return msgpack_encoder.encode(msg)
+
+
+def encode_json(msg: msgspec.Struct) -> bytes:
+    return json_encoder.encode(msg)

@@ -1,0 +1,304 @@
+"""services.sink.writer: dedupe by id, Parquet parts, restart, summary."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pyarrow.parquet as pq
+import pytest
+
+from services.sink.writer import OUTPUT_TYPES, JobOutput, result_row
+
+OUTPUT_COLUMNS = tuple(OUTPUT_TYPES)
+from shared.wire.messages import FinishReason, JobSpec, Result
+
+pytestmark = pytest.mark.unit
+
+
+def cols(**kw) -> bytes:
+    return msgspec.msgpack.encode(kw)
+
+
+def ok(rid, prompt_tokens=10, cached=0, output=5, replica="r0", **columns):
+    return Result(
+        rid,
+        cols(prompt=f"p{rid}", **columns),
+        output=f"out{rid}",
+        finish_reason=FinishReason.LENGTH,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        output_tokens=output,
+        replica=replica,
+    )
+
+
+def err(rid, msg="boom", replica="", prompt_tokens=0, cached=0):
+    return Result(
+        rid,
+        cols(prompt=f"p{rid}"),
+        output="partial",
+        finish_reason=FinishReason.ERROR,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        replica=replica,
+        error=msg,
+    )
+
+
+def read_dir(path):
+    return pq.read_table(path).to_pylist()
+
+
+# --- result_row -------------------------------------------------------------------------
+
+
+def test_result_row_carries_input_and_output_columns():
+    row = result_row(ok(7, lang="en", n=3))
+    assert row == {
+        "id": 7,
+        "prompt": "p7",
+        "lang": "en",
+        "n": 3,
+        "output": "out7",
+        "finish_reason": "length",
+        "prompt_tokens": 10,
+        "cached_tokens": 0,
+        "output_tokens": 5,
+        "replica": "r0",
+        "error": None,
+    }
+    assert list(row)[0] == "id" and set(OUTPUT_COLUMNS) <= row.keys()
+
+
+def test_result_row_error_and_bare():
+    row = result_row(err("x", "too long"))
+    assert row["output"] is None and row["error"] == "too long" and row["finish_reason"] == "error"
+    assert row["replica"] is None and row["prompt"] == "px"
+    bare = result_row(Result(3))
+    assert bare == {
+        "id": 3,
+        "output": "",
+        "finish_reason": "stop",
+        "prompt_tokens": 0,
+        "cached_tokens": 0,
+        "output_tokens": 0,
+        "replica": None,
+        "error": None,
+    }
+
+
+# --- JobOutput ---------------------------------------------------------------------------
+
+
+def test_duplicates_dropped_and_flush_writes_part(tmp_path):
+    out = JobOutput("j", tmp_path / "o")
+    assert out.add(ok(1)) is True
+    assert out.add(ok(2)) is True
+    assert out.add(ok(1)) is False
+    assert out.add(err(2)) is False
+    assert len(out.pending) == 2
+    assert out.flush() == 2
+    assert out.flush() == 0  # nothing pending: no empty part
+    assert [p.name for p in out.parts()] == ["part-000000.parquet"]
+    assert not list((tmp_path / "o").glob("*.tmp"))
+    rows = read_dir(tmp_path / "o")
+    assert sorted(r["id"] for r in rows) == [1, 2]
+    assert (out.rows, out.errors, out.next_part) == (2, 0, 1)
+    assert out.add(ok(2)) is False  # still deduped after the flush
+
+
+def test_ids_compare_as_text(tmp_path):
+    # 1 and "1" are one prompt id: dedupe must survive a restart that reads back ids a
+    # mixed-type job wrote as strings.
+    out = JobOutput("j", tmp_path)
+    assert out.add(ok(1)) is True
+    assert out.add(ok("1")) is False
+    assert out.add(ok("2")) is True
+    assert out.seen == {"1", "2"}
+
+
+def test_rows_have_input_and_output_columns(tmp_path):
+    out = JobOutput("j", tmp_path)
+    out.add(ok(1, lang="en"))
+    out.add(ok(2, topic="x"))
+    out.add(err(3, "nope", replica="r1"))
+    assert out.flush() == 3
+    rows = {r["id"]: r for r in read_dir(tmp_path)}
+    assert rows[1]["lang"] == "en" and rows[1]["topic"] is None and rows[1]["prompt"] == "p1"
+    assert rows[2]["topic"] == "x" and rows[2]["lang"] is None
+    assert rows[1]["output"] == "out1" and rows[1]["error"] is None and rows[1]["finish_reason"] == "length"
+    assert rows[3]["output"] is None and rows[3]["error"] == "nope" and rows[3]["replica"] == "r1"
+    assert out.errors == 1 and out.rows == 3
+    names = pq.read_schema(out.parts()[0]).names
+    assert names[0] == "id" and set(OUTPUT_COLUMNS) | {"prompt", "lang", "topic"} == set(names) - {"id"}
+
+
+def test_restart_loads_seen_rows_errors_and_continues_numbering(tmp_path):
+    d = tmp_path / "job"
+    a = JobOutput("j", d)
+    for i in range(1, 4):
+        a.add(ok(i))
+    a.add(err(4, replica="r0"))
+    assert a.flush() == 4
+    a.add(ok(5))
+    a.add(err(6, replica="r1"))
+    assert a.flush() == 2
+    a.add(ok(7))  # pending when the sink dies: never written
+    del a
+
+    b = JobOutput("j", d)
+    assert b.seen == {"1", "2", "3", "4", "5", "6"}
+    assert (b.rows, b.errors, b.next_part) == (6, 2, 2)
+    assert b.pending == []
+    assert b.add(ok(3)) is False  # redelivered
+    assert b.add(err(6)) is False
+    assert b.add(ok(7)) is True
+    assert b.add(err(8, replica="r2")) is True
+    assert b.flush() == 2
+    assert [p.name for p in b.parts()] == ["part-000000.parquet", "part-000001.parquet", "part-000002.parquet"]
+    assert (b.rows, b.errors) == (8, 3)
+    # the restarted writer keeps the established column order
+    assert pq.read_schema(b.parts()[2]).names == pq.read_schema(b.parts()[0]).names
+
+    c = JobOutput("j", d)
+    assert (c.rows, c.errors, c.next_part, len(c.seen)) == (8, 3, 3, 8)
+    ids = [r["id"] for r in read_dir(d)]
+    assert sorted(ids) == list(range(1, 9))  # every id exactly once
+
+
+def test_numbering_continues_after_gap(tmp_path):
+    a = JobOutput("j", tmp_path)
+    a.add(ok(1))
+    a.flush()
+    (tmp_path / "part-000000.parquet").rename(tmp_path / "part-000041.parquet")
+    b = JobOutput("j", tmp_path)
+    assert b.next_part == 42
+    b.add(ok(2))
+    b.flush()
+    assert (tmp_path / "part-000042.parquet").exists()
+
+
+def test_summary_totals(tmp_path):
+    d = tmp_path / "out"
+    o = JobOutput("j", d)
+    o.add(ok(1, prompt_tokens=100, cached=50, output=10, replica="r0"))
+    o.add(ok(2, prompt_tokens=200, cached=0, output=20, replica="r1"))
+    o.add(err(4, "too long", replica="", prompt_tokens=300))
+    o.flush()
+    o.add(ok(3, prompt_tokens=100, cached=100, output=5, replica="r0"))
+    o.add(err(5, "engine died", replica="r1", prompt_tokens=40, cached=40))
+    o.add(ok(1, prompt_tokens=9999, cached=9999, output=9999, replica="r9"))  # duplicate: dropped
+    o.flush()
+
+    spec = JobSpec("j", str(d), created_at=1000.0)
+    s = o.write_summary(spec, finished_at=1010.0)
+    assert s["job"] == "j"
+    assert s["rows"] == 5 and s["errors"] == 2
+    # token totals and the hit rate count only non-error rows
+    assert (s["prompt_tokens"], s["cached_tokens"], s["output_tokens"]) == (400, 150, 35)
+    assert s["prefix_cache_hit_rate"] == 0.375
+    assert s["wall_seconds"] == 10.0
+    assert s["output_tokens_per_second"] == 3.5
+    assert s["total_tokens_per_second"] == 43.5
+    assert set(s["replicas"]) == {"r0", "r1"}
+    r0, r1 = s["replicas"]["r0"], s["replicas"]["r1"]
+    assert (r0["rows"], r0["errors"], r0["prompt_tokens"], r0["cached_tokens"], r0["output_tokens"]) == (2, 0, 200, 150, 15)
+    assert r0["prefix_cache_hit_rate"] == 0.75
+    assert r0["output_tokens_per_second"] == 1.5
+    assert (r1["rows"], r1["errors"], r1["prompt_tokens"], r1["cached_tokens"], r1["output_tokens"]) == (2, 1, 200, 0, 20)
+    assert r1["prefix_cache_hit_rate"] == 0.0
+    assert json.loads((d / "_summary.json").read_text()) == s
+    assert not (d / "_summary.json.tmp").exists()
+
+    # the whole directory reads back as one table with every id once
+    ids = sorted(r["id"] for r in read_dir(d))  # _summary.json is skipped
+    assert ids == [1, 2, 3, 4, 5]
+
+    # a restarted writer summarizes the same
+    assert JobOutput("j", d).summarize(spec, finished_at=1010.0) == s
+
+
+def test_summary_empty_and_without_created_at(tmp_path):
+    o = JobOutput("j", tmp_path)
+    s = o.summarize(JobSpec("j", str(tmp_path)))
+    assert (s["rows"], s["errors"], s["prompt_tokens"], s["prefix_cache_hit_rate"]) == (0, 0, 0, 0.0)
+    assert s["replicas"] == {} and s["wall_seconds"] is None
+    o.add(err(1))
+    o.flush()
+    s = o.summarize(JobSpec("j", str(tmp_path)))
+    assert (s["rows"], s["errors"], s["prompt_tokens"], s["prefix_cache_hit_rate"]) == (1, 1, 0, 0.0)
+    assert "output_tokens_per_second" not in s and s["replicas"] == {}
+
+
+def test_read_dir_every_id_once_many_parts(tmp_path):
+    o = JobOutput("j", tmp_path)
+    expected = []
+    for part in range(5):
+        for i in range(part * 10, part * 10 + 10):
+            # each part mixes ok and error rows so column types agree across parts
+            o.add(ok(i) if i % 3 else err(i, replica="r0"))
+            o.add(ok(i))  # duplicate
+            expected.append(i)
+        o.flush()
+    assert len(o.parts()) == 5
+    ids = [r["id"] for r in read_dir(tmp_path)]
+    assert sorted(ids) == expected
+    assert len(ids) == len(set(ids)) == 50
+
+
+def test_read_dir_when_errors_only_in_a_later_part(tmp_path):
+    # part 0 has no error (error all null), part 1 only errors (output, replica all null):
+    # every part still carries the real column types, so the directory reads as one table
+    o = JobOutput("j", tmp_path)
+    o.add(ok(1))
+    o.flush()
+    o.add(err(2))
+    o.flush()
+    for part in o.parts():
+        schema = pq.read_schema(part)
+        for name, typ in OUTPUT_TYPES.items():
+            assert schema.field(name).type == typ, (part.name, name)
+    rows = {r["id"]: r for r in read_dir(tmp_path)}
+    assert rows[1]["output"] == "out1" and rows[1]["error"] is None
+    assert rows[2]["output"] is None and rows[2]["error"] == "boom"
+
+
+def test_null_only_input_column_then_values_after_restart(tmp_path):
+    o = JobOutput("j", tmp_path)
+    o.add(ok(1, note=None))
+    o.flush()
+    o2 = JobOutput("j", tmp_path)  # restart: types reloaded from the part
+    o2.add(ok(2, note="hello"))
+    o2.flush()
+    rows = {r["id"]: r for r in read_dir(tmp_path)}
+    assert rows[1]["note"] is None and rows[2]["note"] == "hello"
+
+
+def test_mixed_int_and_str_ids_in_one_job(tmp_path):
+    # A user error (ids of two types in one job) must not leave rows stuck: the part is
+    # written with that column as strings.
+    o = JobOutput("j", tmp_path)
+    assert o.add(ok(1)) and o.add(ok("a"))
+    assert o.flush() == 2 and not o.pending
+    assert {r["id"] for r in read_dir(tmp_path)} == {"1", "a"}
+
+
+def test_mixed_ids_still_deduped_after_restart(tmp_path):
+    o = JobOutput("j", tmp_path)
+    o.add(ok(1))
+    o.add(ok("a"))
+    o.flush()
+    o2 = JobOutput("j", tmp_path)  # sink restart
+    assert o2.add(ok(1)) is False  # redelivered: already written
+    o2.flush()
+    assert len(read_dir(tmp_path)) == 2
+
+
+def test_read_dir_when_id_type_changes_between_parts(tmp_path):
+    o = JobOutput("j", tmp_path)
+    o.add(ok(1))
+    o.flush()
+    o.add(ok("a"))
+    o.flush()
+    assert len(read_dir(tmp_path)) == 2
