@@ -24,7 +24,9 @@ from pathlib import Path
 
 import structlog
 
-DEFAULT_MODEL_DIR = Path(".prefixflow/models/tiny-llama")
+from shared.process.config import DEFAULT_MODEL
+
+DEFAULT_MODEL_DIR = Path(DEFAULT_MODEL)
 
 STAMP_FILE = "prefixflow_model.json"
 STAMP_VERSION = 1  # bump when the build recipe changes, so old models get rebuilt

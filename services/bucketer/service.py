@@ -77,11 +77,24 @@ class Bucketer:
 
         await nc.subscribe(subjects.ROUTER_ROOM_FREED, cb=on_freed)
         log.info("bucketer ready", node=self.cfg.node)
-        tasks = [
-            asyncio.create_task(self.heartbeat(stop)),
-            asyncio.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], subjects.IN_PROGRESS_EVERY, stop)),
-        ]
-        dispatcher = asyncio.create_task(self.dispatch(stop))
+        # Every loop runs under one TaskGroup: a task that dies takes the process down
+        # (its supervisor restarts it and JetStream redelivers), never leaves prompts
+        # leased by a dispatcher that no longer runs.
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.heartbeat(stop))
+            tg.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], subjects.IN_PROGRESS_EVERY, stop))
+            dispatcher = tg.create_task(self.dispatch(stop))
+            await self.intake(sub, stop)
+            # Shutdown: release everything buffered and publish it, within the drain time.
+            try:
+                await asyncio.wait_for(asyncio.shield(dispatcher), self.cfg.drain_timeout)
+            except asyncio.TimeoutError:
+                log.warning("shutdown: unpublished prompts stay unacked and will be redelivered", held=len(self.holding))
+                dispatcher.cancel()
+        await close(nc, sub)
+
+    async def intake(self, sub: DurablePull, stop: asyncio.Event) -> None:
+        """Pull prompt batches into the buffer while it has room."""
         while not stop.is_set():
             if self.buffer.over():
                 # Full: stop pulling (backpressure) until the dispatcher releases buckets.
@@ -96,14 +109,6 @@ class Bucketer:
             if msgs:
                 self.last_input = now
             self.wake.set()
-        # Shutdown: release everything buffered, publish it, then drain.
-        try:
-            await asyncio.wait_for(dispatcher, self.cfg.drain_timeout)
-        except asyncio.TimeoutError:
-            log.warning("shutdown: unpublished prompts stay unacked and will be redelivered", held=len(self.holding))
-        for t in tasks:
-            t.cancel()
-        await close(nc, sub)
 
     async def take(self, msg: Msg, now: float) -> None:
         try:
@@ -118,7 +123,7 @@ class Bucketer:
             await quarantine(self.js, msg, "bucketing failed repeatedly", error_rows(batch.prompts, "poison message"))
             return
         if not batch.prompts:
-            asyncio.ensure_future(msg.ack())
+            await msg.ack()
             return
         # Held until its last prompt is published, which may take a while (prompts of one
         # message go to many buckets): keep only what acking needs, not the raw payload.

@@ -1,53 +1,65 @@
 """Ingestor: validates and tokenizes user prompts, shards them to the node bucketers.
 
-Loop: fetch a batch from `pfx.ingest.*` -> parse and validate each message -> tokenize
-the good ones in one call -> publish prompt batches to `pfx.bucket.<node>` (node picked by
-the prompt's first KV block) and error rows to `pfx.results.<job>` -> wait for every
-publish ack -> ack the inputs. A message with no recoverable id goes to the dead-letter
-stream. Several ingestors can share the work (one durable pull consumer).
+Loop: fetch a batch from `pfx.ingest.*` -> plan it in a worker thread (parse, validate,
+tokenize, shard: `services/ingestor/plan.py`) -> publish prompt batches to
+`pfx.bucket.<node>` and error rows to `pfx.results.<job>` -> wait for every publish ack
+-> ack the inputs. A message with no recoverable id goes to the dead-letter stream; a
+job whose spec cannot run is marked failed in the job-status bucket. Several ingestors
+can share the work (one durable pull consumer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from collections import defaultdict
 
 import structlog
 from nats.aio.msg import Msg
 
-from shared.wire import messages as m
-from shared.wire import subjects
-from shared.prefix import tokens as tk
-from shared.process.config import IngestorConfig
-from shared.bus.jobs import JobCache
-from shared.bus.pull import DurablePull
+from services.ingestor.plan import Incoming, Model, Plan, plan_batch, poison_rows
 from shared.bus.connection import close, connect
-from shared.bus.provision import provision
-from shared.prefix.block_keys import first_block_key
+from shared.bus.jobs import JobCache
 from shared.bus.poison import deliveries, is_poison, quarantine
-from shared.bus.publish import PublishError, ack_all, publish
+from shared.bus.provision import provision
+from shared.bus.publish import ack_all, publish
+from shared.bus.pull import DurablePull
 from shared.prefix.sharding import Sharder
 from shared.prefix.tokenize import load_tokenizer, model_max_len
-from services.ingestor.validate import Record, Rejected, length_error, parse_many
+from shared.process.config import IngestorConfig
+from shared.wire import messages as m
+from shared.wire import subjects
 
 log = structlog.get_logger()
 
 MAX_PROMPTS_PER_MESSAGE = 512
+BUCKETER_LIVE_FOR = 3.0
+"""Seconds after its last heartbeat that a bucketer still gets prompts."""
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model names (directories or hub ids) are the same model."""
+    if a == b:
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
 class Ingestor:
     def __init__(self, cfg: IngestorConfig) -> None:
         self.cfg = cfg
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.vocab_size = self.tokenizer.get_vocab_size()
-        self.max_model_len = min(cfg.max_model_len, model_max_len(cfg.model, cfg.max_model_len))
+        tokenizer = load_tokenizer(cfg.model)
+        self.model = Model(
+            encode_batch=lambda texts: [e.ids for e in tokenizer.encode_batch_fast(texts)],
+            vocab_size=tokenizer.get_vocab_size(),
+            max_model_len=min(cfg.max_model_len, model_max_len(cfg.model, cfg.max_model_len)),
+            hash_block_size=cfg.hash_block_size,
+        )
         self.bucketers: dict[str, float] = {}  # node -> last heartbeat (monotonic)
         self.sharder = Sharder(epsilon=cfg.shard_epsilon)
 
     def live_nodes(self) -> list[str]:
         now = time.monotonic()
-        nodes = sorted(n for n, seen in self.bucketers.items() if now - seen < 3.0)
+        nodes = sorted(n for n, seen in self.bucketers.items() if now - seen < BUCKETER_LIVE_FOR)
         return nodes or [self.cfg.default_node]
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -56,6 +68,7 @@ class Ingestor:
         await provision(js)
         self.js = js
         self.jobs = JobCache(await js.key_value(subjects.JOBS_KV))
+        self.status_kv = await js.key_value(subjects.JOB_STATUS_KV)
         sub = DurablePull(js, subjects.ingestor_consumer())
 
         async def on_heartbeat(msg: Msg) -> None:
@@ -63,10 +76,11 @@ class Ingestor:
                 hb = m.heartbeat_decoder.decode(msg.data)
             except Exception:  # noqa: BLE001 - a foreign message on our subject
                 return
-            self.bucketers[hb.node] = time.monotonic()
+            if subjects.is_valid_name(hb.node):
+                self.bucketers[hb.node] = time.monotonic()
 
         await nc.subscribe(subjects.ALL_BUCKETER_HEARTBEATS, cb=on_heartbeat)
-        log.info("ingestor ready", max_model_len=self.max_model_len)
+        log.info("ingestor ready", max_model_len=self.model.max_model_len)
         while not stop.is_set():
             msgs = await sub.fetch(self.cfg.fetch_batch, timeout=1.0)
             if not msgs:
@@ -81,96 +95,67 @@ class Ingestor:
     async def handle_safely(self, msgs: list[Msg]) -> None:
         if len(msgs) == 1 and is_poison(msgs[0]):
             msg = msgs[0]
-            rows = []
-            try:
-                job = subjects.job_from_subject(msg.subject)
-                why = f"poison message: failed {deliveries(msg)} deliveries"
-                rows = [(job, m.Result(r.id, getattr(r, "columns", b""), error=why, finish_reason=m.FinishReason.ERROR))
-                        for r in parse_many(msg.data, msg.headers) if r.id is not None]
-            except Exception:  # noqa: BLE001 - unparseable: dead letter only
-                pass
-            await quarantine(self.js, msg, "ingest failed repeatedly", rows)
+            why = f"poison message: failed {deliveries(msg)} deliveries"
+            await quarantine(self.js, msg, "ingest failed repeatedly", poison_rows(incoming(msg), why))
             return
         try:
             await self.handle(msgs)
-        except Exception:  # noqa: BLE001 - never die on one batch: it is redelivered
+        except Exception:  # noqa: BLE001 - a real failure: redelivered, counted toward poison
             log.exception("ingest batch failed; naked for redelivery")
             await asyncio.gather(*(msg.nak(delay=1.0) for msg in msgs), return_exceptions=True)
 
+    async def lookup(self, job: str) -> m.JobLookup:
+        """The job's spec, or why the cluster cannot run it."""
+        lookup = await self.jobs.get(job)
+        spec = lookup.spec
+        if spec is not None and spec.model and not same_model(spec.model, self.cfg.model):
+            return m.JobLookup(None, f"job wants model {spec.model!r}, this cluster serves {self.cfg.model!r}")
+        return lookup
+
     async def handle(self, msgs: list[Msg]) -> None:
         t0 = time.perf_counter()
-        # 1. Parse and validate; collect what to tokenize.
-        good: list[tuple[str, Record, m.SamplingSpec]] = []
-        errors: dict[str, list[m.Result]] = defaultdict(list)
-        dead: list[tuple[Msg, str]] = []
-        for msg in msgs:
-            job = subjects.job_from_subject(msg.subject)
-            try:
-                records = parse_many(msg.data, msg.headers)
-            except Exception as exc:  # noqa: BLE001 - one bad message must never stop the service
-                dead.append((msg, f"unparseable message: {exc!r}"))
-                continue
-            lookup = await self.jobs.get(job)
-            if lookup.spec is None:
-                dead.append((msg, lookup.error or "unknown job"))
-                continue
-            for parsed in records:
-                if isinstance(parsed, Rejected):
-                    if parsed.id is None:
-                        dead.append((msg, parsed.error))
-                    else:
-                        errors[job].append(m.Result(parsed.id, error=parsed.error, finish_reason=m.FinishReason.ERROR))
-                    continue
-                good.append((job, parsed, lookup.spec.sampling))
-        # 2. Tokenize in one call (the Rust tokenizer runs the batch in parallel; the
-        #    "fast" variant skips offsets we do not use). Pre-tokenized rows skip it.
-        texts = [rec.prompt for _, rec, _ in good if rec.tokens is None]
-        encoded = iter(self.tokenizer.encode_batch_fast(texts) if texts else [])
-        packed = [rec.tokens if rec.tokens is not None else tk.pack(next(encoded).ids) for _, rec, _ in good]
-        by_node: dict[str, list[m.Prompt]] = defaultdict(list)
+        batch = [incoming(msg) for msg in msgs]
+        jobs = {job: await self.lookup(job) for job in {i.job for i in batch}}
         nodes = self.live_nodes()
-        vocab = self.vocab_size
-        for (job, rec, sampling), tokens in zip(good, packed):
-            n = tk.count(tokens)
-            err = length_error(n, sampling.max_tokens, self.max_model_len)
-            if err is None and rec.tokens is not None and (top := tk.max_id(tokens)) >= vocab:
-                err = f"token id {top} outside the model's vocabulary ({vocab})"
-            if err is not None:
-                errors[job].append(
-                    m.Result(rec.id, rec.columns, error=err, prompt_tokens=n, finish_reason=m.FinishReason.ERROR)
-                )
-                continue
-            node = self.sharder.pick(first_block_key(tokens, self.cfg.hash_block_size), nodes)
-            by_node[node].append(m.Prompt(job, rec.id, tokens, rec.columns, sampling.max_tokens))
-        # 3. Publish everything, wait for the acks, then ack the inputs.
-        pubs = []
-        for node, prompts in by_node.items():
-            for run in m.chunked(prompts, m.prompt_size, MAX_PROMPTS_PER_MESSAGE):
-                pubs.append(publish(self.js, subjects.bucket(node), m.encode(m.PromptBatch(run))))
-        for job, rows in errors.items():
-            for run in m.chunked(rows, m.result_size, MAX_PROMPTS_PER_MESSAGE):
-                pubs.append(publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, run))))
-        for msg, why in dict((id(msg), (msg, why)) for msg, why in dead).values():
-            pubs.append(self.dead_letter(msg, why))
-        try:
-            await asyncio.gather(*pubs)
-        except PublishError as exc:
-            log.error("publish failed; inputs will be redelivered", error=str(exc))
-            await asyncio.gather(*(msg.nak(delay=2.0) for msg in msgs), return_exceptions=True)
-            return
+        plan = await asyncio.to_thread(plan_batch, batch, jobs, self.model, lambda key: self.sharder.pick(key, nodes))
+        await self.publish(plan, msgs)
         await ack_all(msgs)
-        n_err = sum(len(v) for v in errors.values())
         log.debug(
             "ingested",
             messages=len(msgs),
-            prompts=sum(len(v) for v in by_node.values()),
-            errors=n_err,
-            dead=len(dead),
-            nodes=len(by_node),
+            prompts=plan.n_prompts,
+            errors=plan.n_errors,
+            dead=len(plan.dead),
+            nodes=len(plan.prompts),
             ms=round((time.perf_counter() - t0) * 1000, 1),
         )
+
+    async def publish(self, plan: Plan, msgs: list[Msg]) -> None:
+        """Publish everything the plan produced and wait for every ack."""
+        pubs = []
+        for node, prompts in plan.prompts.items():
+            for run in m.chunked(prompts, m.prompt_size, MAX_PROMPTS_PER_MESSAGE):
+                pubs.append(publish(self.js, subjects.bucket(node), m.encode(m.PromptBatch(run))))
+        for job, rows in plan.errors.items():
+            for run in m.chunked(rows, m.result_size, MAX_PROMPTS_PER_MESSAGE):
+                pubs.append(publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, run))))
+        for i, why in plan.dead.items():
+            pubs.append(self.dead_letter(msgs[i], why))
+        for job, why in plan.failed_jobs.items():
+            pubs.append(self.fail_job(job, why))
+        await asyncio.gather(*pubs)
 
     async def dead_letter(self, msg: Msg, why: str) -> None:
         log.warning("dead-lettered ingest message", subject=msg.subject, error=why)
         headers = {"Pfx-Error": why[:512], "Pfx-Subject": msg.subject}
         await publish(self.js, subjects.dead(msg.subject), msg.data, headers=headers)
+
+    async def fail_job(self, job: str, why: str) -> None:
+        """Mark a job that cannot run as failed, with the reason, in the status bucket."""
+        log.error("job failed", job=job, error=why)
+        status = m.JobStatus(job, updated_at=time.time(), failed=True, error=why)
+        await self.status_kv.put(job, m.encode_json(status))
+
+
+def incoming(msg: Msg) -> Incoming:
+    return Incoming(msg.subject, msg.data, msg.headers)

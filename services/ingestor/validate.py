@@ -11,12 +11,11 @@ messages per prompt); each element is validated on its own.
 
 from __future__ import annotations
 
-import array
-import sys
 from typing import Any
 
 import msgspec
 
+from shared.prefix import tokens as tk
 from shared.wire.messages import PromptId
 
 ID_HEADER = "Pfx-Id"
@@ -27,7 +26,6 @@ _json_any = msgspec.json.Decoder()
 _msgpack_any = msgspec.msgpack.Decoder()
 _id_decoder = msgspec.json.Decoder(int | str)
 _columns_encoder = msgspec.msgpack.Encoder()
-assert array.array("I").itemsize == 4, "packed token ids are 32-bit"
 
 
 class Record(msgspec.Struct):
@@ -96,7 +94,7 @@ def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
         return Rejected(hid, "missing or invalid 'id' (want a 64-bit integer or a string)")
     token_ids = body.pop("prompt_token_ids", None)
     if token_ids is not None:
-        packed = _pack_ids(token_ids)
+        packed = tk.pack_checked(token_ids)
         if packed is None:
             return Rejected(rid, "invalid 'prompt_token_ids' (want a list of token ids)")
         if not packed:
@@ -108,21 +106,6 @@ def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
     if not prompt.strip():
         return Rejected(rid, "empty prompt")
     return Record(rid, prompt, _columns_encoder.encode(body))
-
-
-def _pack_ids(token_ids: Any) -> bytes | None:
-    """Token ids as packed big-endian uint32 (`shared.prefix.tokens.pack`), None unless a list
-    of integers in [0, 2**32). C loops only: `map(type)` rules out bools and floats,
-    `array` checks the range as it fills."""
-    if not isinstance(token_ids, list) or not set(map(type, token_ids)) <= {int}:
-        return None
-    try:
-        ids = array.array("I", token_ids)
-    except (TypeError, OverflowError):
-        return None
-    if sys.byteorder == "little":
-        ids.byteswap()
-    return ids.tobytes()
 
 
 def _bad_utf8(data: bytes) -> bool:

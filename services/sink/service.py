@@ -4,12 +4,17 @@ Loop: pull result batches from `pfx.results.*` -> drop ids already written -> qu
 per job -> every `flush_seconds` (or `flush_rows`) write a part per job, then ack the
 messages whose rows are now on disk -> update the job's status in the status KV bucket ->
 a sealed job whose row count reached its total gets `_summary.json` and `done`.
+
+A poison results message (written and failed too often) is copied to the dead-letter
+stream at once, its rows queued as error rows, and it is terminated only once those rows
+are on disk, like an ack: a crash in between redelivers it instead of losing the rows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import NamedTuple
 
 import msgspec
 import structlog
@@ -22,22 +27,31 @@ from shared.bus.jobs import JobCache
 from shared.bus.pull import DurablePull
 from shared.bus.connection import close, connect
 from shared.bus.provision import provision
-from shared.bus.poison import deliveries, is_poison, quarantine
-from shared.bus.publish import ack_all
+from shared.bus.poison import dead_letter, deliveries, is_poison, quarantine
 from services.sink.writer import JobOutput
 
 log = structlog.get_logger()
 
 MAX_OPEN_JOBS = 256
+"""Job outputs kept open; past it, idle ones are forgotten (reopened from disk if needed)."""
+
+
+class Held(NamedTuple):
+    """A message whose rows are queued, settled once its job's part is on disk."""
+
+    msg: Msg
+    poison: bool
+    """Dead-lettered already: terminated, not acked (and still nak'd if the write fails)."""
 
 
 class Sink:
     def __init__(self, cfg: SinkConfig) -> None:
         self.cfg = cfg
         self.outputs: dict[str, JobOutput] = {}
-        self.done: set[str] = set()
-        self.held: dict[str, list[Msg]] = {}
-        """Messages whose rows are queued, by job: acked once their job's part is on disk."""
+        """Open jobs. A done job (`JobOutput.done`) is not checked again; done ones are
+        forgotten first, so nothing here grows with the number of jobs ever run."""
+        self.held: dict[str, list[Held]] = {}
+        """Messages whose rows are queued, by job: settled once their job's part is on disk."""
         self.pending_rows = 0
         self.last_flush = time.monotonic()
 
@@ -64,19 +78,26 @@ class Sink:
         await close(nc, sub)
 
     async def output(self, job: str) -> JobOutput | None:
-        out = self.outputs.get(job)
+        out = self.outputs.pop(job, None)
         if out is not None:
+            self.outputs[job] = out  # most recently used last
             return out
         lookup = await self.jobs.get(job, fresh=True)
         if lookup.spec is None:
             return None
-        if len(self.outputs) >= MAX_OPEN_JOBS:  # forget finished jobs first (reloaded from disk if needed)
-            for name in [j for j in self.outputs if j in self.done][: len(self.outputs) // 2]:
-                del self.outputs[name]
+        if len(self.outputs) >= MAX_OPEN_JOBS:
+            self.evict()
         out = self.outputs[job] = await asyncio.to_thread(JobOutput, job, lookup.spec.out_dir)
-        self.done.discard(job)
         log.info("job opened", job=job, out_dir=lookup.spec.out_dir, rows_on_disk=out.rows)
         return out
+
+    def evict(self) -> None:
+        """Forget half the open outputs: finished jobs first, then the least recently
+        used ones with nothing queued (an unfinished job is reopened from its parts on
+        disk when its next row arrives, so abandoned jobs cannot pile up)."""
+        idle = [j for j, o in self.outputs.items() if not o.pending and j not in self.held]
+        for job in sorted(idle, key=lambda j: not self.outputs[j].done)[: max(len(self.outputs) // 2, 1)]:
+            del self.outputs[job]
 
     async def take(self, msg: Msg) -> None:
         try:
@@ -94,19 +115,19 @@ class Sink:
                 await msg.nak(delay=5.0)
             return
         results = batch.results
-        if is_poison(msg):
-            # Writing these rows failed again and again: keep only id and an error, which
-            # always writes, so the job still completes; the original is dead-lettered.
+        poison = is_poison(msg)
+        if poison:
+            # Writing these rows failed again and again: the original goes to the
+            # dead-letter stream, and its rows become bare error rows (id, replica,
+            # error), which always write, so the job still completes.
+            # NOTE: the message is terminated in `flush`, once those rows are on disk: a
+            # crash before then redelivers it (and dead-letters it again) instead of
+            # losing its rows, and a failed write naks it.
+            await dead_letter(self.js, msg, "sink failed repeatedly")
             why = f"poison message: result could not be written after {deliveries(msg)} deliveries"
-            results = [m.Result(r.id, error=why, finish_reason=m.FinishReason.ERROR, replica=r.replica) for r in results]
-            await quarantine(self.js, msg, "sink failed repeatedly")
-            msg = None
-        added = sum(out.add(r) for r in results)
-        self.pending_rows += added
-        if added:
-            self.done.discard(batch.job)
-        if msg is not None:
-            self.held.setdefault(batch.job, []).append(msg)
+            results = [m.error_result(r.id, why, replica=r.replica) for r in results]
+        self.pending_rows += sum(out.add(r) for r in results)
+        self.held.setdefault(batch.job, []).append(Held(msg, poison))
 
     async def flush(self) -> None:
         written = {}
@@ -118,8 +139,10 @@ class Sink:
             except Exception as exc:  # noqa: BLE001 - one job's bad rows must not stop the others
                 log.error("part write failed; its messages will be redelivered", job=job, error=repr(exc))
                 out.drop_pending()
-                await asyncio.gather(*(msg.nak(delay=1.0) for msg in self.held.pop(job, [])), return_exceptions=True)
-        await ack_all([msg for msgs in self.held.values() for msg in msgs])
+                await asyncio.gather(*(h.msg.nak(delay=1.0) for h in self.held.pop(job, [])), return_exceptions=True)
+        # Every message still held has its rows on disk now (or had only duplicates).
+        settle = [h.msg.term() if h.poison else h.msg.ack() for held in self.held.values() for h in held]
+        await asyncio.gather(*settle, return_exceptions=True)
         self.held, self.pending_rows, self.last_flush = {}, 0, time.monotonic()
         for job, n in written.items():
             out = self.outputs[job]
@@ -130,9 +153,9 @@ class Sink:
     async def check_jobs(self, jobs: list[str] | None = None) -> None:
         """Publish progress; finish sealed jobs whose every row is on disk."""
         for job in jobs if jobs is not None else list(self.outputs):
-            if job in self.done:
-                continue
             out = self.outputs[job]
+            if out.done:
+                continue
             lookup = await self.jobs.get(job)
             spec = lookup.spec
             if spec is None:
@@ -140,8 +163,7 @@ class Sink:
             complete = spec.total is not None and out.rows >= spec.total and not out.pending
             summary = None
             if complete:
-                summary = await asyncio.to_thread(out.write_summary, spec)
-                self.done.add(job)
+                summary = await asyncio.to_thread(out.write_summary, spec)  # sets out.done
                 log.info("job complete", **{k: v for k, v in summary.items() if k != "replicas"})
             status = m.JobStatus(job, out.rows, out.errors, spec.total, complete, time.time(), summary)
             try:

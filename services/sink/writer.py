@@ -7,10 +7,18 @@ Layout of a job's `out_dir`:
 Parts are written to a temporary name, fsynced and renamed, so a crash never leaves a
 torn part. On (re)start the ids already in the parts are loaded, so a redelivered result
 or a resumed job never writes a row twice.
+
+Columns of a row: `id`, every input column, then the generated columns (`OUTPUT_TYPES`).
+No input value is ever overwritten: an input column named like a generated column is kept
+as `input_<name>` (`output` -> `input_output`). That makes `input_output` a name the sink
+uses, so an input column already called `input_output` is kept as `input_input_output`,
+and so on. The new name depends on the column's name alone, so an input column lands in
+the same output column in every row, part and restart, whatever other columns a row has.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -44,10 +52,24 @@ def _stringify_mixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: (str(v) if k in mixed and v is not None else v) for k, v in r.items()} for r in rows]
 
 
+INPUT_PREFIX = "input_"
+
+
+@functools.lru_cache(maxsize=4096)
+def input_column(name: str) -> str:
+    """The output column of input column `name`: `name` itself, unless it is a generated
+    column's name, or that name behind one or more `input_` prefixes (the names the
+    renaming itself uses); then `input_<name>`. One-to-one, so no two input columns meet."""
+    base = name
+    while base.startswith(INPUT_PREFIX):
+        base = base[len(INPUT_PREFIX) :]
+    return INPUT_PREFIX + name if base in OUTPUT_TYPES else name
+
+
 def result_row(r: Result) -> dict[str, Any]:
     row: dict[str, Any] = {"id": r.id}
     if r.columns:
-        row.update(columns_decoder.decode(r.columns))
+        row.update((input_column(name), value) for name, value in columns_decoder.decode(r.columns).items())
     row.update(
         output=None if r.error else r.output,
         finish_reason=r.finish_reason.name.lower(),
@@ -73,6 +95,9 @@ class JobOutput:
         """Column -> Arrow type, stable across parts (a part where a column is all null
         still gets its type, so the directory reads as one table)."""
         self.next_part = 0
+        self.done = False
+        """`_summary.json` is written and no row was queued since: the job need not be
+        checked again (the sink forgets done jobs first when it has too many open)."""
         self._load_existing()
 
     def parts(self) -> list[Path]:
@@ -100,6 +125,7 @@ class JobOutput:
         for name in row:
             self.types.setdefault(name, OUTPUT_TYPES.get(name))
         self.pending.append(row)
+        self.done = False
         return True
 
     def drop_pending(self) -> None:
@@ -207,6 +233,7 @@ class JobOutput:
         tmp = self.dir / "_summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.dir / "_summary.json")
+        self.done = True
         return summary
 
 

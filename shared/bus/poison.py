@@ -1,10 +1,15 @@
 """Poison messages: a message that keeps failing is quarantined, never retried forever.
 
 Every consumer checks a message's delivery count before working on it. Past
-`POISON_AFTER` deliveries (each one a crash, a timeout or a nak), the message is copied
-to the dead-letter stream (`pfx.dead.<subject>`, headers `Pfx-Error`, `Pfx-Deliveries`),
-the prompts it carries come out as error rows so the job still completes, and the
-message is terminated. The consumer's `max_deliver` is a backstop above this bound.
+`POISON_AFTER` deliveries, the message is copied to the dead-letter stream
+(`pfx.dead.<subject>`, headers `Pfx-Error`, `Pfx-Deliveries`), the prompts it carries
+come out as error rows so the job still completes, and the message is terminated.
+
+Only real failures may cause a redelivery: a crash of the holder, a decode, engine or
+write error (nak). Backpressure never does: a full stream makes the publisher wait
+(`shared/bus/publish.py`), a message waiting for room stays leased (`in_progress`), and
+failover fetches a dead replica's work only when a live one has room. So healthy prompts
+never reach the limit however loaded the cluster is.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ POISON_AFTER = 5
 
 
 PRIOR_DELIVERIES = "Pfx-Prior-Deliveries"
-"""Header: deliveries a message had before it was moved (failover re-routing)."""
+"""Header: failed deliveries a message had before failover moved it to another replica
+(the failover's own delivery is not counted: moving is not failing)."""
 
 
 def deliveries(msg: Msg) -> int:
@@ -45,12 +51,28 @@ def is_poison(msg: Msg) -> bool:
     return deliveries(msg) > POISON_AFTER
 
 
+def moved_headers(msg: Msg) -> dict[str, str]:
+    """Headers for a copy of `msg` that failover publishes elsewhere: the failed
+    deliveries so far travel with it (the current one, failover's own, is not one)."""
+    return {PRIOR_DELIVERIES: str(max(deliveries(msg) - 1, 0))}
+
+
+async def dead_letter(js: JetStreamContext, msg: Msg, reason: str) -> None:
+    """Copy `msg` to the dead-letter stream with why (the caller ends the original)."""
+    n = deliveries(msg)
+    log.error("poison message quarantined", subject=msg.subject, deliveries=n, reason=reason)
+    headers = {"Pfx-Error": f"poison after {n} deliveries: {reason}"[:512], "Pfx-Deliveries": str(n), "Pfx-Subject": msg.subject}
+    try:  # the same message dead-lettered again (its holder crashed before ending it): one copy
+        meta = msg.metadata
+        headers["Nats-Msg-Id"] = f"dead:{meta.stream}:{meta.sequence.stream}"
+    except Exception:  # noqa: BLE001 - not a JetStream message
+        pass
+    await publish(js, subjects.dead(msg.subject), msg.data, headers=headers)
+
+
 async def quarantine(js: JetStreamContext, msg: Msg, reason: str, rows: list[tuple[str, m.Result]] = ()) -> None:
     """Dead-letter `msg`, publish `rows` (job, error result) and terminate `msg`."""
-    n = deliveries(msg)
-    log.error("poison message quarantined", subject=msg.subject, deliveries=n, reason=reason, error_rows=len(rows))
-    headers = {"Pfx-Error": f"poison after {n} deliveries: {reason}"[:512], "Pfx-Deliveries": str(n), "Pfx-Subject": msg.subject}
-    await publish(js, subjects.dead(msg.subject), msg.data, headers=headers)
+    await dead_letter(js, msg, reason)
     by_job: dict[str, list[m.Result]] = defaultdict(list)
     for job, row in rows:
         by_job[job].append(row)
@@ -62,7 +84,4 @@ async def quarantine(js: JetStreamContext, msg: Msg, reason: str, rows: list[tup
 
 def error_rows(prompts: list[m.Prompt], why: str) -> list[tuple[str, m.Result]]:
     """Error rows for the prompts of a quarantined message."""
-    return [
-        (p.job, m.Result(p.id, p.columns, error=why, finish_reason=m.FinishReason.ERROR, prompt_tokens=len(p.tokens) // 4))
-        for p in prompts
-    ]
+    return [(p.job, m.error_result(p.id, why, p.columns, prompt_tokens=p.prompt_tokens)) for p in prompts]

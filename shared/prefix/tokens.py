@@ -8,16 +8,39 @@ are memcmp slices.
 
 from __future__ import annotations
 
+import array
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 WIDTH = 4
 _DTYPE = np.dtype(">u4")
+assert array.array("I").itemsize == WIDTH, "packed token ids are 32-bit"
 
 
 def pack(ids: Sequence[int]) -> bytes:
-    return np.asarray(ids, dtype=_DTYPE).tobytes()
+    """Pack token ids (raises ValueError unless every one is an int in [0, 2**32))."""
+    packed = pack_checked(list(ids))
+    if packed is None:
+        raise ValueError("token ids must be integers in [0, 2**32)")
+    return packed
+
+
+def pack_checked(ids: Any) -> bytes | None:
+    """`ids` packed, or None unless it is a list of integers in [0, 2**32) (user input).
+    C loops only: `map(type)` rules out bools and floats, `array` checks the range as it
+    fills."""
+    if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
+        return None
+    try:
+        packed = array.array("I", ids)
+    except (TypeError, OverflowError):
+        return None
+    if sys.byteorder == "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def unpack(data: bytes) -> list[int]:

@@ -1,9 +1,17 @@
-"""Running a service process: uvloop, signals, and one supervisor for its tasks."""
+"""Running a service process: uvloop, signals, and an exit code its supervisor can act on.
+
+A service's `run(stop)` runs its loops under one `asyncio.TaskGroup`, so a task that
+dies with an unexpected exception cancels the others and the exception reaches here:
+the process then logs it and exits with code 1. Its supervisor (systemd, `prefixflow
+run`) restarts it and JetStream redelivers whatever it held unacked. Nothing is left
+leased by a task that died quietly.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -11,6 +19,9 @@ import structlog
 import uvloop
 
 log = structlog.get_logger()
+
+EXIT_FAILED = 1
+"""Exit code of a service that stopped on an unexpected error."""
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
@@ -33,6 +44,10 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         await main(stop)
         log.info("stopped", shutdown_seconds=round(time.monotonic() - signalled[0], 2) if signalled else None)
 
-    uvloop.run(runner())
-
-
+    try:
+        uvloop.run(runner())
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - Exception, ExceptionGroup, KeyboardInterrupt
+        log.error("service failed: exiting for its supervisor to restart it", error=repr(exc), exc_info=exc)
+        sys.exit(EXIT_FAILED)

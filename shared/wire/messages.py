@@ -60,6 +60,18 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     """Number of distinct prompt ids once sealed; None while prompts are still coming."""
 
 
+class JobLookup(msgspec.Struct):
+    """A job as a service finds it in the jobs bucket: its spec, or why it cannot run."""
+
+    spec: JobSpec | None
+    error: str | None = None
+    """Why the job cannot run: unknown job, or a spec that fails validation (for example
+    bad sampling parameters)."""
+    exists: bool = True
+    """False for a job that was never created (its prompts go to the dead-letter stream;
+    a job that exists but cannot run is marked failed instead)."""
+
+
 class JobStatus(msgspec.Struct, omit_defaults=True):
     """Progress of a job as the sink sees it (rows durably written to Parquet)."""
 
@@ -98,9 +110,13 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """The job's max_tokens, so load can be counted in tokens (prompt + output)."""
 
     @property
+    def prompt_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    @property
     def work_tokens(self) -> int:
         """Load this prompt puts on a replica: prompt tokens plus output budget."""
-        return len(self.tokens) // 4 + self.max_tokens
+        return self.prompt_tokens + self.max_tokens
 
 
 class PromptBatch(msgspec.Struct, array_like=True, gc=False):
@@ -138,6 +154,13 @@ class Result(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     output_tokens: int = 0
     replica: str = ""
     error: str | None = None
+
+
+def error_result(
+    id: PromptId, error: str, columns: bytes = b"", *, prompt_tokens: int = 0, replica: str = ""
+) -> Result:
+    """The error row of a prompt (the one way every stage builds one)."""
+    return Result(id, columns, error=error, finish_reason=FinishReason.ERROR, prompt_tokens=prompt_tokens, replica=replica)
 
 
 class ResultBatch(msgspec.Struct, array_like=True, gc=False):

@@ -133,7 +133,11 @@ class ConsumerSpec(msgspec.Struct, frozen=True):
     ack_wait: float = 30.0
     """Seconds before an unacked message is redelivered. Long-running holders send
     `in_progress()` well inside this window."""
-    max_deliver: int = 20
+    max_deliver: int = -1
+    """Unlimited: the poison check (`shared/bus/poison.py`) ends a failing message's
+    retries with error rows. A server-side cap would strand a message silently (never
+    delivered again, its job never complete) once backpressure or failover had
+    redelivered it that often."""
 
 
 # ack_wait bounds how long a crashed holder's messages wait before redelivery (the

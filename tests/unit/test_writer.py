@@ -1,17 +1,29 @@
-"""services.sink.writer: dedupe by id, Parquet parts, restart, summary."""
+"""services.sink.writer: dedupe by id, Parquet parts, restart, summary, input columns
+named like generated ones; and the sink service's settling of messages (ack, term, nak)
+against its part writes, and its bound on finished jobs, with fake NATS objects."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import msgspec
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from services.sink.writer import OUTPUT_TYPES, JobOutput, result_row
+from services.sink import service as sink_service
+from services.sink.writer import OUTPUT_TYPES, JobOutput, input_column, result_row
+from shared.bus.jobs import JobLookup
+from shared.bus.poison import PRIOR_DELIVERIES
+from shared.process.config import SinkConfig
+from shared.wire import messages as m
+from shared.wire import subjects
+from shared.wire.messages import FinishReason, JobSpec, Result
 
 OUTPUT_COLUMNS = tuple(OUTPUT_TYPES)
-from shared.wire.messages import FinishReason, JobSpec, Result
 
 pytestmark = pytest.mark.unit
 
@@ -31,6 +43,11 @@ def ok(rid, prompt_tokens=10, cached=0, output=5, replica="r0", **columns):
         output_tokens=output,
         replica=replica,
     )
+
+
+def ok_with(rid, inputs: dict) -> Result:
+    """`ok(rid)` with these input columns (any names, also those of ok's own arguments)."""
+    return msgspec.structs.replace(ok(rid), columns=cols(prompt=f"p{rid}", **inputs))
 
 
 def err(rid, msg="boom", replica="", prompt_tokens=0, cached=0):
@@ -86,6 +103,85 @@ def test_result_row_error_and_bare():
         "replica": None,
         "error": None,
     }
+
+
+def test_input_columns_named_like_generated_ones_are_kept_under_input_names():
+    # An instruction dataset's reference `output` (and any other generated name) must not
+    # be overwritten by the generated value; `input_output` is then the renamed column's
+    # place, so an input column already called that moves one prefix further.
+    inputs = {
+        "output": "reference answer",
+        "error": "input error text",
+        "replica": "input replica",
+        "finish_reason": "input reason",
+        "prompt_tokens": "many",
+        "cached_tokens": -1,
+        "output_tokens": [1, 2],
+        "input_output": "already prefixed",
+        "input_input_output": "twice prefixed",
+        "input_prompt": "not a generated name",
+        "input_": "edge",
+        "lang": "en",
+    }
+    row = result_row(ok_with(7, inputs))
+    assert row == {
+        "id": 7,
+        "prompt": "p7",
+        "input_output": "reference answer",
+        "input_error": "input error text",
+        "input_replica": "input replica",
+        "input_finish_reason": "input reason",
+        "input_prompt_tokens": "many",
+        "input_cached_tokens": -1,
+        "input_output_tokens": [1, 2],
+        "input_input_output": "already prefixed",
+        "input_input_input_output": "twice prefixed",
+        "input_prompt": "not a generated name",
+        "input_": "edge",
+        "lang": "en",
+        # the generated columns are the engine's
+        "output": "out7",
+        "finish_reason": "length",
+        "prompt_tokens": 10,
+        "cached_tokens": 0,
+        "output_tokens": 5,
+        "replica": "r0",
+        "error": None,
+    }
+    # every input value is in the row, under its output name
+    assert all(row[input_column(k)] == v for k, v in inputs.items())
+    # and an error row keeps them too
+    bad = result_row(Result(8, cols(output="ref", error="e0"), error="too long", finish_reason=FinishReason.ERROR))
+    assert (bad["input_output"], bad["input_error"], bad["output"], bad["error"]) == ("ref", "e0", None, "too long")
+
+
+@given(st.lists(st.sampled_from(["input_", "x", "_", "in"]), max_size=4), st.sampled_from([*OUTPUT_TYPES, "id", "prompt", "foo"]))
+def test_input_column_is_one_to_one_and_never_a_generated_name(parts, tail):
+    names = {"".join(parts[:i]) + tail for i in range(len(parts) + 1)} | {"input_" * k + tail for k in range(4)}
+    renamed = {input_column(n) for n in names}
+    assert len(renamed) == len(names)  # no two input columns meet
+    assert not renamed & OUTPUT_TYPES.keys()  # none lands on a generated column
+
+
+def test_renamed_input_columns_written_with_their_own_types(tmp_path):
+    # A row without the `output` input column does not shift the others: every input
+    # column lands in the same output column in every row and part, also after a restart.
+    out = JobOutput("j", tmp_path)
+    out.add(ok_with(1, {"output": "ref1", "prompt_tokens": "lots", "input_output": "io1"}))
+    out.add(ok_with(2, {"input_output": "io2"}))
+    out.flush()
+    again = JobOutput("j", tmp_path)
+    again.add(ok_with(3, {"output": "ref3", "prompt_tokens": "few"}))
+    again.flush()
+    rows = {r["id"]: r for r in read_dir(tmp_path)}
+    assert [rows[i]["input_output"] for i in (1, 2, 3)] == ["ref1", None, "ref3"]
+    assert [rows[i]["input_input_output"] for i in (1, 2, 3)] == ["io1", "io2", None]
+    assert [rows[i]["input_prompt_tokens"] for i in (1, 2, 3)] == ["lots", None, "few"]
+    assert [rows[i]["output"] for i in (1, 2, 3)] == ["out1", "out2", "out3"]
+    assert [rows[i]["prompt_tokens"] for i in (1, 2, 3)] == [10, 10, 10]
+    schema = pq.read_schema(again.parts()[1])
+    assert schema.field("prompt_tokens").type == OUTPUT_TYPES["prompt_tokens"]
+    assert str(schema.field("input_prompt_tokens").type) == "string"
 
 
 # --- JobOutput ---------------------------------------------------------------------------
@@ -302,3 +398,157 @@ def test_read_dir_when_id_type_changes_between_parts(tmp_path):
     o.add(ok("a"))
     o.flush()
     assert len(read_dir(tmp_path)) == 2
+
+
+def test_done_until_a_new_row_is_queued(tmp_path):
+    o = JobOutput("j", tmp_path)
+    assert o.done is False
+    o.add(ok(1))
+    o.flush()
+    o.write_summary(JobSpec("j", str(tmp_path), total=1))
+    assert o.done is True
+    assert o.add(ok(1)) is False and o.done is True  # a duplicate changes nothing
+    assert o.add(ok(2)) is True and o.done is False  # a new row: the summary is stale
+
+
+# --- Sink: settling messages against part writes (fake NATS) -------------------------------
+
+
+class Recorder:
+    """What happened, in order: settles of messages with the ids on disk at that moment."""
+
+    def __init__(self, out_dir) -> None:
+        self.out_dir = out_dir
+        self.events: list[tuple[str, str, set]] = []
+
+    def on_disk(self) -> set:
+        parts = sorted(self.out_dir.glob("part-*.parquet"))
+        return {i for p in parts for i in pq.read_table(p, columns=["id"]).column("id").to_pylist()}
+
+    def settled(self, name: str) -> dict[str, set]:
+        return {what: disk for what, who, disk in self.events if who == name}
+
+
+class FakeMsg:
+    def __init__(self, rec: Recorder, name: str, job: str, results: list[Result], prior_deliveries: int = 0) -> None:
+        self.rec, self.name = rec, name
+        self.subject = subjects.results(job)
+        self.data = m.encode(m.ResultBatch(job, results))
+        self.headers = {PRIOR_DELIVERIES: str(prior_deliveries)} if prior_deliveries else None
+        self.metadata = SimpleNamespace(num_delivered=1)
+
+    async def _settle(self, what: str) -> None:
+        self.rec.events.append((what, self.name, self.rec.on_disk()))
+
+    async def ack(self) -> None:
+        await self._settle("ack")
+
+    async def term(self) -> None:
+        await self._settle("term")
+
+    async def nak(self, delay: float | None = None) -> None:
+        await self._settle("nak")
+
+
+class FakeJS:
+    def __init__(self) -> None:
+        self.published: list[tuple[str, dict | None]] = []
+
+    async def publish(self, subject, payload, timeout=None, headers=None) -> None:
+        self.published.append((subject, headers))
+
+
+class FakeJobs:
+    def __init__(self, specs: dict[str, JobSpec]) -> None:
+        self.specs = specs
+
+    async def get(self, job: str, *, fresh: bool = False) -> JobLookup:
+        return JobLookup(self.specs.get(job))
+
+
+class FakeKV:
+    def __init__(self) -> None:
+        self.puts: list[m.JobStatus] = []
+
+    async def put(self, key: str, value: bytes) -> None:
+        self.puts.append(m.job_status_decoder.decode(value))
+
+
+def fake_sink(specs: dict[str, JobSpec]) -> sink_service.Sink:
+    sink = sink_service.Sink(SinkConfig())
+    sink.js, sink.jobs, sink.status_kv = FakeJS(), FakeJobs(specs), FakeKV()
+    return sink
+
+
+def test_sink_terms_a_poison_message_only_once_its_error_rows_are_on_disk(tmp_path):
+    out_dir = tmp_path / "out"
+    rec = Recorder(out_dir)
+    sink = fake_sink({"j": JobSpec("j", str(out_dir), total=4)})
+    poison = FakeMsg(rec, "poison", "j", [ok(1, replica="r1"), ok(2)], prior_deliveries=10)
+    normal = FakeMsg(rec, "normal", "j", [ok(3), ok(4)])
+
+    async def go() -> None:
+        await sink.take(poison)
+        await sink.take(normal)
+        assert rec.events == [], "nothing settled before the part is written"
+        assert [s for s, _ in sink.js.published] == [subjects.dead(poison.subject)], "dead-lettered at once"
+        await sink.flush()
+
+    asyncio.run(go())
+    assert rec.settled("poison") == {"term": {1, 2, 3, 4}}, rec.events
+    assert rec.settled("normal") == {"ack": {1, 2, 3, 4}}, rec.events
+    rows = {r["id"]: r for r in read_dir(out_dir)}
+    assert all("poison" in rows[i]["error"] for i in (1, 2)) and rows[1]["replica"] == "r1"
+    assert rows[3]["error"] is None and rows[3]["output"] == "out3"
+    assert sink.held == {} and sink.status_kv.puts[-1].done
+
+
+def test_sink_naks_a_poison_message_whose_part_write_fails(tmp_path, monkeypatch):
+    out_dir = tmp_path / "out"
+    rec = Recorder(out_dir)
+    sink = fake_sink({"j": JobSpec("j", str(out_dir), total=2)})
+    poison = FakeMsg(rec, "poison", "j", [ok(1), ok(2)], prior_deliveries=10)
+
+    def broken_flush(self):
+        raise OSError("disk full")
+
+    async def go() -> None:
+        await sink.take(poison)
+        monkeypatch.setattr(JobOutput, "flush", broken_flush)
+        await sink.flush()
+
+    asyncio.run(go())
+    assert rec.settled("poison") == {"nak": set()}, rec.events  # redelivered, not lost
+    out = sink.outputs["j"]
+    assert out.pending == [] and out.seen == set(), "its rows are taken again on redelivery"
+
+
+def test_sink_keeps_no_state_per_finished_job_and_summarises_each_once(tmp_path, monkeypatch):
+    limit = 4
+    monkeypatch.setattr(sink_service, "MAX_OPEN_JOBS", limit)
+    summaries = []
+    write_summary = JobOutput.write_summary
+
+    def counting(self, spec, finished_at=None):
+        summaries.append(self.job)
+        return write_summary(self, spec, finished_at)
+
+    monkeypatch.setattr(JobOutput, "write_summary", counting)
+    jobs = [f"job{i}" for i in range(5 * limit)]
+    sink = fake_sink({j: JobSpec(j, str(tmp_path / j), total=1) for j in jobs})
+    rec = Recorder(tmp_path)
+
+    def per_job_state() -> dict[str, int]:
+        return {k: len(v) for k, v in vars(sink).items() if isinstance(v, dict | set | list)}
+
+    async def go() -> None:
+        for job in jobs:
+            await sink.take(FakeMsg(rec, job, job, [ok(1)]))
+            await sink.flush()  # writes the part, completes the job
+            for _ in range(3):
+                await sink.check_jobs()  # a finished job is not summarised again
+            assert all(n <= limit for n in per_job_state().values()), per_job_state()
+
+    asyncio.run(go())
+    assert summaries == jobs, "each job summarised exactly once"
+    assert sum(st.done for st in sink.status_kv.puts) == len(jobs)

@@ -1,0 +1,123 @@
+"""What to do with a batch of ingest messages: pure logic, no I/O (tested on its own).
+
+`plan_batch` parses and validates every message, tokenizes the good prompts in one call,
+checks their length against the model and picks each prompt's bucketer node. The
+service then publishes the plan and acks the inputs (`services/ingestor/service.py`).
+Running the whole plan in a worker thread keeps the event loop free for heartbeats and
+acks (the Rust tokenizer releases the GIL).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from services.ingestor.validate import Record, Rejected, length_error, parse_many
+from shared.prefix import tokens as tk
+from shared.prefix.block_keys import first_block_key
+from shared.wire import messages as m
+from shared.wire import subjects
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """One ingest message as the plan needs it."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None = None
+
+    @property
+    def job(self) -> str:
+        return subjects.job_from_subject(self.subject)
+
+
+@dataclass(frozen=True, slots=True)
+class Model:
+    """What the plan needs of the model."""
+
+    encode_batch: Callable[[list[str]], Sequence[Sequence[int]]]
+    vocab_size: int
+    max_model_len: int
+    hash_block_size: int
+
+
+@dataclass
+class Plan:
+    prompts: dict[str, list[m.Prompt]] = field(default_factory=lambda: defaultdict(list))
+    """Node -> prompts for its bucketer."""
+    errors: dict[str, list[m.Result]] = field(default_factory=lambda: defaultdict(list))
+    """Job -> error rows."""
+    dead: dict[int, str] = field(default_factory=dict)
+    """Index of a message that cannot be processed at all -> why (dead-letter stream)."""
+    failed_jobs: dict[str, str] = field(default_factory=dict)
+    """Jobs that exist but cannot run -> why (their status says failed)."""
+
+    @property
+    def n_prompts(self) -> int:
+        return sum(len(v) for v in self.prompts.values())
+
+    @property
+    def n_errors(self) -> int:
+        return sum(len(v) for v in self.errors.values())
+
+
+def plan_batch(
+    incoming: Sequence[Incoming],
+    jobs: dict[str, m.JobLookup],
+    model: Model,
+    pick_node: Callable[[int], str],
+) -> Plan:
+    """Plan a batch. `jobs` holds the lookup of every job in it (a lookup with no spec
+    means: dead-letter its messages, and fail the job if it exists); `pick_node(key)`
+    chooses a bucketer node for a prompt's first-block key."""
+    plan = Plan()
+    # 1. Parse and validate; collect what to tokenize.
+    good: list[tuple[str, Record, m.SamplingSpec]] = []
+    for i, msg in enumerate(incoming):
+        job = msg.job
+        lookup = jobs[job]
+        if lookup.spec is None:
+            plan.dead[i] = lookup.error or "unknown job"
+            if lookup.exists:
+                plan.failed_jobs[job] = lookup.error or "job cannot run"
+            continue
+        try:
+            records = parse_many(msg.data, msg.headers)
+        except Exception as exc:  # noqa: BLE001 - one bad message must never stop the service
+            plan.dead[i] = f"unparseable message: {exc!r}"
+            continue
+        for parsed in records:
+            if isinstance(parsed, Rejected):
+                if parsed.id is None:
+                    plan.dead[i] = parsed.error
+                else:
+                    plan.errors[job].append(m.error_result(parsed.id, parsed.error))
+                continue
+            good.append((job, parsed, lookup.spec.sampling))
+    # 2. Tokenize in one call. Pre-tokenized rows skip it.
+    texts = [rec.prompt for _, rec, _ in good if rec.tokens is None]
+    encoded = iter(model.encode_batch(texts) if texts else [])
+    # 3. Check lengths and vocabulary; shard by the first block.
+    for job, rec, sampling in good:
+        tokens = rec.tokens if rec.tokens is not None else tk.pack(next(encoded))
+        n = tk.count(tokens)
+        err = length_error(n, sampling.max_tokens, model.max_model_len)
+        if err is None and rec.tokens is not None and (top := tk.max_id(tokens)) >= model.vocab_size:
+            err = f"token id {top} outside the model's vocabulary ({model.vocab_size})"
+        if err is not None:
+            plan.errors[job].append(m.error_result(rec.id, err, rec.columns, prompt_tokens=n))
+            continue
+        node = pick_node(first_block_key(tokens, model.hash_block_size))
+        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, rec.columns, sampling.max_tokens))
+    return plan
+
+
+def poison_rows(msg: Incoming, why: str) -> list[tuple[str, m.Result]]:
+    """Error rows for every recoverable id of an ingest message that keeps failing."""
+    try:
+        records = parse_many(msg.data, msg.headers)
+    except Exception:  # noqa: BLE001 - unparseable: dead letter only
+        return []
+    return [(msg.job, m.error_result(r.id, why, getattr(r, "columns", b""))) for r in records if r.id is not None]

@@ -1,0 +1,115 @@
+"""services.ingestor.plan (pure planning of an ingest batch) and the ingestor's use of it:
+tokenizing happens off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import msgspec
+import pytest
+
+from services.ingestor.plan import Incoming, Model, plan_batch, poison_rows
+from services.ingestor.service import Ingestor
+from shared.prefix import tokens as tk
+from shared.prefix.sharding import Sharder
+from shared.process.config import IngestorConfig
+from shared.wire import messages as m
+
+pytestmark = pytest.mark.unit
+
+
+def encode_chars(texts: list[str]) -> list[list[int]]:
+    """A stand-in tokenizer: one token per character."""
+    return [[ord(c) % 1000 for c in t] for t in texts]
+
+
+MODEL = Model(encode_batch=encode_chars, vocab_size=1000, max_model_len=64, hash_block_size=4)
+SPEC = m.JobSpec(job="j", out_dir="/tmp/x", sampling=m.SamplingSpec(max_tokens=8))
+
+
+def msg(job: str, body) -> Incoming:
+    return Incoming(f"pfx.ingest.{job}", json.dumps(body).encode())
+
+
+def test_plan_sorts_every_row_into_prompts_errors_or_dead():
+    batch = [
+        msg("j", {"id": 1, "prompt": "hello world", "gold": "x"}),
+        msg("j", {"id": 2, "prompt": ""}),  # empty: error row
+        msg("j", {"id": 3, "prompt": "y" * 60}),  # 60 + 8 > 64: error row
+        msg("j", {"id": 4, "prompt_token_ids": [5, 2000]}),  # outside vocabulary
+        msg("j", {"prompt": "no id"}),  # no id: dead letter
+        msg("gone", {"id": 9, "prompt": "hi"}),  # unknown job: dead letter, not failed
+        msg("bad", {"id": 10, "prompt": "hi"}),  # invalid spec: dead letter and failed
+    ]
+    jobs = {
+        "j": m.JobLookup(SPEC),
+        "gone": m.JobLookup(None, "unknown job 'gone'", exists=False),
+        "bad": m.JobLookup(None, "invalid job spec: max_tokens"),
+    }
+    plan = plan_batch(batch, jobs, MODEL, lambda key: "n0")
+    [prompt] = plan.prompts["n0"]
+    assert (prompt.id, tk.unpack(prompt.tokens), prompt.max_tokens) == (1, encode_chars(["hello world"])[0], 8)
+    assert msgspec.msgpack.decode(prompt.columns) == {"prompt": "hello world", "gold": "x"}
+    errors = {r.id: r.error for r in plan.errors["j"]}
+    assert set(errors) == {2, 3, 4}
+    assert "empty" in errors[2] and "too long" in errors[3] and "vocabulary" in errors[4]
+    assert all(r.finish_reason == m.FinishReason.ERROR for r in plan.errors["j"])
+    assert sorted(plan.dead) == [4, 5, 6]
+    assert plan.failed_jobs == {"bad": "invalid job spec: max_tokens"}
+
+
+def test_plan_shards_by_first_block():
+    nodes = ["a", "b", "c"]
+    sharder = Sharder(epsilon=100.0)
+    batch = [msg("j", {"id": i, "prompt": f"{'abcd' if i % 2 else 'wxyz'}-{i}"}) for i in range(40)]
+    plan = plan_batch(batch, {"j": m.JobLookup(SPEC)}, MODEL, lambda key: sharder.pick(key, nodes))
+    node_of = {p.id: node for node, ps in plan.prompts.items() for p in ps}
+    assert len(node_of) == 40
+    assert len({node_of[i] for i in range(1, 40, 2)}) == 1, "one first block, one node"
+    assert len({node_of[i] for i in range(0, 40, 2)}) == 1
+
+
+def test_poison_rows_keep_every_recoverable_id():
+    rows = poison_rows(Incoming("pfx.ingest.j", json.dumps([{"id": 1, "prompt": "a"}, {"id": 2}]).encode()), "poison")
+    assert [(job, r.id, r.error) for job, r in rows] == [("j", 1, "poison"), ("j", 2, "poison")]
+
+
+class FakeMsg:
+    def __init__(self, subject: str, data: bytes) -> None:
+        self.subject, self.data, self.headers = subject, data, None
+        self.acked = False
+
+    async def ack(self) -> None:
+        self.acked = True
+
+
+def test_ingestor_tokenizes_off_the_event_loop(monkeypatch):
+    """A big batch's tokenization must not stall the loop (heartbeats, acks): it runs in a
+    worker thread."""
+    threads: list[bool] = []
+
+    def encode(texts):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return encode_chars(texts)
+
+    ing = Ingestor.__new__(Ingestor)
+    ing.cfg = IngestorConfig()
+    ing.model = Model(encode, 1000, 64, 4)
+    ing.bucketers, ing.sharder = {}, Sharder()
+    published: list[str] = []
+
+    async def lookup(job):
+        return m.JobLookup(SPEC)
+
+    async def publish(js, subject, payload, **kw):
+        published.append(subject)
+
+    monkeypatch.setattr(ing, "lookup", lookup)
+    monkeypatch.setattr("services.ingestor.service.publish", publish)
+    ing.js = None
+    msgs = [FakeMsg("pfx.ingest.j", json.dumps({"id": i, "prompt": "abc"}).encode()) for i in range(3)]
+    asyncio.run(ing.handle(msgs))
+    assert threads == [False], "tokenized once, in a worker thread"
+    assert published == ["pfx.bucket.node0"] and all(x.acked for x in msgs)
