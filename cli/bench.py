@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from shared.process import config as cfgmod
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.prefix import tokens as tk
@@ -262,14 +263,11 @@ async def bench_methods_async(args) -> dict[str, Any]:
     from cli.make_model import make_model
     from shared.prefix.tokenize import load_tokenizer
 
-    model = str(make_model(args.model) if args.model == ".prefixflow/models/tiny-llama" else Path(args.model))
+    model = str(make_model(args.model) if args.model == cfgmod.DEFAULT_MODEL else Path(args.model))
     out_root = Path(args.work_dir)
     out_root.mkdir(parents=True, exist_ok=True)
     table = prefix_repetition(tokenizer_dir=model, **shape_args(args))
-    block_size = 128
-    ideal = ideal_hit_rate(table, block_size=block_size)
     group_of = dict(zip(table["id"].to_pylist(), table["prefix_id"].to_pylist()))
-    prefix_tokens = dataset_metadata(table)["shared_prefix_tokens"] // block_size * block_size
     sampling = m.SamplingSpec(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=1.0)
     replicas = [f"r{i}" for i in range(args.replicas)]
     engine_args = ["--kv-cache-blocks", str(args.kv_cache_blocks), "--window", str(args.window)]
@@ -289,6 +287,10 @@ async def bench_methods_async(args) -> dict[str, Any]:
         nc = await connect(cluster.url, "bench")
         js = nc.jetstream()
         await provision(js)
+        # Hits come in whole KV blocks of the engine's own size (reported in its status).
+        block_size = (await engine_status(nc, replicas[0])).block_size
+        ideal = ideal_hit_rate(table, block_size=block_size)
+        prefix_tokens = dataset_metadata(table)["shared_prefix_tokens"] // block_size * block_size
         jobs_kv = await js.key_value(subjects.JOBS_KV)
         tokenizer = load_tokenizer(model)
         rows = [{"id": r["id"], "prompt": r["prompt"]} for r in table.to_pylist()]
@@ -474,12 +476,15 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS + EXTRA_METHODS)}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=".prefixflow/models/tiny-llama")
+    p.add_argument("--model", default=cfgmod.DEFAULT_MODEL)
     p.add_argument("--work-dir", default=".prefixflow/bench", help="outputs and cluster logs")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--plot", help="write a bar chart PNG here")
     p.set_defaults(fn=cmd_methods)
     add_pipeline_parser(sub)
+    from cli.bench_router import add_router_parser
+
+    add_router_parser(sub)
 
 
 # --- pipeline throughput (echo engine) ----------------------------------------------
@@ -514,7 +519,7 @@ async def bench_pipeline_once(args, num_prompts: int) -> dict[str, Any]:
     from cli.make_model import make_model
     from shared.prefix.tokenize import load_tokenizer
 
-    model = str(make_model(args.model) if args.model == ".prefixflow/models/tiny-llama" else Path(args.model))
+    model = str(make_model(args.model) if args.model == cfgmod.DEFAULT_MODEL else Path(args.model))
     t_data = time.monotonic()
     shape = shape_args(args) | {"num_prompts": num_prompts}  # the pipeline bench has no --output-len
     if args.pretokenized:  # the dataset's token ids, no text round trip
@@ -589,7 +594,7 @@ def add_pipeline_parser(sub) -> None:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--num-prefixes", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=".prefixflow/models/tiny-llama", help="tokenizer source")
+    p.add_argument("--model", default=cfgmod.DEFAULT_MODEL, help="tokenizer source")
     p.add_argument("--work-dir", default=".prefixflow/bench")
     p.add_argument("--json", help="write the report here")
     p.set_defaults(fn=cmd_pipeline)

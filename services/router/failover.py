@@ -4,32 +4,52 @@ to live replicas, without waiting for it to come back.
 The router re-creates the dead replica's durable consumer (so even the batches its
 worker had in flight, unacked, are deliverable at once), pulls them, routes each batch
 again with the current policy and publishes it to the chosen live replicas, then acks
-it. Prompts that were in flight may run twice; the sink keeps one. The count of earlier
-deliveries travels in a header, so a batch that kills every engine it reaches is still
-quarantined after a bounded number of tries. When the replica reports again, the rescue
-stops and the worker (re-)binds its consumer.
+it. Prompts that were in flight may run twice; the sink keeps one.
+
+Backpressure is not failure: a batch is pulled only while some live replica has room,
+and one pulled when the caps filled up meanwhile is kept (leased with `in_progress`)
+until it can be placed, never nak'ed. The failed deliveries so far travel in a header,
+so a batch that kills every engine it reaches is still quarantined after a bounded
+number of tries. When the replica reports again, the rescue stops and the worker
+(re-)binds its consumer.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
+from services.router.policies import Assignments, Fleet
+from shared.bus.poison import error_rows, is_poison, moved_headers, quarantine
+from shared.bus.provision import ensure_consumer
+from shared.bus.publish import publish
+from shared.bus.pull import DurablePull
 from shared.wire import messages as m
 from shared.wire import subjects
-from shared.bus.pull import DurablePull
-from shared.bus.provision import ensure_consumer
-from shared.bus.poison import PRIOR_DELIVERIES, deliveries, error_rows, is_poison, quarantine
-from shared.bus.publish import PublishError, publish
 
 log = structlog.get_logger()
 
+Place = Callable[[int, int, Sequence[int]], Assignments | None]
+"""(prompts, work tokens, prefix key) -> assignments recorded in the fleet, or None when
+no live replica has room."""
+
+RESCUE_BATCH = 8
+"""Work messages pulled from a dead replica's consumer at once."""
+
 
 class Failover:
-    def __init__(self, router) -> None:
-        self.router = router
+    def __init__(self, fleet: Fleet, place: Place) -> None:
+        self.fleet = fleet
+        self.place = place
+        self.js: JetStreamContext | None = None
         self.rescuing: dict[str, DurablePull] = {}
+        self.waiting: list[Msg] = []
+        """Pulled batches that found no room yet (bounded: nothing more is pulled while
+        any wait)."""
         self.moved = 0
         self.reconnected_at: float | None = None
         """Monotonic time of the router's last NATS reconnect (set by `on_reconnect`)."""
@@ -38,7 +58,7 @@ class Failover:
         self.reconnected_at = time.monotonic()
 
     async def tick(self) -> None:
-        fleet = self.router.fleet
+        fleet = self.fleet
         now = time.monotonic()
         # Just back from our own disconnect: nobody could report meanwhile, so silence is
         # not death. Give every replica one dead_after to be heard again.
@@ -46,6 +66,7 @@ class Failover:
             for r in fleet.replicas.values():
                 r.last_seen = max(r.last_seen, now - fleet.dead_after / 2)
             return
+        await self.retry_waiting()
         live = {r.name for r in fleet.live(now)}
         for name, replica in list(fleet.replicas.items()):
             dead = name not in live and replica.last_seen and now - replica.last_seen >= fleet.dead_after
@@ -55,46 +76,56 @@ class Failover:
                 log.info("replica back: rescue stopped", replica=name, moved=self.moved)
                 await self.rescuing.pop(name).unsubscribe()
 
+    async def retry_waiting(self) -> None:
+        """Place what waits for room; keep the rest leased."""
+        waiting, self.waiting = self.waiting, []
+        for msg in waiting:
+            if not await self.move(msg):
+                self.waiting.append(msg)
+        for msg in self.waiting:
+            try:
+                await msg.in_progress()
+            except Exception:  # noqa: BLE001 - connection blip: redelivered at worst
+                pass
+
     async def rescue(self, name: str) -> None:
-        js = self.router.js
+        assert self.js is not None
         spec = subjects.engine_consumer(name)
         if name not in self.rescuing:
             log.warning("replica stopped reporting: moving its work", replica=name)
-            self.router.fleet.replicas[name].outstanding = 0  # its work is being moved away
+            self.fleet.replicas[name].outstanding = 0  # its work is being moved away
             try:
-                await js.delete_consumer(spec.stream, spec.durable)
+                await self.js.delete_consumer(spec.stream, spec.durable)
             except Exception:  # noqa: BLE001 - never existed or already gone
                 pass
-            await ensure_consumer(js, spec)
-            self.rescuing[name] = DurablePull(js, spec)
-        msgs = await self.rescuing[name].fetch(8, timeout=0.2)
-        for msg in msgs:
-            await self.move(msg)
+            await ensure_consumer(self.js, spec)
+            self.rescuing[name] = DurablePull(self.js, spec)
+        if self.waiting or not self.fleet.open(time.monotonic()):
+            return  # no room anywhere: leave the work queued where it is
+        for msg in await self.rescuing[name].fetch(RESCUE_BATCH, timeout=0.2):
+            if not await self.move(msg):
+                self.waiting.append(msg)
 
-    async def move(self, msg) -> None:
-        js = self.router.js
+    async def move(self, msg: Msg) -> bool:
+        """Route `msg` to live replicas and ack it; False when none has room."""
+        assert self.js is not None
         try:
             work = m.work_batch_decoder.decode(msg.data)
         except Exception as exc:  # noqa: BLE001 - undecodable: dead letter
-            await quarantine(js, msg, f"undecodable work batch: {exc}")
-            return
+            await quarantine(self.js, msg, f"undecodable work batch: {exc}")
+            return True
         if is_poison(msg):
-            await quarantine(js, msg, "generation failed repeatedly", error_rows(work.prompts, "poison message"))
-            return
-        tokens = sum(p.work_tokens for p in work.prompts)
-        chosen = self.router.policy.route(self.router.fleet, time.monotonic(), len(work.prompts), tokens, work.key)
+            await quarantine(self.js, msg, "generation failed repeatedly", error_rows(work.prompts, "poison message"))
+            return True
+        chosen = self.place(len(work.prompts), sum(p.work_tokens for p in work.prompts), work.key)
         if not chosen:
-            await msg.nak(delay=1.0)
-            return
-        headers = {PRIOR_DELIVERIES: str(deliveries(msg))}
+            return False
+        headers = moved_headers(msg)
         start = 0
-        try:
-            for replica, n in chosen:
-                part = m.WorkBatch(work.bucket, work.prompts[start : start + n], work.key)
-                start += n
-                await publish(js, subjects.work(replica.name), m.encode(part), headers=headers)
-        except PublishError:
-            await msg.nak(delay=1.0)
-            return
+        for replica, n in chosen:
+            part = m.WorkBatch(work.bucket, work.prompts[start : start + n], work.key)
+            start += n
+            await publish(self.js, subjects.work(replica.name), m.encode(part), headers=headers)
         await msg.ack()
         self.moved += 1
+        return True

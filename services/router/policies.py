@@ -6,6 +6,11 @@ capacity, and a per-replica history of routed prefix keys. A policy turns a buck
 (prompt count, work tokens, prefix key) into assignments, or None when no live replica
 has room (the router then answers retry-after).
 
+Two block units meet here and are named apart: prefix keys are chains of *hash blocks*
+(`hash_block_size` tokens each, the bucketers' key length), while an engine reports its
+KV capacity `kv_blocks` in *engine blocks* of `engine_block_size` tokens (16 on GPUs,
+128 on CPU). A replica's `history_budget` converts the one into the other.
+
 Policies:
 - `round-robin`, `least-loaded`: baselines.
 - `daft`: the reference (Daft's vllm-prefix-caching provider) exactly: load is the
@@ -22,25 +27,37 @@ Policies:
 
 Flow control is the same for every policy: replicas that stopped reporting, are not
 ready, or hold their cap of outstanding work are never chosen.
+
+Cost: the router decides for the whole fleet, so a decision is one pass over the
+replicas plus one index lookup per block of the key (`PrefixIndex`), whatever the length
+of the histories; nothing sorts all replicas.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
-from shared.prefix.block_keys import matched_blocks
+from shared.prefix.block_keys import HASH_BLOCK_SIZE
 from shared.process import config as cfgmod
 
 Key = tuple[int, ...]
+NAME = attrgetter("name")
+OUTSTANDING = attrgetter("outstanding")
+Match = tuple[int, int]
+"""(matched hash blocks, routing clock of the latest history entry matching that far)."""
+NO_MATCH: Match = (0, 0)
 MIN_HISTORY = 8
 """Keys kept per replica whatever the KV budget (the reference looks at the last 8)."""
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: a replica is an identity (a key of the prefix index), not a value
 class Replica:
     name: str
     last_seen: float = 0.0
@@ -52,11 +69,111 @@ class Replica:
     routed_prompts: int = 0
     """Prompts ever routed here (the reference's load measure; never decremented)."""
     kv_blocks: int = 0
+    """KV-cache capacity in engine blocks, as the replica reports it (0: unknown)."""
+    engine_block_size: int = 0
+    """Tokens per engine KV block (16 on GPUs, 128 on CPU; 0: not reported)."""
+    history_budget: int | None = None
+    """Hash blocks of history the KV cache can hold: kv_blocks x engine_block_size //
+    hash_block_size. None while no KV capacity is known (the fleet's key count applies)."""
     window: int = 0
     history: deque = field(default_factory=deque)
-    """(prefix key, routing clock) of buckets routed here, most recent last."""
+    """(prefix key, routing clock) of buckets routed here, most recent last. Change it
+    only through `Fleet` (`assign`, `forget_history`): `Fleet.index` mirrors it."""
     history_blocks: int = 0
-    """Blocks covered by `history` (kept within the KV capacity)."""
+    """Hash blocks covered by `history` (kept within `history_budget`)."""
+
+
+class _Prefix:
+    """A node of `PrefixIndex`: one block-aligned prefix and the replicas holding it."""
+
+    __slots__ = ("holders",)
+
+    def __init__(self) -> None:
+        self.holders: dict[Replica, list[int]] = {}
+        """Replica -> [its history entries through this prefix, the latest one's clock]."""
+
+
+class PrefixIndex:
+    """Every replica's history indexed by prefix, so a match costs one dict lookup per
+    block of the key (like vLLM's `find_longest_cache_hit`: stop at the first miss)
+    instead of a comparison with every history entry of every replica.
+
+    A prefix is identified by (its parent prefix, its last block hash). Keys built by
+    `block_hashes` are hash chains, where the last hash alone would identify the prefix;
+    interning the parent keeps the index exact for any keys (the tests use tiny
+    alphabets) at the same cost of one lookup per block.
+
+    Holding is prefix-closed (an entry through a prefix passes through all its
+    ancestors), so a replica's match length for a key is the depth of the deepest prefix
+    on the key's path that it holds, and the walk ends at the first prefix nobody holds.
+    Each holder keeps the clock of its latest entry through the prefix: eviction is FIFO
+    per replica, so that entry is the last of them to leave and the clock stays exact.
+    """
+
+    def __init__(self) -> None:
+        self._prefixes: dict[tuple[_Prefix | None, int], _Prefix] = {}
+
+    def __len__(self) -> int:
+        """Prefixes held by at least one replica."""
+        return len(self._prefixes)
+
+    def add(self, r: Replica, key: Key, stamp: int) -> None:
+        parent = None
+        for block in key:
+            node = self._prefixes.get((parent, block))
+            if node is None:
+                node = self._prefixes[parent, block] = _Prefix()
+            held = node.holders.get(r)
+            if held is None:
+                node.holders[r] = [1, stamp]
+            else:
+                held[0] += 1
+                held[1] = stamp
+            parent = node
+
+    def remove(self, r: Replica, key: Key) -> None:
+        """Drop one of r's entries for `key` (its oldest: history leaves in FIFO order)."""
+        parent = None
+        for block in key:
+            node = self._prefixes[parent, block]
+            held = node.holders[r]
+            held[0] -= 1
+            if not held[0]:
+                del node.holders[r]
+                if not node.holders:  # nobody holds it, hence none of its descendants
+                    del self._prefixes[parent, block]
+            parent = node
+
+    def path(self, key: Sequence[int]) -> list[_Prefix]:
+        """The key's prefixes that some replica holds, shortest first."""
+        out: list[_Prefix] = []
+        node = None
+        for block in key:
+            node = self._prefixes.get((node, block))
+            if node is None:
+                break
+            out.append(node)
+        return out
+
+    def matches(self, key: Sequence[int]) -> dict[Replica, Match]:
+        """The best history match of every replica that matches `key` by at least one
+        block: its length and the clock of the latest entry matching that far. Costs
+        one lookup per matched block plus the holders of those prefixes."""
+        found: dict[Replica, Match] = {}
+        for depth, node in enumerate(self.path(key), 1):
+            for r, held in node.holders.items():
+                found[r] = (depth, held[1])  # deeper prefixes overwrite shallower ones
+        return found
+
+    def best_match(self, r: Replica, key: Sequence[int]) -> Match:
+        """r's best history match for `key`; NO_MATCH if none."""
+        best = NO_MATCH
+        for depth, node in enumerate(self.path(key), 1):
+            held = node.holders.get(r)
+            if held is None:
+                break
+            best = (depth, held[1])
+        return best
 
 
 class Fleet:
@@ -67,6 +184,7 @@ class Fleet:
         cap_tokens: int = 0,
         history: int = 64,
         cap_windows: float = 2.0,
+        hash_block_size: int = HASH_BLOCK_SIZE,
     ) -> None:
         self.dead_after = dead_after
         self.cap_tokens = cap_tokens
@@ -74,7 +192,13 @@ class Fleet:
         self.cap_windows = cap_windows
         """Automatic cap: this many engine windows of average-sized prompts."""
         self.history = history
+        """Keys kept per replica while its KV capacity is unknown."""
+        self.hash_block_size = hash_block_size
+        """Tokens per block of a prefix key (the unit of `history_budget`)."""
         self.replicas: dict[str, Replica] = {}
+        self._by_name: list[Replica] = []
+        """`replicas` sorted by name, kept as replicas join (`live` filters, never sorts)."""
+        self.index = PrefixIndex()
         self.avg_prompt_tokens = 0.0
         self.clock = itertools.count(1)
         """Global routing clock: history entries compare by recency across replicas."""
@@ -89,24 +213,41 @@ class Fleet:
         done_tokens: int,
         kv_blocks: int = 0,
         window: int = 0,
+        engine_block_size: int = 0,
     ) -> None:
         """Apply a status message: completed work leaves the outstanding count, which is
-        never below what the replica itself reports in flight."""
+        never below what the replica itself reports in flight. `kv_blocks` counts engine
+        blocks of `engine_block_size` tokens (0: not reported, taken as hash blocks)."""
         r = self.replicas.get(name)
         if r is None:
             r = self.replicas[name] = Replica(name)
+            bisect.insort(self._by_name, r, key=NAME)
         if done_tokens < r.done_tokens:  # the worker restarted: its own count is the truth
             r.outstanding = outstanding
         else:
             r.outstanding = max(r.outstanding - (done_tokens - r.done_tokens), outstanding, 0)
         r.done_tokens = done_tokens
         r.last_seen, r.ready, r.kv_blocks, r.window = now, ready, kv_blocks, window
+        r.engine_block_size = engine_block_size
+        if kv_blocks:
+            kv_tokens = kv_blocks * (engine_block_size or self.hash_block_size)
+            r.history_budget = kv_tokens // self.hash_block_size
+        else:
+            r.history_budget = None
+
+    def is_live(self, r: Replica, now: float) -> bool:
+        return r.ready and now - r.last_seen < self.dead_after
+
+    def by_name(self) -> list[Replica]:
+        """All replicas, by name: kept sorted as they join (never sorted per decision)."""
+        if len(self._by_name) != len(self.replicas):  # a replica added other than by observe
+            self._by_name = sorted(self.replicas.values(), key=NAME)
+        return self._by_name
 
     def live(self, now: float) -> list[Replica]:
-        return sorted(
-            (r for r in self.replicas.values() if r.ready and now - r.last_seen < self.dead_after),
-            key=lambda r: r.name,
-        )
+        """Ready replicas heard from within `dead_after`, by name."""
+        dead_after = self.dead_after  # NOTE: `is_live` inlined: a pass per decision
+        return [r for r in self.by_name() if r.ready and now - r.last_seen < dead_after]
 
     def cap(self, r: Replica) -> float:
         if self.cap_tokens:
@@ -119,9 +260,23 @@ class Fleet:
         """Outstanding work below one engine window: the replica is about to run dry."""
         return bool(r.window and self.avg_prompt_tokens) and r.outstanding < r.window * self.avg_prompt_tokens
 
+    def is_open(self, r: Replica, now: float) -> bool:
+        """Live with room for more work."""
+        return self.is_live(r, now) and r.outstanding < self.cap(r)
+
     def open(self, now: float) -> list[Replica]:
-        """Live replicas with room for more work."""
-        return [r for r in self.live(now) if r.outstanding < self.cap(r)]
+        """Live replicas with room for more work, by name."""
+        # NOTE: `is_live` and `cap` inlined: this pass over every replica runs for every
+        # decision.
+        dead_after, cap_windows, avg = self.dead_after, self.cap_windows, self.avg_prompt_tokens
+        if self.cap_tokens or not avg:
+            cap = self.cap_tokens or math.inf  # the same for every replica
+            return [r for r in self.by_name() if r.ready and now - r.last_seen < dead_after and r.outstanding < cap]
+        return [
+            r
+            for r in self.by_name()
+            if r.ready and now - r.last_seen < dead_after and (not r.window or r.outstanding < cap_windows * r.window * avg)
+        ]
 
     def assign(self, r: Replica, prompts: int, tokens: int, key: Sequence[int]) -> None:
         r.outstanding += tokens
@@ -129,21 +284,32 @@ class Fleet:
         if prompts:
             self.avg_prompt_tokens = 0.9 * self.avg_prompt_tokens + 0.1 * (tokens / prompts) if self.avg_prompt_tokens else tokens / prompts
         if key:
-            r.history.append((tuple(key), next(self.clock)))
-            r.history_blocks += len(key)
-            budget = r.kv_blocks if r.kv_blocks else None
+            entry = tuple(key)
+            stamp = next(self.clock)
+            r.history.append((entry, stamp))
+            self.index.add(r, entry, stamp)
+            r.history_blocks += len(entry)
             while len(r.history) > MIN_HISTORY and (
-                (budget is not None and r.history_blocks > budget) or (budget is None and len(r.history) > self.history)
+                r.history_blocks > r.history_budget if r.history_budget is not None else len(r.history) > self.history
             ):
-                r.history_blocks -= len(r.history.popleft()[0])
+                old, _ = r.history.popleft()
+                self.index.remove(r, old)
+                r.history_blocks -= len(old)
+
+    def best_match(self, r: Replica, key: Sequence[int]) -> Match:
+        """(matched hash blocks, routing clock) of r's best history entry for `key`:
+        the longest match, the most recent among equals; NO_MATCH if none."""
+        return self.index.best_match(r, key) if key else NO_MATCH
 
     def room(self, now: float) -> float:
         """Work tokens the open replicas can take before reaching their caps."""
         return sum(max(0.0, self.cap(r) - r.outstanding) for r in self.open(now))
 
-    def forget_history(self) -> None:
-        for r in self.replicas.values():
-            r.history.clear()
+    def forget_history(self, *replicas: Replica) -> None:
+        """Forget the prefix history of these replicas (of all when none are given)."""
+        for r in replicas or self.replicas.values():
+            while r.history:
+                self.index.remove(r, r.history.popleft()[0])
             r.history_blocks = 0
 
 
@@ -191,6 +357,20 @@ class RoundRobin(Policy):
         return [(candidates[next(self._counter) % len(candidates)], prompts)]
 
 
+def by_load(r: Replica) -> tuple[int, str]:
+    """Least loaded first, ties by name."""
+    return r.outstanding, r.name
+
+
+def least_loaded(replicas: Sequence[Replica], *, last: bool = False) -> Replica:
+    """The least loaded replica, ties to the first name (with `last`, the last name).
+    Two C-speed passes instead of a key call per replica: it runs over the whole fleet
+    for every decision."""
+    low = min(map(OUTSTANDING, replicas))
+    tied = (r for r in replicas if r.outstanding == low)
+    return max(tied, key=NAME) if last else min(tied, key=NAME)
+
+
 class LeastLoaded(Policy):
     name = "least-loaded"
 
@@ -198,7 +378,7 @@ class LeastLoaded(Policy):
         candidates = fleet.open(now)
         if not candidates:
             return None
-        return [(min(candidates, key=lambda r: (r.outstanding, r.name)), prompts)]
+        return [(least_loaded(candidates), prompts)]
 
 
 class Daft(Policy):
@@ -221,20 +401,11 @@ class Daft(Policy):
         wanted = tuple(key)
         best, best_stamp = None, 0
         for r in eligible:
-            for past, stamp in list(r.history)[-self.HISTORY :]:
+            # The last 8 keys only, read from the end (the history may be far longer).
+            for past, stamp in itertools.islice(reversed(r.history), self.HISTORY):
                 if past == wanted and stamp > best_stamp:
                     best, best_stamp = r, stamp
         return [(best or least, prompts)]
-
-
-def best_match(r: Replica, key: Sequence[int]) -> tuple[int, int]:
-    """(matched blocks, routing clock) of the best history entry for `key`; (0, 0) if none."""
-    best = (0, 0)
-    for past, stamp in r.history:
-        blocks = matched_blocks(key, past)
-        if blocks and (blocks, stamp) > best:
-            best = (blocks, stamp)
-    return best
 
 
 class PrefixAware(Policy):
@@ -253,48 +424,84 @@ class PrefixAware(Policy):
         cap = fleet.cap(r)
         return cap if math.isfinite(cap) else 65536
 
-    def ranked(self, fleet: Fleet, candidates: list[Replica], key: Sequence[int]) -> list[Replica]:
-        """Eligible replicas, best first: longest match, most recent, least loaded.
-        Affinity never starves a replica: while one is hungry (under one window of
-        work) and the best match is not, only hungry replicas are eligible."""
-        floor = min(r.outstanding for r in candidates)
-        eligible = [r for r in candidates if r.outstanding <= floor + self.slack(fleet, r)]
-        scored = sorted(eligible, key=lambda r: (best_match(r, key) if key else (0, 0), -r.outstanding, r.name), reverse=True)
-        if not fleet.hungry(scored[0]) and any(fleet.hungry(r) for r in scored):
-            eligible = scored = [r for r in scored if fleet.hungry(r)]
-        if not key or best_match(scored[0], key)[0] == 0:
-            scored = sorted(eligible, key=lambda r: (r.outstanding, r.name))
-        rest = sorted((r for r in candidates if r not in eligible), key=lambda r: (r.outstanding, r.name))
-        return scored + rest
+    def within_slack(self, fleet: Fleet, candidates: list[Replica]) -> list[Replica]:
+        """Candidates within their slack of the least loaded."""
+        floor = min(map(OUTSTANDING, candidates))
+        if self.slack_tokens or fleet.cap_tokens or not fleet.avg_prompt_tokens:
+            limit = floor + self.slack(fleet, candidates[0])  # the same for every replica
+            return [r for r in candidates if r.outstanding <= limit]
+        # NOTE: `slack` inlined for the automatic caps (a pass over every replica).
+        cap_windows, avg = fleet.cap_windows, fleet.avg_prompt_tokens
+        return [r for r in candidates if r.outstanding <= floor + (cap_windows * r.window * avg if r.window else 65536)]
+
+    def ranked(self, fleet: Fleet, candidates: list[Replica], key: Sequence[int], n: int = 1) -> list[Replica]:
+        """The `n` most preferred candidates, best first. Eligible replicas (within slack
+        of the least loaded) come first: by longest match, most recent, least loaded (then
+        name, descending); if no eligible replica matches, by load. The others follow, by
+        load. Affinity never starves a replica: while one is hungry (under one window of
+        work) and the best match is not, only hungry replicas are eligible.
+
+        A few passes over the candidates plus the prefix index's walk of the key: only
+        the `n` first are ordered (`n` > 1 only for a split), never the whole fleet."""
+        eligible = self.within_slack(fleet, candidates)
+        matches = fleet.index.matches(key) if key else {}
+        if matches:
+            is_eligible = set(eligible)
+            matches = {r: m for r, m in matches.items() if r in is_eligible}
+
+        def by_match(r: Replica) -> tuple[Match, int, str]:
+            return matches.get(r, NO_MATCH), -r.outstanding, r.name
+
+        # The top of the eligible by `by_match` (with no match: least loaded, last name).
+        first = max(matches, key=by_match) if matches else least_loaded(eligible, last=True)
+        if not fleet.hungry(first) and fleet.avg_prompt_tokens:
+            avg = fleet.avg_prompt_tokens  # NOTE: `hungry` inlined (a pass over every replica)
+            hungry = [r for r in eligible if r.window and r.outstanding < r.window * avg]
+            if hungry:
+                eligible = hungry
+                matches = {r: m for r, m in matches.items() if fleet.hungry(r)}
+        if n == 1:
+            return [max(matches, key=by_match) if matches else least_loaded(eligible)]
+        if matches:
+            top = heapq.nlargest(n, eligible, key=by_match)
+        else:
+            top = heapq.nsmallest(n, eligible, key=by_load)
+        if len(top) < n:
+            is_eligible = set(eligible)
+            top += heapq.nsmallest(n - len(top), (r for r in candidates if r not in is_eligible), key=by_load)
+        return top
 
     def choose(self, fleet, now, prompts, tokens, key):
         candidates = fleet.open(now)
         if not candidates:
             return None
-        ranked = self.ranked(fleet, candidates, key)
         # A bucket far larger than one replica's fair share of the work in the system is
         # split over several replicas (each recomputes the prefix once; all stay busy).
-        fair = (sum(r.outstanding for r in candidates) + tokens) / len(candidates)
+        fair = (sum(map(OUTSTANDING, candidates)) + tokens) / len(candidates)
         parts = 1
         if len(candidates) > 1 and prompts > 1 and tokens > self.split_factor * fair:
             parts = min(len(candidates), prompts, math.ceil(tokens / fair))
+        ranked = self.ranked(fleet, candidates, key, parts)
         if parts == 1:
             return [(ranked[0], prompts)]
         base, extra = divmod(prompts, parts)
-        return [(r, base + (1 if i < extra else 0)) for i, r in enumerate(ranked[:parts])]
-
+        return [(r, base + (1 if i < extra else 0)) for i, r in enumerate(ranked)]
 
     def route_parts(self, fleet, now, parts):
         """Each part goes where its own prefix is (the reference loses this: it sends a
         pooled batch with no key). Consecutive parts for one replica are merged. The cap
         admits the batch as a whole: parts are ranked among the replicas with room while
         any has room, then among all live ones (still by affinity: an admitted batch's
-        tail must not scatter its prefixes)."""
-        if not fleet.open(now):
+        tail must not scatter its prefixes). Each part is one decision (it sees the load
+        and history the previous parts left)."""
+        candidates = fleet.open(now)
+        if not candidates:
             return None
         out: Assignments = []
-        for prompts, tokens, key in parts:
-            r = self.ranked(fleet, fleet.open(now) or fleet.live(now), key)[0]
+        for i, (prompts, tokens, key) in enumerate(parts):
+            if i:  # the previous part changed loads (and caps, through the average prompt)
+                candidates = fleet.open(now) or fleet.live(now)
+            r = self.ranked(fleet, candidates, key)[0]
             fleet.assign(r, prompts, tokens, key)
             if out and out[-1][0] is r:
                 out[-1] = (r, out[-1][1] + prompts)

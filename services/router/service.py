@@ -31,7 +31,11 @@ class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.fleet = Fleet(
-            dead_after=cfg.dead_after, cap_tokens=cfg.replica_cap_tokens, history=cfg.history, cap_windows=cfg.cap_windows
+            dead_after=cfg.dead_after,
+            cap_tokens=cfg.replica_cap_tokens,
+            history=cfg.history,
+            cap_windows=cfg.cap_windows,
+            hash_block_size=cfg.hash_block_size,
         )
         self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor)
         self.routed = 0
@@ -49,11 +53,12 @@ class Router:
             outstanding=status.outstanding_tokens,
             done_tokens=status.done_tokens,
             kv_blocks=status.kv_blocks,
+            engine_block_size=status.block_size,
             window=status.window,
         )
         r = self.fleet.replicas[status.replica]
         freed = before is None or r.outstanding < before
-        return freed and r in self.fleet.open(now)
+        return freed and self.fleet.is_open(r, now)  # O(1): every replica reports often
 
     def decide(self, req: m.RouteRequest) -> m.RouteReply:
         now = time.monotonic()
@@ -77,6 +82,10 @@ class Router:
             )
         return m.RouteReply([m.Assignment(r.name, n) for r, n in chosen])
 
+    def place(self, prompts: int, tokens: int, key) -> list | None:
+        """Route a batch with the current policy (failover re-places a dead replica's work)."""
+        return self.policy.route(self.fleet, time.monotonic(), prompts, tokens, key)
+
     def set_policy(self, name: str) -> None:
         """Switch policy at run time (benchmarks compare policies on warm engines);
         the prefix history is forgotten so the new policy starts clean."""
@@ -87,9 +96,9 @@ class Router:
         log.info("policy set", policy=name)
 
     async def run(self, stop: asyncio.Event) -> None:
-        failover = Failover(self)
+        failover = Failover(self.fleet, self.place)
         nc = await connect(self.cfg.nats_url, "router", on_reconnect=failover.on_reconnect)
-        self.js = nc.jetstream()
+        self.js = failover.js = nc.jetstream()
         await provision(self.js)
 
         async def on_status(msg: Msg) -> None:

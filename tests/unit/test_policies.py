@@ -16,7 +16,6 @@ from services.router.policies import (
     LeastLoaded,
     PrefixAware,
     RoundRobin,
-    best_match,
     make_policy,
 )
 from shared.prefix.block_keys import matched_blocks
@@ -171,7 +170,7 @@ def test_prefix_aware_ignores_match_outside_slack():
     p = PrefixAware(slack_tokens=100, split_factor=NO_SPLIT)
     # c has the better match but is 101 > 0 + 100 tokens over the floor; b is within slack
     assert names(p.choose(f, NOW, 1, 10, [1, 2, 3, 4])) == [("b", 1)]
-    f.replicas["b"].history.clear()
+    f.forget_history(f.replicas["b"])
     assert names(p.choose(f, NOW, 1, 10, [1, 2, 3, 4])) == [("a", 1)]  # no match within slack
 
 
@@ -270,17 +269,55 @@ def test_history_bounded_by_kv_blocks():
     assert not r.history and r.history_blocks == 0
 
 
+@pytest.mark.parametrize(
+    ("kv_blocks", "engine_block_size", "hash_block_size", "budget"),
+    [
+        (256, 16, 128, 32),  # a GPU: 256 blocks of 16 tokens = 4096 tokens = 32 hash blocks
+        (32, 128, 128, 32),  # a CPU engine: its blocks are as long as the hash blocks
+        (256, 16, 64, 64),  # shorter prefix-key blocks: more of them fit
+        (32, 0, 128, 32),  # block size not reported: kv_blocks taken as hash blocks
+    ],
+)
+def test_history_budget_counts_hash_blocks_not_engine_blocks(kv_blocks, engine_block_size, hash_block_size, budget):
+    """kv_blocks are engine blocks; the history is kept in hash blocks. A GPU replica
+    reporting 256 blocks of 16 tokens caches 32 prefix-key blocks of 128, not 256."""
+    f = Fleet(cap_tokens=10**9, history=1000, hash_block_size=hash_block_size)
+    f.observe("r", NOW, ready=True, outstanding=0, done_tokens=0, kv_blocks=kv_blocks, engine_block_size=engine_block_size)
+    r = f.replicas["r"]
+    assert (r.kv_blocks, r.engine_block_size, r.history_budget) == (kv_blocks, engine_block_size, budget)
+    for i in range(10 * budget):  # one-block keys: the history holds `budget` of them
+        f.assign(r, 1, 0, [i])
+    assert r.history_blocks == len(r.history) == budget
+    assert [k for k, _ in r.history] == [(i,) for i in range(9 * budget, 10 * budget)]
+    # What was evicted no longer matches; what is kept does.
+    assert f.best_match(r, [0]) == (0, 0) and f.best_match(r, [10 * budget - 1])[0] == 1
+
+
+def test_history_budget_of_a_tiny_cache_keeps_min_history():
+    """Under one hash block of KV cache (4 x 16 tokens < 128): a zero budget, not an
+    unknown one, so the history falls back to MIN_HISTORY keys, not `history` keys."""
+    f = Fleet(cap_tokens=10**9, history=1000)
+    f.observe("r", NOW, ready=True, outstanding=0, done_tokens=0, kv_blocks=4, engine_block_size=16)
+    r = f.replicas["r"]
+    assert r.history_budget == 0
+    for i in range(50):
+        f.assign(r, 1, 0, [i])
+    assert len(r.history) == MIN_HISTORY
+    f.observe("r", NOW, ready=True, outstanding=0, done_tokens=0)  # no KV capacity reported
+    assert r.history_budget is None
+
+
 def test_best_match():
     f = fleet(("a", 0))
     r = f.replicas["a"]
-    assert best_match(r, [1, 2]) == (0, 0)
+    assert f.best_match(r, [1, 2]) == (0, 0)
     for key in ([1, 2, 3], [1, 9], [1, 2, 7]):
         f.assign(r, 1, 0, key)
     stamps = [s for _, s in r.history]
     assert stamps == sorted(stamps) and len(set(stamps)) == 3
-    assert best_match(r, [1, 2, 3, 4]) == (3, stamps[0])
-    assert best_match(r, [1, 2, 5]) == (2, stamps[2])  # ties: most recent
-    assert best_match(r, [4]) == (0, 0)
+    assert f.best_match(r, [1, 2, 3, 4]) == (3, stamps[0])
+    assert f.best_match(r, [1, 2, 5]) == (2, stamps[2])  # ties: most recent
+    assert f.best_match(r, [4]) == (0, 0)
 
 
 def test_prefix_aware_splits_a_large_bucket():

@@ -1,0 +1,105 @@
+"""services.router.failover: moving a dead replica's work is never counted as a failure.
+
+Backpressure (no live replica has room) must not nak the moved batch (each nak is a
+delivery, and deliveries count toward the poison limit: healthy prompts would become
+error rows); the batch waits, leased, until there is room."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.router.failover import Failover
+from services.router.policies import Fleet, Replica
+from shared.bus.poison import PRIOR_DELIVERIES, deliveries, moved_headers
+from shared.wire import messages as m
+
+pytestmark = pytest.mark.unit
+
+
+class Meta:
+    def __init__(self, n: int) -> None:
+        self.num_delivered = n
+
+
+class FakeMsg:
+    def __init__(self, data: bytes, delivered: int = 1, headers: dict | None = None) -> None:
+        self.data, self.headers, self.subject = data, headers, "pfx.work.r0"
+        self.metadata = Meta(delivered)
+        self.calls: list[str] = []
+
+    async def ack(self) -> None:
+        self.calls.append("ack")
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.calls.append("nak")
+
+    async def in_progress(self) -> None:
+        self.calls.append("in_progress")
+
+    async def term(self) -> None:
+        self.calls.append("term")
+
+
+def work(n: int = 3) -> bytes:
+    return m.encode(m.WorkBatch("b1", [m.Prompt("j", i, b"\x00\x00\x00\x01" * 8, max_tokens=4) for i in range(n)], [7]))
+
+
+def test_no_room_means_wait_leased_not_nak(monkeypatch):
+    room = {"open": False}
+    published: list[str] = []
+
+    def place(prompts, tokens, key):
+        return [(Replica("r1"), prompts)] if room["open"] else None
+
+    async def publish(js, subject, payload, headers=None):
+        published.append((subject, headers))
+
+    monkeypatch.setattr("services.router.failover.publish", publish)
+    failover = Failover(Fleet(), place)
+    failover.js = object()
+    msg = FakeMsg(work(), delivered=2)
+
+    async def go() -> None:
+        assert not await failover.move(msg)
+        failover.waiting.append(msg)
+        for _ in range(10):  # ten ticks with every replica full
+            await failover.retry_waiting()
+        assert "nak" not in msg.calls and msg.calls.count("in_progress") == 10
+        room["open"] = True
+        await failover.retry_waiting()
+
+    asyncio.run(go())
+    assert msg.calls[-1] == "ack" and "nak" not in msg.calls
+    assert failover.waiting == []
+    # The move carries the failed deliveries only: the failover's own is not one.
+    assert published == [("pfx.work.r1", {PRIOR_DELIVERIES: "1"})]
+
+
+def test_rescue_pulls_nothing_while_no_replica_has_room(monkeypatch):
+    fleet = Fleet()
+    fleet.observe("r1", 0.0, ready=True, outstanding=10, done_tokens=0)
+    fleet.cap_tokens = 5  # r1 is over its cap: no room anywhere
+    failover = Failover(fleet, lambda *a: None)
+
+    class Pull:
+        fetched = 0
+
+        async def fetch(self, batch, timeout):
+            Pull.fetched += 1
+            return [FakeMsg(work())]
+
+    failover.rescuing["r0"] = Pull()
+    failover.js = object()
+    monkeypatch.setattr("services.router.failover.time.monotonic", lambda: 1.0)
+    asyncio.run(failover.rescue("r0"))
+    assert Pull.fetched == 0 and failover.waiting == []
+
+
+def test_moved_headers_accumulate_failed_deliveries_only():
+    first = FakeMsg(work(), delivered=3)  # two failures at r0, then the failover's fetch
+    headers = moved_headers(first)
+    assert headers == {PRIOR_DELIVERIES: "2"}
+    second = FakeMsg(work(), delivered=1, headers=headers)  # now at r1
+    assert deliveries(second) == 3
