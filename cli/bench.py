@@ -43,9 +43,11 @@ from typing import Any
 
 import msgspec
 
+from cli.analysis import group_stats
 from shared.process import config as cfgmod
 from shared.wire import messages as m
 from shared.wire import subjects
+from shared.wire.control import decode_reply
 from shared.prefix import tokens as tk
 from shared.bus.connection import close, connect
 from shared.bus.provision import provision
@@ -132,11 +134,11 @@ async def engine_status(nc, replica: str) -> m.EngineStatus:
 async def prepare_engines(nc, replicas: list[str], scheduling: str) -> None:
     for r in replicas:
         for _ in range(60):  # reset refuses while requests run: wait them out
-            if (await nc.request(subjects.engine_reset(r), b"", timeout=30)).data == b"ok":
+            if decode_reply((await nc.request(subjects.engine_reset(r), b"", timeout=30)).data).ok:
                 break
             await asyncio.sleep(0.5)
-        reply = await nc.request(subjects.engine_scheduling(r), scheduling.encode(), timeout=10)
-        assert reply.data.decode() == scheduling, reply.data
+        reply = decode_reply((await nc.request(subjects.engine_scheduling(r), scheduling.encode(), timeout=10)).data)
+        assert reply.ok and reply.detail == scheduling, reply
 
 
 def to_prompts(job: str, table, max_tokens: int, tokenizer) -> list[m.Prompt]:
@@ -217,19 +219,6 @@ def timeline(obs: Observer, t0: float) -> dict[str, dict[str, float]]:
         d["last"] = round(t - t0, 2)
         d["rows"] += n
     return out
-
-
-def group_stats(results: list[m.Result], group_of: dict[Any, int], prefix_tokens: int) -> tuple[int, int]:
-    """(groups split over replicas, prompts that missed their prefix): how well a method
-    kept each prefix group together. `group_of` maps a prompt id to its prefix group;
-    `prefix_tokens` is the block-aligned shared prefix."""
-    replicas: dict[int, set[str]] = {}
-    misses = 0
-    for r in results:
-        if r.error is None:
-            replicas.setdefault(group_of[r.id], set()).add(r.replica)
-            misses += r.cached_tokens < prefix_tokens
-    return sum(len(v) > 1 for v in replicas.values()), misses
 
 
 def summarize(method: str, extra: dict, idle: dict[str, float], group_of: dict[Any, int], prefix_tokens: int) -> MethodResult:
@@ -320,7 +309,7 @@ async def bench_methods_async(args) -> dict[str, Any]:
             else:
                 policy = {"bucketing-daft": "daft", "bucketing": "prefix-aware", "bucketing-round-robin": "round-robin"}[method]
                 reply = await nc.request(subjects.ROUTER_POLICY, policy.encode(), timeout=10)
-                assert reply.data.decode() == policy, reply.headers
+                assert decode_reply(reply.data).detail == policy, reply.headers
                 extra = await run_pipeline(nc, cluster.url, job, rows, out_dir, sampling)
             after = {r: (await engine_status(nc, r)).idle_seconds for r in replicas}
             res = summarize(method, extra, {r: after[r] - before[r] for r in replicas}, group_of, prefix_tokens)

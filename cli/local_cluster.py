@@ -1,13 +1,18 @@
-"""A local cluster as OS processes: what the Procfile runs, and what `prefixflow run` starts.
+"""A local cluster as OS processes: what the Procfile runs, and what `prefixflow run` starts
+and supervises.
 
-`processes()` is the single definition of the local process set; the Procfile spells the
-same set for honcho (a test keeps the two in step).
+`processes()` is the single definition of the local process set (and how the machine's
+cores or GPUs are divided among the engine replicas); the Procfile spells the same set for
+a 2-core machine for honcho (a test keeps the two in step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -15,16 +20,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 
+from cli.supervisor import Drop, GiveUp, RestartPolicy, Supervisor
+from shared.bus.connection import close, connect
 from shared.wire import messages as m
 from shared.wire import subjects
-from shared.bus.connection import close, connect
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,21 +42,120 @@ class Process:
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def is_engine(self) -> bool:
+        return self.args[:2] == ["serve", "engine-worker"]
+
+
+@dataclass(frozen=True)
+class Devices:
+    """What the machine offers the engine replicas."""
+
+    cores: tuple[int, ...]
+    """CPU ids this process may run on (its affinity mask)."""
+    gpus: tuple[str, ...] = ()
+    """GPU indices as `nvidia-smi -L` lists them (none on a CPU machine)."""
+
+
+def list_gpus() -> tuple[str, ...]:
+    """GPU indices from `nvidia-smi -L` ("GPU 0: ..."); none without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return ()
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    return tuple(g.group(1) for line in out.splitlines() if (g := re.match(r"\s*GPU (\d+):", line)))
+
+
+@functools.cache
+def machine_devices() -> Devices:
+    """This machine's cores (the affinity mask, so a container's limit counts) and GPUs."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+    else:  # pragma: no cover - not Linux
+        cores = tuple(range(os.cpu_count() or 1))
+    return Devices(cores, list_gpus())
+
+
+def id_list(ids: list[int] | tuple[int, ...]) -> str:
+    """CPU ids as a list string with ranges: [0, 1, 2, 5] -> "0-2,5"."""
+    parts: list[str] = []
+    ids = sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def assign_devices(replicas: int, devices: Devices, tensor_parallel_size: int = 1) -> list[dict[str, str]]:
+    """Divide the machine among `replicas` engines: per replica, the environment that
+    places it.
+
+    - GPUs: each replica gets `tensor_parallel_size` devices of its own
+      (`CUDA_VISIBLE_DEVICES`); too few GPUs is an error.
+    - CPU: each replica gets its share of the cores as one contiguous run
+      (`VLLM_CPU_OMP_THREADS_BIND`: 0-1 for one replica on 2 cores, 0 and 1 for two, 0-2 and
+      3-5 for two on 6); with more replicas than cores they share cores round-robin.
+    """
+    if replicas < 1 or tensor_parallel_size < 1:
+        raise ValueError("replicas and tensor_parallel_size must be at least 1")
+    if devices.gpus:
+        need = replicas * tensor_parallel_size
+        if need > len(devices.gpus):
+            raise ValueError(
+                f"{replicas} replicas x tensor-parallel size {tensor_parallel_size} need {need} GPUs; "
+                f"{len(devices.gpus)} found"
+            )
+        tp = tensor_parallel_size
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(devices.gpus[i * tp : (i + 1) * tp])} for i in range(replicas)]
+    cores = devices.cores or (0,)
+    n = len(cores)
+    if replicas >= n:
+        shares = [[cores[i % n]] for i in range(replicas)]
+    else:
+        shares = [list(cores[i * n // replicas : (i + 1) * n // replicas]) for i in range(replicas)]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": id_list(share)} for share in shares]
+
+
+def describe_placement(env: dict[str, str]) -> str:
+    """"cores 0-1", "GPUs 2,3" (for the start-up lines)."""
+    if "CUDA_VISIBLE_DEVICES" in env:
+        ids = env["CUDA_VISIBLE_DEVICES"]
+        return f"GPU{'s' if ',' in ids else ''} {ids}"
+    ids = env.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    return f"core{'s' if (',' in ids or '-' in ids) else ''} {ids}" if ids else "no placement"
+
 
 def processes(
-    replicas: int = 2, *, engine: str = "vllm", kv_cache_space_gib: int = 2, extra_engine_args: list[str] | None = None
+    replicas: int = 2,
+    *,
+    engine: str = "vllm",
+    kv_cache_space_gib: int = 2,
+    extra_engine_args: list[str] | None = None,
+    tensor_parallel_size: int = 1,
+    devices: Devices | None = None,
 ) -> list[Process]:
     """nats-server, ingestor, one bucketer, router, `replicas` engine-workers, sink.
-    Engine i is pinned to core i (mod the core count) with its own KV-cache budget."""
-    cores = os.cpu_count() or 1
+    The machine is divided among the engines (`assign_devices`): on CPU each gets its
+    share of the cores and its own KV-cache budget, on GPUs its own devices."""
+    devices = devices or machine_devices()
+    placements = assign_devices(replicas, devices, tensor_parallel_size)
     procs = [
         Process("nats", ["serve", "nats"]),
         Process("ingestor", ["serve", "ingestor"]),
         Process("bucketer", ["serve", "bucketer", "--node", "node0"]),
         Process("router", ["serve", "router"]),
     ]
-    for i in range(replicas):
-        env = {"VLLM_CPU_OMP_THREADS_BIND": str(i % cores), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib)}
+    for i, placement in enumerate(placements):
+        env = dict(placement)
+        if not devices.gpus:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
         args = ["serve", "engine-worker", "--replica", f"r{i}", "--engine", engine, *(extra_engine_args or [])]
         procs.append(Process(f"engine{i}", args, env))
     procs.append(Process("sink", ["serve", "sink"]))
@@ -94,11 +202,12 @@ def prefixflow_argv() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "cli.main"]
 
 
-async def wait_replicas_ready(url: str, replicas: list[str], timeout: float, alive=lambda: None) -> float:
+async def wait_replicas_ready(url: str, replicas: list[str], timeout: float, alive=lambda: None, options=None) -> float:
     """Wait until every named replica has reported `ready` on its status subject;
-    `alive()` runs each round (raise there if a process died). Returns seconds waited."""
+    `alive()` runs each round (raise there if a process died); `options`: NATS
+    credentials and TLS. Returns seconds waited."""
     t0 = time.monotonic()
-    nc = await connect(url, "prefixflow-wait")
+    nc = await connect(url, "prefixflow-wait", options=options)
     ready: set[str] = set()
 
     async def on_status(msg) -> None:
@@ -118,12 +227,86 @@ async def wait_replicas_ready(url: str, replicas: list[str], timeout: float, ali
     return time.monotonic() - t0
 
 
+STARTUP_GRACE = 60.0
+"""Seconds after its first start during which a process that exits with an error before
+it ever logged its ready line fails the run instead of being restarted."""
+
+
+class ProcessExited(RuntimeError):
+    """A process exited where none may (start-up; `check_alive`)."""
+
+
+class ClusterFailed(RuntimeError):
+    """The cluster cannot go on: a process spent its restart budget, or no engine
+    replica can come back."""
+
+
+def ready_marker(p: Process) -> bytes:
+    """The log line a process writes once it serves (how the supervisor knows it is back)."""
+    if p.args[:2] == ["serve", "nats"]:
+        return b"Server is ready"
+    return f"{p.args[1]} ready".encode()
+
+
+try:  # Linux: a child gets SIGTERM when `prefixflow run` dies without stopping it (SIGKILL, OOM).
+    import ctypes
+
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    PR_SET_PDEATHSIG = 1
+
+    def _die_with_parent() -> None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+except (OSError, AttributeError):  # pragma: no cover - not Linux
+    _die_with_parent = None  # type: ignore[assignment]
+
+
+def _has_exited(proc: subprocess.Popen) -> bool:
+    """Whether `proc` has exited, without reaping it: while it is a zombie its pid (and
+    process group id) cannot be reused, so its group can still be swept safely."""
+    if proc.returncode is not None:
+        return True
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return proc.poll() is not None
+    except AttributeError:  # pragma: no cover - no waitid
+        return proc.poll() is not None
+    return info is not None and info.si_pid == proc.pid
+
+
+def _reap(proc: subprocess.Popen) -> int:
+    """SIGKILL whatever is left in the exited process's group (a SIGKILLed engine-worker's
+    vLLM engine core), then reap it; returns its exit code."""
+    if proc.returncode is None:  # not reaped yet: its pid is still ours
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return proc.wait()
+
+
 class LocalCluster:
     """Start the processes on a free port with a private JetStream store; stop them in
-    order (services first, nats-server last) with SIGTERM, then SIGKILL stragglers."""
+    order (services first, nats-server last) with SIGTERM, then SIGKILL stragglers.
 
-    def __init__(self, procs: list[Process], *, workdir: str | Path | None = None, env: dict[str, str] | None = None) -> None:
+    `supervise()` restarts a process that exits unexpectedly, with the same arguments and
+    environment (nats-server on the same port and store), after a backoff and within a
+    restart budget (`cli.supervisor`); `supervised(coro)` runs a coroutine (the job) while
+    supervising. Each process runs in its own process group, so a Ctrl-C at the terminal
+    reaches only `prefixflow run`, which stops them in order; `pids.json` in the workdir
+    lists the current pids (for operators and tests), rewritten at every (re)start."""
+
+    def __init__(
+        self,
+        procs: list[Process],
+        *,
+        workdir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        policy: RestartPolicy | None = None,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
         self.procs = procs
+        self.by_name = {p.name: p for p in procs}
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="prefixflow-cluster-"))
         self.port = free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
@@ -135,26 +318,82 @@ class LocalCluster:
             "PFX_LOG_FORMAT": "json",
         }
         self.running: dict[str, subprocess.Popen] = {}
+        self.supervisor = Supervisor([p.name for p in procs], {p.name for p in procs if p.is_engine}, policy)
+        self.on_event = on_event or (lambda text: log.warning(text))
+        self.due: dict[str, float] = {}
+        """Processes waiting for their restart: name -> monotonic time it is due."""
+        self.down_since: dict[str, float] = {}
+        """name -> when it was seen down (cleared once it is back)."""
+        self.coming_back: set[str] = set()
+        """Restarted processes not yet ready again (their "back" line is due)."""
+        self.scan_from: dict[str, int] = {}
+        """name -> where in its log to look for its ready line (this incarnation)."""
+        self.ready_now: set[str] = set()
+        """Processes whose current incarnation has logged its ready line."""
+        self.ever_ready: set[str] = set()
+        """Processes that were ready at least once (an exit before that is a start-up error)."""
+        self.first_start: dict[str, float] = {}
+        self.dropped: set[str] = set()
+        self.states: dict[str, str] = {}
+        self.stopping = False
+
+    # --- starting and stopping -------------------------------------------------------
 
     def start(self) -> None:
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         for p in self.procs:
             self.start_one(p)
 
+    def log_path(self, name: str) -> Path:
+        return self.workdir / "logs" / f"{name}.log"
+
     def start_one(self, p: Process) -> None:
-        logf = open(self.workdir / "logs" / f"{p.name}.log", "ab")
-        self.running[p.name] = subprocess.Popen(
-            [*prefixflow_argv(), *p.args], env={**self.env, **p.env}, stdout=logf, stderr=subprocess.STDOUT
-        )
+        self.log_path(p.name).parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path(p.name), "ab") as logf:
+            self.scan_from[p.name] = logf.tell()
+            self.ready_now.discard(p.name)
+            self.first_start.setdefault(p.name, time.monotonic())
+            self.running[p.name] = subprocess.Popen(
+                [*prefixflow_argv(), *p.args],
+                env={**self.env, **p.env},
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                process_group=0,
+                # NOTE: preexec_fn is unsafe with threads when it takes locks or imports;
+                # this one makes a single prctl call through a function resolved at import.
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
+            )
+        self.supervisor.started(p.name, time.monotonic())
+        self.states[p.name] = "running"
+        self.write_pids()
+
+    def write_pids(self) -> None:
+        """`pids.json`: the NATS URL and, per process, its pid, state and restarts."""
+        doc = {
+            "url": self.url,
+            "workdir": str(self.workdir),
+            "processes": {
+                name: {
+                    "pid": proc.pid,
+                    "state": self.states.get(name, "running"),
+                    "restarts": self.supervisor.restarts[name],
+                }
+                for name, proc in self.running.items()
+            },
+        }
+        tmp = self.workdir / "pids.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(self.workdir / "pids.json")
 
     def log_tail(self, name: str, lines: int = 30) -> str:
-        path = self.workdir / "logs" / f"{name}.log"
+        path = self.log_path(name)
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def check_alive(self) -> None:
+        """Raise if any process has exited (start-up, and clusters nobody supervises)."""
         for name, proc in self.running.items():
             if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+                raise ProcessExited(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
 
     async def wait_ready(self, replicas: list[str], timeout: float = 300.0) -> float:
         """Wait until every replica reports ready; returns the seconds it took."""
@@ -169,16 +408,122 @@ class LocalCluster:
             proc.wait()
 
     def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the services and wait (SIGKILL after `timeout`), then nats-server;
+        whatever is left in each process's group (an engine's vLLM children) is killed."""
+        self.stopping = True
+        self.due.clear()
         services = [n for n in self.running if n != "nats"]
         for group in (services, ["nats"]):
             procs = [self.running[n] for n in group if n in self.running]
             for proc in procs:
-                if proc.poll() is None:
+                if not _has_exited(proc):
                     proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout
             for proc in procs:
-                try:
-                    proc.wait(max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+                while not _has_exited(proc) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not _has_exited(proc):
                     proc.kill()
-                    proc.wait()
+                    while not _has_exited(proc):
+                        time.sleep(0.01)
+                _reap(proc)
+        for name in self.running:
+            self.states[name] = "stopped"
+        try:
+            self.write_pids()
+        except OSError:
+            pass
+
+    # --- supervision -----------------------------------------------------------------
+
+    def supervise(self) -> None:
+        """One round: notice processes that exited, restart those whose backoff is over,
+        report those back up. Raises `ClusterFailed` when a restart budget is spent and
+        the run cannot go on, or when a process fails before it was ever ready (a bad
+        flag or model: restarting it would only fail again)."""
+        if self.stopping:
+            return
+        now = time.monotonic()
+        # 1. Ready lines: restarted processes are back.
+        for name, proc in self.running.items():
+            if name not in self.ready_now and name not in self.due and name not in self.dropped and self._ready(name):
+                self.ready_now.add(name)
+                self.ever_ready.add(name)
+                if name in self.coming_back:
+                    self.coming_back.discard(name)
+                    down = now - self.down_since.pop(name, now)
+                    self.on_event(f"{name} back (pid {proc.pid}, {down:.1f} s after it went down)")
+        # 2. Exits: sweep the process's group, then decide.
+        for name, proc in list(self.running.items()):
+            if name in self.due or name in self.dropped or not _has_exited(proc):
+                continue
+            code = _reap(proc)
+            self.coming_back.discard(name)
+            self.down_since.setdefault(name, now)
+            if code > 0 and name not in self.ever_ready and now - self.first_start[name] < STARTUP_GRACE:
+                self.states[name] = "failed"
+                self.write_pids()
+                raise ClusterFailed(f"{name} exited with {code} before it was ever ready:\n{self.log_tail(name)}")
+            decision = self.supervisor.exited(name, now)
+            if isinstance(decision, GiveUp):
+                self.states[name] = "failed"
+                self.write_pids()
+                raise ClusterFailed(f"{name} down (exit {code}): {decision.reason}\n{self.log_tail(name)}")
+            if isinstance(decision, Drop):
+                self.dropped.add(name)
+                self.states[name] = "dropped"
+                self.on_event(f"{name} down (exit {code}): {decision.reason}")
+            else:
+                self.due[name] = now + decision
+                self.states[name] = "restarting"
+                self.on_event(f"{name} down (exit {code}), restarting in {decision:g} s")
+            self.write_pids()
+        # 3. Restarts that are due.
+        for name, at in list(self.due.items()):
+            if now >= at:
+                del self.due[name]
+                self.start_one(self.by_name[name])
+                self.coming_back.add(name)
+                log.info("restarted", process=name, pid=self.running[name].pid)
+
+    def _ready(self, name: str) -> bool:
+        """Whether the current incarnation of `name` has logged its ready line (reads
+        only what is new since the last look)."""
+        marker = ready_marker(self.by_name[name])
+        try:
+            with open(self.log_path(name), "rb") as f:
+                f.seek(self.scan_from[name])
+                chunk = f.read()
+        except OSError:
+            return False
+        if marker in chunk:
+            return True
+        # A line may be half written: look at its start again next time.
+        self.scan_from[name] += max(0, len(chunk) - len(marker))
+        return False
+
+    async def supervise_forever(self, interval: float = 0.25) -> None:
+        while True:
+            self.supervise()
+            await asyncio.sleep(interval)
+
+    async def supervised(self, coro: Awaitable[T]) -> T:
+        """Run `coro` while supervising the processes; if the cluster gives up, cancel
+        it and raise `ClusterFailed`."""
+        work = asyncio.ensure_future(coro)
+        watch = asyncio.create_task(self.supervise_forever())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done():
+                return work.result()
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            watch.result()  # raises ClusterFailed
+            raise AssertionError("unreachable")
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            await asyncio.gather(work, watch, return_exceptions=True)
+
+    def restart_counts(self) -> dict[str, int]:
+        return dict(self.supervisor.restarts)

@@ -5,7 +5,11 @@
     prefixflow serve NAME [flags]                   run one service (see --help of each)
     prefixflow run INPUT --out DIR [...]            all-in-one: local cluster + job + summary
     prefixflow submit INPUT --out DIR [--nats URL]  submit a job to a running cluster
-    prefixflow bench methods|pipeline ...          benchmarks (docs/benchmarks.md)
+    prefixflow bench methods|pipeline|router ...   benchmarks (docs/benchmarks.md)
+    prefixflow cluster config --out DIR ...        NATS configs and env files for a fleet
+    prefixflow status [JOB] [--nats URL]            jobs: rows, errors, rate, hit rate, ETA
+    prefixflow top [--nats URL]                     live view of replicas, bucketers, jobs
+    prefixflow report OUTDIR                        plots of a job (OUTDIR/_report/)
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -33,6 +38,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per prompt: seed + id)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    s = p.add_argument_group("structured output (one of; rows may give their own: docs/jobs.md)")
+    s.add_argument("--json-schema", default=None, help="JSON Schema the output must satisfy (file or JSON text)")
+    s.add_argument("--regex", default=None, help="regular expression the output must match")
+    s.add_argument("--choice", default=None, help="comma-separated strings; the output is exactly one of them")
+    s.add_argument("--grammar", default=None, help="grammar the output must follow (EBNF/GBNF or Lark; file or text)")
+    s.add_argument("--response-format", default=None, help="OpenAI response_format object (file or JSON text)")
+    c = p.add_argument_group("chat (rows with 'messages')")
+    c.add_argument("--chat-template", default="", help="chat template overriding the model's (file or Jinja text)")
+    c.add_argument("--chat-template-kwargs", default=None, help="extra template variables, a JSON object")
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingSpec:
@@ -43,11 +58,33 @@ def sampling_from(args: argparse.Namespace) -> SamplingSpec:
         top_p=args.top_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        stop=args.stop or [],
     )
+    from shared.wire.sampling import compile_structured, job_structured
+
     try:
-        return msgspec.convert(raw, SamplingSpec)
-    except (msgspec.ValidationError, ValueError) as exc:
+        forms = ("json_schema", "regex", "choice", "grammar", "response_format")
+        structured = job_structured({k: getattr(args, k) for k in forms})
+        if structured is not None:
+            raw["structured"] = structured
+        spec = msgspec.convert(raw, SamplingSpec)
+        compile_structured(spec.structured)  # as vLLM would: refused now, not in an engine
+        return spec
+    except (msgspec.ValidationError, ValueError, OSError) as exc:
         raise SystemExit(f"bad sampling parameters: {exc}") from None
+
+
+def chat_from(args: argparse.Namespace) -> dict[str, Any]:
+    """The job's chat template override and template variables (and its task)."""
+    from services.ingestor.chat import load_template
+
+    try:
+        kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
+    except ValueError as exc:
+        raise SystemExit(f"--chat-template-kwargs is not JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise SystemExit("--chat-template-kwargs wants a JSON object")
+    return {"chat_template": load_template(args.chat_template), "chat_template_kwargs": kwargs, "task": args.task}
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +93,8 @@ def add_job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job", default=None, help="job id; re-submitting the same id resumes it (default: new id)")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--task", choices=("generate", "embed"), default="generate",
+                   help="generate text, or embed (an `embedding` column; `run` starts pooling engines) (default generate)")
     add_sampling_args(p)
 
 
@@ -105,47 +144,85 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> None:
-    from cli.submit import submit
+    from cli.submit import JobFailed, submit
 
     job = args.job or default_job_id(args.input)
-    status = asyncio.run(
-        submit(
-            args.input,
-            nats_url=args.nats,
-            job=job,
-            out_dir=args.out,
-            sampling=sampling_from(args),
-            progress=not args.no_progress,
-            timeout=args.timeout,
+    try:
+        status = asyncio.run(
+            submit(
+                args.input,
+                nats_url=args.nats,
+                job=job,
+                out_dir=args.out,
+                sampling=sampling_from(args),
+                progress=not args.no_progress,
+                timeout=args.timeout,
+                **chat_from(args),
+            )
         )
-    )
+    except JobFailed as exc:
+        raise SystemExit(str(exc)) from None  # "job X failed: <reason>", exit code 1
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     if status.summary:
         print_summary(status.summary)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) reached `prefixflow run`: stop the cluster and exit."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
-    from cli.submit import submit
-    from cli.local_cluster import LocalCluster, processes
+    from tqdm import tqdm
+
+    from cli.local_cluster import ClusterFailed, LocalCluster, ProcessExited, describe_placement, machine_devices, processes
     from cli.make_model import make_model
+    from cli.submit import JobFailed, submit
 
     sampling = sampling_from(args)
+    chat = chat_from(args)
     if args.model == cfgmod.DEFAULT_MODEL:
         make_model(args.model)
     model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     extra = ["--kv-cache-blocks", str(args.kv_cache_blocks)] if args.kv_cache_blocks else []
-    cluster = LocalCluster(
-        processes(args.replicas, engine=args.engine, extra_engine_args=extra),
-        env={"PFX_MODEL": model, "PFX_POLICY": args.policy},
-    )
-    job = args.job or default_job_id(args.input)
-    print(f"starting local cluster (logs: {cluster.workdir / 'logs'}) ...", flush=True)
-    cluster.start()
+    engine_argv = getattr(args, "engine_argv", None)
+    if engine_argv:  # vLLM engine arguments for every replica, checked by vLLM's parser now
+        import shlex
+
+        from services.engine_worker.engine_args import explicit
+
+        explicit(engine_argv)
+        extra += [f"--engine-args={shlex.join(engine_argv)}"]  # `=`: a value may start with `--`
+    devices = machine_devices()
     try:
-        replicas = [f"r{i}" for i in range(args.replicas)]
-        startup = asyncio.run(cluster.wait_ready(replicas))
+        procs = processes(args.replicas, engine=args.engine, extra_engine_args=extra,
+                          tensor_parallel_size=args.tensor_parallel_size, devices=devices)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+    def event(text: str) -> None:
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+
+    # The run's own sink writes this job only: its output root is the job's --out.
+    env = {"PFX_MODEL": model, "PFX_POLICY": args.policy, "PFX_OUT_ROOT": str(Path(args.out).resolve()),
+           "PFX_TASK": args.task}
+    cluster = LocalCluster(procs, workdir=args.workdir, env=env, on_event=event)
+    job = args.job or default_job_id(args.input)
+    replicas = [f"r{i}" for i in range(args.replicas)]
+
+    async def run_job():
+        startup = await cluster.wait_ready(replicas)
         print(f"{len(replicas)} replicas ready in {startup:.1f} s (not counted in the job's wall time)", flush=True)
-        status = asyncio.run(
+        # From here on a process that exits is restarted (backoff, budget) while the job goes on.
+        return await cluster.supervised(
             submit(
                 args.input,
                 nats_url=cluster.url,
@@ -155,11 +232,51 @@ def cmd_run(args: argparse.Namespace) -> None:
                 model=model,
                 progress=not args.no_progress,
                 timeout=args.timeout,
-                check=cluster.check_alive,
+                **chat,
             )
         )
+
+    print(f"starting local cluster on {cluster.url} (workdir: {cluster.workdir}, logs: {cluster.workdir / 'logs'}) ...", flush=True)
+    if args.tensor_parallel_size > 1:
+        if devices.gpus:
+            print(f"note: the engine-worker has no tensor-parallel setting yet: each replica sees "
+                  f"{args.tensor_parallel_size} GPUs but vLLM uses one", flush=True)
+        else:
+            print("note: --tensor-parallel-size applies to GPUs only; ignored on CPU", flush=True)
+    for p in procs:
+        if p.is_engine:
+            print(f"{p.name}: {describe_placement(p.env)}", flush=True)
+    error: str | None = None
+    code = 0
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        cluster.start()
+        status = asyncio.run(run_job())
+    except JobFailed as exc:
+        error, code = str(exc), 1
+    except ClusterFailed as exc:
+        error, code = f"giving up: {exc}", 1
+    except ProcessExited as exc:  # a process died during start-up (check_alive)
+        error, code = f"cluster failed to start: {exc}", 1
+    except TimeoutError as exc:  # --timeout, or replicas not ready in time
+        error, code = str(exc), 1
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        error, code = f"interrupted ({signal.Signals(signum).name}): stopped the cluster", 128 + signum
     finally:
+        # Stopping is not interrupted by a second Ctrl-C (it has its own time limits).
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        if error is not None:
+            print("stopping the local cluster ...", file=sys.stderr, flush=True)
         cluster.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    restarts = {name: n for name, n in cluster.restart_counts().items() if n}
+    print("restarts: " + (", ".join(f"{name} {n}" for name, n in restarts.items()) if restarts else "none"), flush=True)
+    if error is not None:
+        print(error, file=sys.stderr, flush=True)
+        sys.exit(code)
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     if status.summary:
         print_summary(status.summary)
@@ -207,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", default="prefix-aware", choices=cfgmod.POLICIES, help="routing policy"
     )
     p.add_argument("--kv-cache-blocks", type=int, default=0, help="cap each replica's KV cache (blocks)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="GPUs per replica (CUDA_VISIBLE_DEVICES; on CPU each replica gets its share of the cores)",
+    )
+    p.add_argument("--workdir", default=None, help="cluster directory: logs/, JetStream store, pids.json (default: a new temporary directory)")
     p.set_defaults(fn=cmd_run)
 
     from cli.bench import add_parsers as add_bench_parsers
@@ -214,21 +336,54 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks (methods comparison on vLLM; pipeline throughput)")
     add_bench_parsers(p.add_subparsers(dest="bench", required=True))
 
+    from cli.simulate import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)  # prefixflow simulate (docs/simulator.md)
+
+    from cli.cluster_config import add_parsers as add_cluster_parsers
+
+    p = sub.add_parser("cluster", help="bring up a fleet: NATS cluster configs and env files for N nodes")
+    add_cluster_parsers(p.add_subparsers(dest="cluster", required=True))
+
     p = sub.add_parser("submit", help="submit INPUT to a running cluster and wait for it")
     add_job_args(p)
     p.add_argument("--nats", default=os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
     p.set_defaults(fn=cmd_submit)
+
+    from cli.report import add_parser as add_report_parser
+    from cli.status import add_parsers as add_status_parsers
+
+    add_status_parsers(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))  # status, top
+    add_report_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.command != "serve":
         # Client commands: only warnings and errors (the services log at their own level).
         from shared.process.logs import setup_logging
 
         setup_logging("prefixflow", fmt="console", level="warning")
     args.fn(args)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line; vLLM engine arguments go to the engine-worker (loose or after
+    `--`) and to `run`'s replicas (after `--`: `args.engine_argv`)."""
+    argv = list(argv)
+    engine_argv: list[str] = []
+    if argv[:1] == ["run"] and "--" in argv:  # `prefixflow run ... -- <vLLM engine arguments>`
+        cut = argv.index("--")
+        argv, engine_argv = argv[:cut], argv[cut + 1 :]
+    parser = build_parser()
+    args, loose = parser.parse_known_args(argv)
+    if loose:  # only the engine-worker takes arguments it does not define (vLLM's)
+        if not (args.command == "serve" and getattr(args, "service", None) == "engine-worker"):
+            parser.error(f"unrecognized arguments: {' '.join(loose)}")
+        args.vllm_args = loose + list(getattr(args, "vllm_args", None) or [])
+    args.engine_argv = engine_argv
+    return args
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ beside ``out_dir`` and renamed into place, and a ``prefixflow_model.json`` stamp
 the build parameters makes repeated calls with the same arguments a no-op.
 
 The tokenizer is byte-level BPE (GPT-2 style, ``Ġ`` marks a leading space) with the
-special tokens ``<|pad|>`` (id 0), ``<|bos|>`` (id 1) and ``<|eos|>`` (id 2). It adds no
-special tokens when encoding, so a prompt's token count is exactly what its text
-encodes to.
+special tokens ``<|pad|>`` (id 0), ``<|bos|>`` (id 1), ``<|eos|>`` (id 2) and the chat
+markers ``<|im_start|>`` (id 3) and ``<|im_end|>`` (id 4). It adds no special tokens
+when encoding, so a prompt's token count is exactly what its text encodes to. Its
+``chat_template`` (in ``tokenizer_config.json``) is ChatML style, so chat jobs run on the
+local model: every message is ``<|im_start|>ROLE\nCONTENT<|im_end|>\n``, and the
+generation prompt is ``<|im_start|>assistant\n``.
 """
 
 from __future__ import annotations
@@ -29,9 +32,17 @@ from shared.process.config import DEFAULT_MODEL
 DEFAULT_MODEL_DIR = Path(DEFAULT_MODEL)
 
 STAMP_FILE = "prefixflow_model.json"
-STAMP_VERSION = 1  # bump when the build recipe changes, so old models get rebuilt
+STAMP_VERSION = 2  # bump when the build recipe changes, so old models get rebuilt (2: chat template)
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
-SPECIAL_TOKENS = [PAD, BOS, EOS]  # trainer assigns ids 0, 1, 2 in this order
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, IM_START, IM_END]  # trainer assigns ids 0..4 in this order
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""ChatML: content is a string (vLLM joins a list of text parts with newlines first)."""
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 _ONSETS = "b c d f g h j k l m n p r s t v w z br ch dr fl gr kr pl sh st th tr".split()
@@ -150,8 +161,10 @@ def _build_tokenizer(out_dir: Path, *, seed: int, vocab_size: int):
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
+        additional_special_tokens=[IM_START, IM_END],
         model_max_length=1 << 20,
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
     return fast
 

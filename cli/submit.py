@@ -16,14 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import nats.errors
 import pyarrow as pa
-import pyarrow.json as pajson
 import pyarrow.parquet as pq
 from nats.js.errors import KeyNotFoundError
 from tqdm import tqdm
 
 from shared.wire import messages as m
 from shared.wire import subjects
+from shared.wire.ids import IdSet
 from shared.bus.connection import close, connect
 from shared.bus.provision import provision
 from shared.bus.publish import publish
@@ -33,31 +34,61 @@ PUBLISH_CONCURRENCY = 256
 ROWS_PER_MESSAGE = 64
 
 
+class JobFailed(Exception):
+    """The cluster marked the job failed (its status says why)."""
+
+    def __init__(self, job: str, reason: str | None) -> None:
+        super().__init__(f"job {job} failed: {reason or 'no reason given'}")
+        self.job = job
+        self.reason = reason
+
+
 def read_rows(path: str | Path) -> Iterator[list[dict[str, Any]]]:
     """Batches of rows of a Parquet or JSONL file; adds `id` (row number) if absent."""
     path = Path(path)
     if path.suffix in (".parquet", ".pq"):
         batches = (b for b in pq.ParquetFile(path).iter_batches(batch_size=READ_BATCH))
     elif path.suffix in (".jsonl", ".json", ".ndjson"):
-        batches = iter(pajson.read_json(path).to_batches(max_chunksize=READ_BATCH))
+        # Python's JSON, not Arrow's: chat `messages` mix string and list-of-parts content.
+        batches = jsonl_batches(path, READ_BATCH)
     else:
         raise SystemExit(f"{path}: want a .parquet or .jsonl file")
     row_number = 0
     for batch in batches:
-        if "prompt" not in batch.schema.names and "prompt_token_ids" not in batch.schema.names:
-            raise SystemExit(f"{path}: no 'prompt' or 'prompt_token_ids' column (columns: {batch.schema.names})")
-        rows = batch.to_pylist()
-        if "id" not in batch.schema.names:
+        names = batch.schema.names if isinstance(batch, pa.RecordBatch) else list(dict.fromkeys(k for r in batch for k in r))
+        if not {"prompt", "prompt_token_ids", "messages"} & set(names):
+            raise SystemExit(f"{path}: no 'prompt', 'messages' or 'prompt_token_ids' column (columns: {names})")
+        rows = batch.to_pylist() if isinstance(batch, pa.RecordBatch) else batch
+        if "id" not in names:
             for i, row in enumerate(rows):
                 row["id"] = row_number + i
         row_number += len(rows)
         yield rows
 
 
+def jsonl_batches(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
+    """Rows of a JSONL file in lists of `size` (a line that is not an object stops the run)."""
+    rows: list[dict[str, Any]] = []
+    with path.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = msgspec.json.decode(line)
+            except msgspec.DecodeError as exc:
+                raise SystemExit(f"{path}:{n}: not JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise SystemExit(f"{path}:{n}: want a JSON object per line")
+            rows.append(row)
+            if len(rows) >= size:
+                yield rows
+                rows = []
+    if rows:
+        yield rows
+
+
 def finished_ids(out_dir: str | Path):
     """Ids already written to `out_dir` by an earlier run of the job (resume)."""
-    from shared.wire.ids import IdSet
-
     done = IdSet()
     for part in sorted(Path(out_dir).glob("part-*.parquet")):
         done.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
@@ -101,7 +132,7 @@ class Submitter:
                 rid = msgspec.json.encode(row["id"]).decode()
                 coros.append(publish(self.js, subject, encoder.encode(row), headers={"Pfx-Id": rid, "Nats-Msg-Id": f"{job}:{rid}"}))
         else:
-            size = lambda row: len(str(row.get("prompt", ""))) + 5 * len(row.get("prompt_token_ids") or ()) + 64  # noqa: E731
+            size = lambda row: len(str(row.get("prompt", ""))) + len(str(row.get("messages", ""))) + 5 * len(row.get("prompt_token_ids") or ()) + 64  # noqa: E731
             for run in m.chunked(rows, size, batch, max_bytes=256 * 1024):
                 msg_id = f"{job}:{run[0]['id']}:{run[-1]['id']}:{len(run)}"
                 coros.append(publish(self.js, subject, encoder.encode(run), headers={"Nats-Msg-Id": msg_id}))
@@ -119,16 +150,27 @@ class Submitter:
     async def wait(
         self, job: str, total: int, *, progress: bool = True, timeout: float | None = None, check: Callable[[], None] | None = None
     ) -> m.JobStatus:
-        """Follow the sink's progress until `total` rows are written; `check()` runs each
-        round (the all-in-one mode uses it to fail fast if a service died)."""
-        bar = tqdm(total=total, desc=f"job {job}", unit="row", disable=not progress, dynamic_ncols=True)
+        """Follow the sink's progress until `total` rows are written; raise `JobFailed`
+        as soon as the status says the job failed. `check()` runs each round (raise there
+        to stop waiting). A NATS outage (nats-server restarting) is waited out."""
+        # Rate and ETA are the sink's (rows per second over its last 30 s), as in `prefixflow status`.
+        bar = tqdm(total=total, desc=f"job {job}", unit="row", disable=not progress, dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         deadline = None if timeout is None else time.monotonic() + timeout
+        st = None
         try:
             while True:
-                st = await self.status(job)
+                try:
+                    st = await self.status(job)
+                except (nats.errors.Error, TimeoutError, OSError):
+                    # NOTE: nats-server away or restarting (the client reconnects by
+                    # itself); the timeout below still applies.
+                    pass
+                if st is not None and st.failed:
+                    raise JobFailed(job, st.error)
                 if st is not None:
                     bar.n = min(st.rows, total)
-                    bar.set_postfix(errors=st.errors, refresh=False)
+                    bar.set_postfix_str(progress_note(st), refresh=False)
                     bar.refresh()
                     if st.done and st.total == total:
                         return st
@@ -139,6 +181,14 @@ class Submitter:
                 await asyncio.sleep(0.5)
         finally:
             bar.close()
+
+
+def progress_note(st: m.JobStatus) -> str:
+    """Rate, hit rate so far, ETA and errors of a job's status (the progress bar's tail)."""
+    from cli.status import fmt_duration
+
+    hit = f"{st.hit_rate:.1%}" if st.prompt_tokens else "-"
+    return f"{st.rate:,.1f} rows/s, hit rate {hit}, ETA {fmt_duration(st.eta_seconds())}, errors {st.errors}"
 
 
 async def submit(
@@ -152,15 +202,32 @@ async def submit(
     progress: bool = True,
     timeout: float | None = None,
     check: Callable[[], None] | None = None,
+    chat_template: str = "",
+    chat_template_kwargs: dict[str, Any] | None = None,
+    task: str = "generate",
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row."""
-    if not subjects.is_valid_name(job):
-        raise SystemExit(f"invalid job id {job!r}: use letters, digits, '-' and '_' (at most 64)")
+    if (problem := subjects.name_problem(job)) is not None:
+        raise SystemExit(f"invalid job id {job!r}: {problem} (a job id is one NATS subject token: letters, digits, '-' and '_', at most 64)")
     out_dir = str(Path(out_dir).resolve())
+    from cli import openai_batch
+
+    batch = None
+    if openai_batch.is_batch_file(input_path):  # OpenAI Batch requests -> rows (cli/openai_batch.py)
+        import tempfile
+
+        batch = openai_batch.read_batch(input_path, task)
+        input_path = openai_batch.write_rows(batch, Path(tempfile.mkdtemp(prefix="pfx-batch-")) / "rows.jsonl")
     async with Submitter(nats_url) as client:
-        spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=time.time())
+        # A job the cluster already marked failed would only fail again: say so now,
+        # before publishing anything.
+        before = await client.status(job)
+        if before is not None and before.failed:
+            raise JobFailed(job, f"{before.error} (earlier run; submit under a new --job id)")
+        spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=time.time(),
+                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task)
         await client.create(spec)
-        seen: set = set()
+        seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
         # Resume: rows an earlier run of this job already wrote are not sent again.
         done = finished_ids(out_dir)
         expected = count_rows(input_path)
@@ -178,12 +245,9 @@ async def submit(
             print(f"resuming job {job}: {skipped} rows already done, {len(seen) - skipped} sent", flush=True)
         sealed = msgspec.structs.replace(spec, total=len(seen))
         await client.create(sealed)
-        return await client.wait(job, len(seen), progress=progress, timeout=timeout, check=check)
-
-
-def summary_table(summary: dict[str, Any]) -> pa.Table:
-    """The summary as a small table (overall + per replica) for printing."""
-    rows = [dict(scope="all", **{k: v for k, v in summary.items() if k not in ("replicas", "job", "wall_seconds")})]
-    for name, s in summary.get("replicas", {}).items():
-        rows.append(dict(scope=name, **s))
-    return pa.Table.from_pylist(rows)
+        status = await client.wait(job, len(seen), progress=progress, timeout=timeout, check=check)
+    if batch is not None:
+        ok, errors = openai_batch.write_outputs(batch, out_dir, model)
+        where = openai_batch.batch_dir(out_dir)
+        print(f"OpenAI Batch: {ok} responses in {where}/output.jsonl, {errors} errors in {where}/errors.jsonl", flush=True)
+    return status

@@ -54,22 +54,64 @@ def log_context(name: str, cfg) -> dict[str, str]:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     for name, cls in SERVICES.items():
-        p = sub.add_parser(name, help=DESCRIPTIONS[name], description=DESCRIPTIONS[name])
+        engine = name == "engine-worker"
+        p = sub.add_parser(name, help=DESCRIPTIONS[name], description=DESCRIPTIONS[name], add_help=not engine)
         cfgmod.add_arguments(p, cls)
+        if engine:  # vLLM's own engine arguments: listed by --help, parsed by vLLM's parser
+            from services.engine_worker.engine_args import HelpWithEngineArgs
+
+            p.add_argument("-h", "--help", action=HelpWithEngineArgs, help="show this help and vLLM's engine arguments")
+            p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vLLM engine arguments (after `--`, or loose)")
+
+
+def load_config(name: str, args: argparse.Namespace | None = None):
+    """The service's validated config; an engine-worker's loose vLLM arguments are added
+    to its `engine_args`."""
+    cfg = cfgmod.load(SERVICES[name], args)
+    if name == "engine-worker" and getattr(args, "vllm_args", None):
+        import shlex
+
+        import msgspec
+
+        from services.engine_worker.engine_args import split
+
+        cfg = msgspec.structs.replace(cfg, engine_args=shlex.join(split(cfg.engine_args, args.vllm_args)))
+    return cfg
 
 
 def serve(name: str, args: argparse.Namespace | None = None) -> None:
-    cfg = cfgmod.load(SERVICES[name], args)
+    cfg = load_config(name, args)
+    from shared.bus.connection import NatsOptions, configure
+
+    # Credentials, TLS and stream replicas for every NATS connection of this process.
+    configure(NatsOptions.from_config(cfg))
     if name == "engine-worker" and cfg.engine == "vllm":
         from services.engine_worker.guard import start_guard
 
         start_guard()  # vLLM's engine core must not outlive this process (see guard.py)
     setup_logging(name, fmt=cfg.log_format, level=cfg.log_level, **log_context(name, cfg))
-    run_service(make_service(name, cfg).run)
+    service = make_service(name, cfg)
+    serve_metrics(name, cfg, service)
+    run_service(service.run)
+
+
+def serve_metrics(name: str, cfg, service) -> None:
+    """Prometheus metrics on `--metrics-port` (0: off). The engine-worker's are read from
+    its status when scraped (vLLM's own `vllm:*` metrics join the same registry)."""
+    from shared.process import metrics
+
+    collectors = []
+    if name == "engine-worker":
+        collectors.append(metrics.EngineCollector(service.status, lambda: getattr(service, "rebuilds", 0)))
+    metrics.serve(name, cfg.metrics_port, collectors)
 
 
 def main_for(name: str) -> None:
     """Entry point of `python -m services.<name>`."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{name.replace('-', '_')}", description=DESCRIPTIONS[name])
     cfgmod.add_arguments(parser, SERVICES[name])
-    serve(name, parser.parse_args())
+    args, loose = parser.parse_known_args()
+    if loose and name != "engine-worker":
+        parser.error(f"unrecognized arguments: {' '.join(loose)}")
+    args.vllm_args = loose
+    serve(name, args)

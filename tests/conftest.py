@@ -21,6 +21,7 @@ import pytest
 from cli.local_cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
 from cli.make_model import make_model
 from shared.wire import subjects
+from shared.wire.control import ControlReply, decode_reply
 from shared.bus.connection import close, connect
 
 from shared.process.logs import setup_logging
@@ -29,6 +30,17 @@ setup_logging("tests", fmt="console", level="warning")
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sink_out_root(tmp_path_factory) -> Path:
+    """The sink writes only under its output root (`PFX_OUT_ROOT`, default its working
+    directory: the repository here). Tests write their jobs under pytest's temporary
+    directory, so that is the root of every sink they start (inherited through the
+    environment)."""
+    root = tmp_path_factory.getbasetemp()
+    os.environ.setdefault("PFX_OUT_ROOT", str(root))
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +154,7 @@ async def set_policy(url: str, policy: str) -> None:
     nc = await connect(url, "tests")
     try:
         reply = await nc.request(subjects.ROUTER_POLICY, policy.encode(), timeout=5)
-        assert reply.data.decode() == policy, reply.headers
+        assert decode_reply(reply.data) == ControlReply(True, policy), reply.headers
     finally:
         await close(nc)
 
@@ -151,8 +163,8 @@ async def reset_prefix_caches(url: str, replicas: list[str]) -> None:
     nc = await connect(url, "tests")
     try:
         for r in replicas:
-            reply = await nc.request(subjects.engine_reset(r), b"", timeout=30)
-            assert reply.data == b"ok", (r, reply.data)
+            reply = decode_reply((await nc.request(subjects.engine_reset(r), b"", timeout=30)).data)
+            assert reply.ok, (r, reply.detail)
     finally:
         await close(nc)
 

@@ -60,10 +60,18 @@ class Bucket:
     parts: list[tuple[int, list[int]]] = field(default_factory=list)
     """For a pooled batch: (prompt count, prefix key) of each small bucket in it, in
     item order, so a router can still place each part by its prefix."""
+    released: list[tuple[int, str]] = field(default_factory=list)
+    """(prompts, why) of each bucket released into this one, in item order (one for a
+    keyed bucket, one per part of a pooled batch); why is one of `RELEASE_REASONS`."""
 
     @property
     def tokens(self) -> int:
         return sum(tk.count(i.tokens) for i in self.items)
+
+
+RELEASE_REASONS = ("max_wait", "size", "flush", "eager")
+"""Why a bucket left the buffer: a prompt waited `max_wait`; the buffer was over its
+bounds (`size`); end of input or shutdown (`flush`); the replicas had room (`eager`)."""
 
 
 def linked(a: bytes, b: bytes, threshold: float) -> bool:
@@ -260,14 +268,16 @@ class PrefixBuffer:
         out: list[Bucket] = []
         pool = Bucket([])
 
-        def emit(items: list[Item]) -> None:
+        def emit(items: list[Item], why: str) -> None:
             nonlocal pool
             keyed = self._keyed(items)
             if len(items) >= self.min_bucket:
+                keyed.released.append((len(items), why))
                 out.append(keyed)
                 return
             pool.items.extend(items)
             pool.parts.append((len(items), keyed.key))
+            pool.released.append((len(items), why))
             if len(pool.items) >= self.pool_size:
                 out.append(pool)
                 pool = Bucket([])
@@ -277,15 +287,15 @@ class PrefixBuffer:
             self._clean_ages()
             if not self._ages or now - self._ages[0][0] < self.max_wait:
                 break
-            emit(self._take(self._start_of(self._ages[0][2])))
+            emit(self._take(self._start_of(self._ages[0][2])), "max_wait")
         # 2. Over the bounds (or flushing): largest buckets first.
         while self._items and (flush or self.over()):
-            emit(self._take(self._largest()))
+            emit(self._take(self._largest()), "flush" if flush else "size")
         # 3. Work-conserving: the replicas have room, so the largest buckets go now.
         while self._items and budget > 0:
             items = self._take(self._largest())
             budget -= sum(it.weight or tk.count(it.tokens) for it in items)
-            emit(items)
+            emit(items, "eager")
         if pool.items:  # a partial mixed batch goes too: its prompts were due
             out.append(pool)
         return out

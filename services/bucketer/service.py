@@ -13,6 +13,7 @@ Two tasks share a bounded `PrefixBuffer`:
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import uuid
 
@@ -23,13 +24,14 @@ from nats.aio.msg import Msg
 
 from shared.wire import messages as m
 from shared.wire import subjects
+from shared.process import metrics
 from shared.process.config import BucketerConfig
-from shared.bus.pull import DurablePull
 from shared.bus.connection import close, connect
+from shared.bus.ledger import AckLedger
 from shared.bus.provision import provision
 from shared.bus.poison import error_rows, is_poison, quarantine
 from shared.bus.publish import PublishError, publish
-from shared.bus.pull import keep_in_progress
+from shared.bus.pull import DurablePull, keep_in_progress
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
 
 log = structlog.get_logger()
@@ -57,12 +59,19 @@ class Bucketer:
         )
         self.last_input = time.monotonic()
         # stream sequence -> [message, prompts not yet published downstream]
-        self.holding: dict[int, list] = {}
+        self.ledger = AckLedger()
+        """Prompt batches held until every prompt they carried is published downstream."""
         self.wake = asyncio.Event()
         self.freed = asyncio.Event()
         """Set (and replaced) whenever the router announces freed room."""
         self.caught_up_at = (-1.0, False)
         """(when asked, answer) of the last upstream check."""
+        node = cfg.node
+        self.prompts_in = metrics.BUCKETER_PROMPTS_IN.labels(node)
+        self.route_retries = metrics.ROUTE_RETRIES.labels(node)
+        self.bucket_size = metrics.BUCKET_SIZE.labels(node)
+        metrics.BUCKETER_BUFFERED.labels(node).set_function(lambda: len(self.buffer))
+        metrics.BUCKETER_HELD.labels(node).set_function(lambda: len(self.ledger))
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, f"bucketer-{self.cfg.node}")
@@ -82,14 +91,14 @@ class Bucketer:
         # leased by a dispatcher that no longer runs.
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.heartbeat(stop))
-            tg.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], subjects.IN_PROGRESS_EVERY, stop))
+            tg.create_task(keep_in_progress(self.ledger.messages, subjects.IN_PROGRESS_EVERY, stop))
             dispatcher = tg.create_task(self.dispatch(stop))
             await self.intake(sub, stop)
             # Shutdown: release everything buffered and publish it, within the drain time.
             try:
                 await asyncio.wait_for(asyncio.shield(dispatcher), self.cfg.drain_timeout)
             except asyncio.TimeoutError:
-                log.warning("shutdown: unpublished prompts stay unacked and will be redelivered", held=len(self.holding))
+                log.warning("shutdown: unpublished prompts stay unacked and will be redelivered", held=len(self.ledger))
                 dispatcher.cancel()
         await close(nc, sub)
 
@@ -117,7 +126,7 @@ class Bucketer:
             await quarantine(self.js, msg, f"undecodable prompt batch: {exc}")
             return
         seq = msg.metadata.sequence.stream
-        if seq in self.holding:  # redelivered while we still hold it: keep the first copy
+        if seq in self.ledger:  # redelivered while we still hold it: keep the first copy
             return
         if is_poison(msg):
             await quarantine(self.js, msg, "bucketing failed repeatedly", error_rows(batch.prompts, "poison message"))
@@ -128,14 +137,16 @@ class Bucketer:
         # Held until its last prompt is published, which may take a while (prompts of one
         # message go to many buckets): keep only what acking needs, not the raw payload.
         msg.data = b""
-        self.holding[seq] = [msg, len(batch.prompts)]
+        lease = self.ledger.hold(seq, msg, len(batch.prompts))
+        self.prompts_in.inc(len(batch.prompts))
         for p in batch.prompts:
-            self.buffer.insert(Item(p.tokens, now, p, seq, p.work_tokens))
+            self.buffer.insert(Item(p.tokens, now, p, lease, p.work_tokens))
 
     async def dispatch(self, stop: asyncio.Event) -> None:
         while True:
             if stop.is_set():
                 buckets = self.buffer.pop(time.monotonic(), flush=True)
+                self.count_released(buckets)
                 await asyncio.gather(*(self.send(b, stop_retrying=True) for b in buckets))
                 return
             now = time.monotonic()
@@ -152,6 +163,7 @@ class Bucketer:
             # Route and publish up to SEND_CONCURRENCY buckets at once (each waits for its
             # route reply and publish ack; one at a time would cap the rate at 1/RTT).
             buckets = self.buffer.pop(now, flush=idle, budget=budget)
+            self.count_released(buckets)
             for i in range(0, len(buckets), SEND_CONCURRENCY):
                 await asyncio.gather(*(self.send(b) for b in buckets[i : i + SEND_CONCURRENCY]))
             self.wake.clear()
@@ -159,6 +171,21 @@ class Bucketer:
                 await asyncio.wait_for(self.wake.wait(), 0.2)
             except asyncio.TimeoutError:
                 pass
+
+    def count_released(self, buckets: list[Bucket]) -> None:
+        """Metrics of one release: bucket sizes, and buckets and prompts by why."""
+        if not buckets:
+            return
+        count: dict[str, list[int]] = {}
+        for b in buckets:
+            for n, why in b.released:
+                self.bucket_size.observe(n)
+                c = count.setdefault(why, [0, 0])
+                c[0] += 1
+                c[1] += n
+        for why, (k, n) in count.items():
+            metrics.RELEASES.labels(self.cfg.node, why).inc(k)
+            metrics.RELEASED_PROMPTS.labels(self.cfg.node, why).inc(n)
 
     async def caught_up(self, now: float) -> bool:
         """Nothing upstream is still on its way here: the ingest stream has no message
@@ -205,11 +232,13 @@ class Bucketer:
                 reply = m.route_reply_decoder.decode(msg.data)
                 if reply.assignments:
                     return reply.assignments
+                self.route_retries.inc()
                 delay = reply.retry_after or 0.5
                 if reply.error:
                     log.warning("router error", error=reply.error)
             except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError, msgspec.DecodeError, RuntimeError) as exc:
                 log.warning("router unavailable", error=repr(exc))
+                self.route_retries.inc()
                 delay = 1.0
             if stop_retrying:
                 raise TimeoutError("router has no capacity during shutdown")
@@ -245,25 +274,15 @@ class Bucketer:
                   prefix_tokens=bucket.prefix_len, to=[a.replica for a in assignments])
 
     async def release(self, items: list[Item]) -> None:
-        for it in items:
-            held = self.holding.get(it.ref)
-            if held is None:
-                continue
-            held[1] -= 1
-            if held[1] == 0:
-                del self.holding[it.ref]
-                try:
-                    await held[0].ack()
-                except Exception as exc:  # noqa: BLE001 - redelivery is harmless (sink dedupes)
-                    log.warning("ack failed", error=repr(exc))
+        """These prompts are published: ack each source message whose last one it was."""
+        for lease, n in collections.Counter(it.ref for it in items).items():
+            await self.ledger.done(lease, n)
 
     async def hand_back(self, items: list[Item]) -> None:
-        """Nak the source messages of unpublished items: the server redelivers them (any
-        of their prompts already published come out twice and the sink drops the copy)."""
-        for ref in {it.ref for it in items}:
-            held = self.holding.pop(ref, None)
-            if held is not None:
-                await held[0].nak(delay=1.0)
+        """Nak the source messages of unpublished items (a real failure): the server
+        redelivers them (any of their prompts already published come out twice and the
+        sink drops the copy)."""
+        await self.ledger.hand_back({it.ref for it in items}, delay=1.0)
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -1,40 +1,51 @@
-"""Engine-worker (one per GPU / replica): keeps its engine continuously fed.
+"""Engine-worker (one per GPU / replica): keeps its engine continuously fed, and outlives it.
 
 1. Pull work batches from `pfx.work.<replica>` while fewer than `window` prompts are in
    flight, and submit every prompt to the engine at once (vLLM's scheduler does the
    continuous batching).
-2. As prompts finish, collect results per job and publish them to `pfx.results.<job>` in
-   small batches (`result_batch` rows or `result_linger` seconds).
-3. Ack a work batch once all its results are durably published.
-4. Every second publish an `EngineStatus` on `pfx.status.<replica>` (load, KV cache,
-   prefix-cache hits) for the router.
+2. As prompts finish, the outbox publishes their results to `pfx.results.<job>` in small
+   batches (`result_batch` rows or `result_linger` seconds).
+3. The ack ledger acks a work batch once all its results are durably published.
+4. Every `status_interval` publish an `EngineStatus` on `pfx.status.<replica>` (ready,
+   load, KV cache, prefix-cache hits) for the router.
+5. When the engine dies (`EngineDead`: vLLM's engine-core process crashed or was killed),
+   publish what did finish, hand every other work batch back (nak: redelivered, nothing
+   lost, no error rows), report not ready, shut the engine down and start it again in
+   this process, then take work again. More than `max_rebuilds` rebuilds within
+   `rebuild_window` seconds exit with code 3, for the supervisor to restart the process.
+
+Every task (the fetch loop, status, linger flush, in-progress keeper, one per prompt) runs
+in one `asyncio.TaskGroup`: an unexpected exception in any of them hands the work back
+and ends the process with a non-zero exit, never leaving a batch leased.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import uuid
-from collections import defaultdict
 
 import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from shared.wire import messages as m
-from shared.wire import subjects
+from services.engine_worker.engines import Completion, EngineDead, RequestFailed, make_engine
+from services.engine_worker.requests import prompt_sampling
+from services.engine_worker.grouping import GroupPriorities
+from services.engine_worker.outbox import Outbox
+from services.engine_worker.rebuild import GAVE_UP_EXIT_CODE, EngineGaveUp, RebuildBudget
+from services.engine_worker.window import initial_window, next_window
+from shared.bus.connection import close, connect
+from shared.bus.jobs import JobCache
+from shared.bus.ledger import AckLedger, Lease
+from shared.bus.poison import error_rows, is_poison, quarantine
+from shared.bus.provision import provision
+from shared.bus.pull import DurablePull, keep_in_progress
 from shared.prefix import tokens as tk
 from shared.process.config import EngineWorkerConfig
-from shared.bus.jobs import JobCache
-from shared.bus.pull import DurablePull
-from shared.bus.connection import close, connect
-from shared.bus.provision import provision
-from shared.bus.poison import error_rows, is_poison, quarantine
-from shared.bus.publish import PublishError, publish
-from shared.bus.pull import keep_in_progress
-from services.engine_worker.engines import RequestFailed, make_engine
-from services.engine_worker.grouping import GroupPriorities
+from shared.wire import messages as m
+from shared.wire import subjects
+from shared.wire.control import ControlReply, encode_reply
 
 log = structlog.get_logger()
 
@@ -42,27 +53,28 @@ STATUS_MIN_GAP = 0.02
 """Seconds between two status messages at least."""
 
 
-class EngineDead(Exception):
-    pass
-
-
 class EngineWorker:
     def __init__(self, cfg: EngineWorkerConfig) -> None:
         self.cfg = cfg
         self.engine = make_engine(cfg)
+        self.generate_batch = getattr(self.engine, "generate_batch", None)
+        """Set for engines that complete a whole work batch at once (`BatchEngine`)."""
         self.ready = False
+        self.death: BaseException | None = None
+        """Why the engine died, until it is rebuilt."""
+        self.budget = RebuildBudget(cfg.max_rebuilds, cfg.rebuild_window, cfg.rebuild_backoff)
+        self.rebuilds = 0
         self.inflight = 0
         self.inflight_tokens = 0
         self.done_prompt_tokens = 0
         self.done_work_tokens = 0
         self.cached_tokens = 0
+        self.output_tokens = 0
         self.completed = 0
         self.window_free = asyncio.Event()
-        # work message sequence -> [message, results not yet published]
-        self.holding: dict[int, list] = {}
-        self.outbox: dict[str, list[tuple[m.Result, int]]] = defaultdict(list)
-        self.tasks: set[asyncio.Task] = set()
-        self.fatal: BaseException | None = None
+        self.ledger = AckLedger()
+        """Work messages held until all their results are published."""
+        self.prompt_tasks: set[asyncio.Task] = set()
         self.groups = GroupPriorities(block_size=cfg.hash_block_size, max_age=4 * cfg.window)
         self.scheduling = cfg.scheduling
         self.idle_seconds = 0.0
@@ -71,8 +83,8 @@ class EngineWorker:
         self.max_running = 0
         self.last_status = 0.0
         self.status_due = asyncio.Event()
-        """Set when completed work should reach the router before the next tick."""
-        self.window = min(cfg.window, 64)
+        """Set when completed work (or a change of readiness) should reach the router now."""
+        self.window = initial_window(cfg.window)
         """Current in-flight bound (adapted by `adapt_window`)."""
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -81,7 +93,10 @@ class EngineWorker:
         self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)
         self.jobs = JobCache(await self.js.key_value(subjects.JOBS_KV))
-        self.sub = sub = DurablePull(self.js, subjects.engine_consumer(self.cfg.replica))
+        self.sub = DurablePull(self.js, subjects.engine_consumer(self.cfg.replica))
+        self.outbox = Outbox(
+            self.js, self.ledger, batch=self.cfg.result_batch, linger=self.cfg.result_linger, on_published=self.status_due.set
+        )
         await nc.subscribe(subjects.engine_reset(self.cfg.replica), cb=self.on_reset)
         await nc.subscribe(subjects.engine_scheduling(self.cfg.replica), cb=self.on_scheduling)
 
@@ -91,61 +106,146 @@ class EngineWorker:
         await nc.subscribe(subjects.engine_status_request(self.cfg.replica), cb=on_status_request)
         self.ready = True
         log.info("engine-worker ready", engine=self.cfg.engine, window=self.cfg.window)
-        background = [
-            asyncio.create_task(self.report_status(stop)),
-            asyncio.create_task(self.linger_flush(stop)),
-            asyncio.create_task(keep_in_progress(lambda: [h[0] for h in self.holding.values()], subjects.IN_PROGRESS_EVERY, stop)),
-        ]
-        while not stop.is_set() and self.fatal is None:
-            room = self.window - self.inflight
-            if room <= 0:
+        finished = asyncio.Event()  # ends the background loops once the work is drained
+        code = 0
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self.tg = tg
+                tg.create_task(self.report_status(finished))
+                tg.create_task(self.outbox.run_linger(finished))
+                tg.create_task(keep_in_progress(self.ledger.messages, subjects.IN_PROGRESS_EVERY, finished))
+                try:
+                    await self.pump(stop)
+                    await self.drain()
+                finally:
+                    finished.set()
+        except* EngineGaveUp as eg:
+            log.error("engine cannot be rebuilt: exiting for the supervisor to restart", error=str(eg.exceptions[0]))
+            code = GAVE_UP_EXIT_CODE
+        finally:
+            # Also after an unexpected error (which then ends the process with code 1,
+            # see `run_service`): nothing stays leased.
+            await self.close()
+        if code:
+            raise SystemExit(code)
+
+    async def pump(self, stop: asyncio.Event) -> None:
+        """Fetch work while the window has room; rebuild the engine when it dies."""
+        while not stop.is_set():
+            if self.death is None and not self.engine.alive():  # died with nothing in flight
+                self.engine_died(EngineDead("engine found dead"))
+            if self.death is not None:
+                await self.rebuild(stop)
+                continue
+            if self.window - self.inflight <= 0:
                 self.window_free.clear()
                 try:
                     await asyncio.wait_for(self.window_free.wait(), 0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             # One work batch (up to --max-batch prompts) at a time.
-            msgs = await sub.fetch(1, timeout=0.5)
-            for msg in msgs:
+            for msg in await self.sub.fetch(1, timeout=0.5):
                 await self.start_batch(msg)
-        await self.shutdown(stop, background)
 
-    async def shutdown(self, stop: asyncio.Event, background: list[asyncio.Task]) -> None:
-        ready_tasks = [t for t in self.tasks]
-        if ready_tasks and self.fatal is None:
-            _, pending = await asyncio.wait(ready_tasks, timeout=self.cfg.drain_timeout)
-            for t in pending:  # unfinished prompts: their batches stay unacked -> redelivered
+    async def drain(self) -> None:
+        """Stopping: let prompts in flight finish (up to `drain_timeout`), publish."""
+        if self.prompt_tasks:
+            _, pending = await asyncio.wait(self.prompt_tasks, timeout=self.cfg.drain_timeout)
+            for t in pending:  # unfinished: their batches are handed back by close()
                 t.cancel()
-        await self.flush_all()
-        stop.set()
-        for t in background:
-            t.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        await self.outbox.flush_all()
+
+    async def close(self) -> None:
         self.ready = False
         await self.publish_status()
+        handed = await self.ledger.hand_back()  # redelivered at once, not after ack_wait
+        if handed:
+            log.warning("unfinished work batches handed back", batches=handed)
         await close(self.nc, self.sub)
         await self.engine.shutdown()
-        if self.fatal is not None:
-            log.error("engine dead: exiting for the supervisor to restart", error=repr(self.fatal))
-            sys.exit(3)
+
+    def engine_died(self, exc: BaseException) -> None:
+        """The engine is dead (a request saw it, or it was found dead): stop feeding it
+        and report not ready at once; `pump` rebuilds it."""
+        if self.death is None:
+            log.error("engine died: handing its work back and rebuilding it", error=repr(exc))
+            self.death = exc
+            self.ready = False
+            self.status_due.set()
+            self.window_free.set()
+
+    async def rebuild(self, stop: asyncio.Event) -> None:
+        """Hand the dead engine's work back, shut it down, start it again (with backoff).
+        Raises EngineGaveUp once the rebuild budget is spent."""
+        t0 = time.monotonic()
+        # 1. Prompts still in flight died with the engine.
+        for t in self.prompt_tasks:
+            t.cancel()
+        if self.prompt_tasks:
+            await asyncio.wait(self.prompt_tasks)
+        # 2. Publish what did finish (completes some batches), hand every other batch back.
+        await self.outbox.flush_all()
+        handed = await self.ledger.hand_back()
+        await self.publish_status()
+        # 3. Shut the engine down and start it again.
+        try:
+            await self.engine.shutdown()
+        except Exception as exc:  # noqa: BLE001 - it is dead already; start anew regardless
+            log.warning("shutting the dead engine down failed", error=repr(exc))
+        while True:
+            delay = self.budget.next_delay(time.monotonic())
+            if delay is None:
+                raise EngineGaveUp(f"{self.cfg.max_rebuilds} rebuilds within {self.cfg.rebuild_window:g} s: {self.death!r}")
+            log.warning("rebuilding the engine", handed_back=handed, in_seconds=delay)
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+                return  # stopping: no point in a new engine
+            except TimeoutError:
+                pass
+            try:
+                await self.engine.start()
+                break
+            except Exception as exc:  # noqa: BLE001 - counts against the budget; try again
+                log.error("engine rebuild failed", error=repr(exc))
+                try:
+                    await self.engine.shutdown()
+                except Exception as stop_exc:  # noqa: BLE001 - half-started: nothing more to stop
+                    log.warning("shutting the half-started engine down failed", error=repr(stop_exc))
+        self.death = None
+        self.rebuilds += 1
+        self.ready = True
+        self.status_due.set()
+        log.info("engine rebuilt: taking work again", seconds=round(time.monotonic() - t0, 2), rebuilds=self.rebuilds)
 
     async def on_reset(self, msg: Msg) -> None:
         """Request/reply: empty the engine's prefix cache (benchmarks start each method
         from a cold cache without restarting the engine)."""
-        ok = await self.engine.reset_prefix_cache()
-        log.info("prefix cache reset", ok=ok)
-        await msg.respond(b"ok" if ok else b"busy")
+        reply = ControlReply(False, "not ready")
+        if self.ready:
+            try:
+                ok = await self.engine.reset_prefix_cache()
+                reply = ControlReply(ok, "" if ok else "busy")
+            except EngineDead as exc:
+                self.engine_died(exc)
+                reply = ControlReply(False, "not ready")
+            except Exception as exc:  # noqa: BLE001 - a refusal, not a dead engine
+                reply = ControlReply(False, repr(exc))
+        log.info("prefix cache reset", ok=reply.ok, detail=reply.detail)
+        await msg.respond(encode_reply(reply))
 
     async def on_scheduling(self, msg: Msg) -> None:
         """Request/reply: switch between `prefix-groups` and `fcfs` (benchmarks run the
         reference methods on vanilla FCFS vLLM)."""
-        mode = msg.data.decode().strip()
+        mode = msg.data.decode(errors="replace").strip()
         if mode not in ("prefix-groups", "fcfs"):
-            await msg.respond(b"error: want prefix-groups or fcfs")
+            await msg.respond(encode_reply(ControlReply(False, "want prefix-groups or fcfs")))
             return
         self.scheduling = mode
         log.info("scheduling set", scheduling=mode)
-        await msg.respond(mode.encode())
+        await msg.respond(encode_reply(ControlReply(True, mode)))
 
     def _track_idle(self) -> None:
         now = time.monotonic()
@@ -162,126 +262,96 @@ class EngineWorker:
             await quarantine(self.js, msg, f"undecodable work batch: {exc}")
             return
         seq = msg.metadata.sequence.stream
-        if seq not in self.holding and is_poison(msg):
+        if seq in self.ledger:  # redelivered while we still hold it: keep the first copy
+            return
+        if is_poison(msg):
             # It keeps failing (say, a prompt that kills the engine): error rows, not a loop.
             await quarantine(self.js, msg, "generation failed repeatedly", error_rows(work.prompts, "poison message"))
             return
-        if seq in self.holding or not work.prompts:
-            if not work.prompts:
-                await msg.ack()
-            return
-        self.holding[seq] = [msg, len(work.prompts)]
-        if self.cfg.engine == "echo" and self.cfg.echo_crash_token >= 0:
-            # Test hook of the echo engine: a prompt holding this token id kills the
-            # worker like an engine-killing request would (exit 3, engine dead).
-            if any(self.cfg.echo_crash_token in tk.unpack(p.tokens) for p in work.prompts):
-                log.error("echo engine: crash token seen, dying like a dead engine")
-                sys.exit(3)
-        if self.cfg.engine == "echo" and not self.cfg.echo_delay:
-            await self.echo_batch(seq, work.prompts)
+        lease = self.ledger.hold(seq, msg, len(work.prompts))
+        if not work.prompts:
+            await self.ledger.done(lease, 0)  # nothing to publish: ack
             return
         lookups = {job: await self.jobs.get(job) for job in {p.job for p in work.prompts}}
+        if self.death is not None:  # died meanwhile: `rebuild` hands the batch back
+            return
+        if self.generate_batch is not None:
+            await self.run_batch(lease, work.prompts, lookups, work.bucket)
+            return
         for prompt in work.prompts:
             lookup = lookups[prompt.job]
             self.inflight += 1
             self.inflight_tokens += prompt.work_tokens
             self._track_idle()
-            task = asyncio.create_task(self.run_prompt(seq, prompt, lookup.spec, lookup.error))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            task = self.tg.create_task(self.run_prompt(lease, prompt, lookup.spec, lookup.error, work.bucket))
+            self.prompt_tasks.add(task)
+            task.add_done_callback(self.prompt_tasks.discard)
 
-    async def echo_batch(self, seq: int, prompts: list[m.Prompt]) -> None:
-        """The instant echo engine: a whole batch at once, no task per prompt (so the
-        pipeline benchmark measures the orchestration, not this worker's task overhead)."""
-        specs = {job: (await self.jobs.get(job)).spec for job in {p.job for p in prompts}}
-        for prompt in prompts:
-            spec = specs[prompt.job]
-            n = len(prompt.tokens) // tk.WIDTH
-            out = min(n, spec.sampling.max_tokens if spec else 0)
-            result = m.Result(
-                prompt.id, prompt.columns, f"{out} tokens", m.FinishReason.LENGTH, n, 0, out, self.cfg.replica,
-                None if spec else "unknown job",
-            )
-            self.outbox[prompt.job].append((result, seq))
-            self.completed += 1
-            self.done_prompt_tokens += n
-            self.done_work_tokens += prompt.work_tokens
-        for job in {p.job for p in prompts}:
-            if len(self.outbox[job]) >= self.cfg.result_batch:
-                await self.flush(job)
+    async def run_batch(self, lease: Lease, prompts: list[m.Prompt], lookups: dict[str, m.JobLookup], bucket: str = "") -> None:
+        """A batch engine: the whole work batch in one call, no task per prompt."""
+        runnable = [(p.tokens, prompt_sampling(p, lookups[p.job].spec.sampling)) for p in prompts if lookups[p.job].spec is not None]
+        started = time.time()
+        try:
+            completions = iter(await self.generate_batch(runnable))
+        except Exception as exc:  # noqa: BLE001 - the engine itself failed: hand back and rebuild
+            self.engine_died(exc)
+            return
+        for p in prompts:
+            lookup = lookups[p.job]
+            if lookup.spec is None:
+                await self.finish(lease, p, error=lookup.error or "unknown job", bucket=bucket)
+            else:
+                await self.finish(lease, p, next(completions), bucket=bucket, started_at=started)
 
-    async def run_prompt(self, seq: int, prompt: m.Prompt, spec: m.JobSpec | None, job_error: str | None) -> None:
-        token_ids = tk.unpack(prompt.tokens)
-        base = m.Result(prompt.id, prompt.columns, replica=self.cfg.replica, prompt_tokens=len(token_ids))
+    async def run_prompt(
+        self, lease: Lease, prompt: m.Prompt, spec: m.JobSpec | None, job_error: str | None, bucket: str = ""
+    ) -> None:
+        completion: Completion | None = None
+        error = None
+        started = 0.0
         try:
             if spec is None:
-                raise RequestFailed(job_error or "unknown job")
-            request_id = f"{prompt.job}:{prompt.id}:{uuid.uuid4().hex[:8]}"
-            priority = self.groups.priority(prompt.tokens) if self.scheduling == "prefix-groups" else 0
-            c = await self.engine.generate(request_id, prompt.id, token_ids, spec.sampling, priority)
-            result = msgspec.structs.replace(
-                base,
-                output=c.output,
-                finish_reason=c.finish_reason,
-                prompt_tokens=c.prompt_tokens,
-                cached_tokens=c.cached_tokens,
-                output_tokens=c.output_tokens,
-            )
-            self.cached_tokens += c.cached_tokens
-            self.done_prompt_tokens += c.prompt_tokens
-        except RequestFailed as exc:
-            result = msgspec.structs.replace(base, error=str(exc), finish_reason=m.FinishReason.ERROR)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - engine-level failure: stop the worker
-            self.fatal = exc
-            return
+                error = job_error or "unknown job"
+            else:
+                request_id = f"{prompt.job}:{prompt.id}:{uuid.uuid4().hex[:8]}"
+                priority = self.groups.priority(prompt.tokens) if self.scheduling == "prefix-groups" else 0
+                token_ids = tk.unpack(prompt.tokens)
+                try:
+                    sampling = prompt_sampling(prompt, spec.sampling)  # the row's own, else the job's
+                    started = time.time()
+                    completion = await self.engine.generate(request_id, prompt.id, token_ids, sampling, priority)
+                except RequestFailed as exc:
+                    error = str(exc)
+                except Exception as exc:  # noqa: BLE001 - the engine itself failed: hand back and rebuild
+                    self.engine_died(exc)
+                    return
         finally:
             self.inflight -= 1
             self.inflight_tokens -= prompt.work_tokens
             self._track_idle()
             self.window_free.set()
+        await self.finish(lease, prompt, completion, error, bucket=bucket, started_at=started)
+
+    async def finish(
+        self, lease: Lease, prompt: m.Prompt, c: Completion | None = None, error: str | None = None, *,
+        bucket: str = "", started_at: float = 0.0,
+    ) -> None:
+        """Count a finished prompt and queue its result row (an error row if `error`).
+        `bucket`, `started_at`: the prompt's bucket id and when it entered the engine
+        (output columns `bucket`, `started_at`, `finished_at`: `prefixflow report`)."""
+        if c is None:
+            result = m.error_result(prompt.id, error or "", prompt.columns, prompt_tokens=prompt.prompt_tokens,
+                                    replica=self.cfg.replica, bucket=bucket)
+        else:
+            result = m.Result(prompt.id, prompt.columns, c.output, c.finish_reason, c.prompt_tokens,
+                              c.cached_tokens, c.output_tokens, self.cfg.replica, outputs=c.outputs, logprobs=c.logprobs,
+                              embedding=c.embedding, bucket=bucket, started_at=started_at, finished_at=time.time())
+            self.cached_tokens += c.cached_tokens
+            self.done_prompt_tokens += c.prompt_tokens
+            self.output_tokens += c.output_tokens
         self.completed += 1
         self.done_work_tokens += prompt.work_tokens
-        rows = self.outbox[prompt.job]
-        rows.append((result, seq))
-        if len(rows) >= self.cfg.result_batch:
-            await self.flush(prompt.job)
-
-    async def flush(self, job: str) -> None:
-        rows = self.outbox.pop(job, [])
-        if not rows:
-            return
-        try:
-            for run in m.chunked([r for r, _ in rows], m.result_size, self.cfg.result_batch):
-                await publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, run)))
-        except PublishError as exc:
-            # The batches stay unacked (and in_progress stops for none): redelivered later.
-            log.error("result publish failed", job=job, error=str(exc))
-            for seq in {s for _, s in rows}:
-                held = self.holding.pop(seq, None)
-                if held is not None:
-                    await held[0].nak(delay=1.0)
-            return
-        for _, seq in rows:
-            held = self.holding.get(seq)
-            if held is None:
-                continue
-            held[1] -= 1
-            if held[1] == 0:
-                del self.holding[seq]
-                await held[0].ack()
-        # Completed work frees room at the router: tell it now, not at the next tick,
-        # or a fast engine is throttled by the router's stale view.
-        self.status_due.set()
-
-    async def flush_all(self) -> None:
-        await asyncio.gather(*(self.flush(job) for job in list(self.outbox)))
-
-    async def linger_flush(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await asyncio.sleep(self.cfg.result_linger)
-            await self.flush_all()
+        await self.outbox.add(prompt.job, result, lease)
 
     def status(self) -> m.EngineStatus:
         s = self.engine.snapshot()
@@ -301,20 +371,14 @@ class EngineWorker:
             window=self.window,
             cached_tokens=self.cached_tokens,
             completed=self.completed,
+            output_tokens=self.output_tokens,
             idle_seconds=self.idle_seconds + (time.monotonic() - self.idle_since if self.idle_since is not None else 0.0),
         )
 
     def adapt_window(self) -> None:
-        """In flight: twice what vLLM manages to run at once (its KV cache decides), between
-        16 and `--window`. Keeps vLLM's queue from running dry without pulling work out of
-        the bucketer (where it can still be grouped) long before the engine can use it."""
+        """Follow what the engine manages to run at once (`window.next_window`)."""
         snap = self.engine.snapshot()
-        if not snap.kv_blocks:  # no KV cache to respect (echo engine): keep --window
-            self.window = self.cfg.window
-            return
-        self.max_running = max(self.max_running, snap.running)
-        if self.max_running:
-            self.window = max(16, min(self.cfg.window, 2 * self.max_running))
+        self.window, self.max_running = next_window(self.window, self.cfg.window, snap.kv_blocks, snap.running, self.max_running)
 
     async def publish_status(self) -> None:
         self.last_status = time.monotonic()
@@ -340,6 +404,6 @@ class EngineWorker:
             await asyncio.sleep(STATUS_MIN_GAP)
             try:
                 await asyncio.wait_for(self.status_due.wait(), max(self.cfg.status_interval - STATUS_MIN_GAP, 0.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self.status_due.clear()

@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from services.ingestor.row import prepare_row
 from services.ingestor.validate import Record, Rejected, length_error, parse_many
 from shared.prefix import tokens as tk
 from shared.prefix.block_keys import first_block_key
@@ -41,6 +42,12 @@ class Model:
     vocab_size: int
     max_model_len: int
     hash_block_size: int
+    render_chat: Callable[[object, str, dict], str] | None = None
+    """Render a chat row's `messages` (conversation, job's template override, template
+    kwargs) to prompt text (`services/ingestor/chat.py`); raises ValueError for bad input."""
+    encode_chat_batch: Callable[[list[str]], Sequence[Sequence[int]]] | None = None
+    """Tokenize rendered chat prompts without adding special tokens (vLLM's chat path);
+    None: `encode_batch`."""
 
 
 @dataclass
@@ -74,7 +81,7 @@ def plan_batch(
     chooses a bucketer node for a prompt's first-block key."""
     plan = Plan()
     # 1. Parse and validate; collect what to tokenize.
-    good: list[tuple[str, Record, m.SamplingSpec]] = []
+    good: list[tuple[str, Record, m.SamplingSpec, bytes]] = []
     for i, msg in enumerate(incoming):
         job = msg.job
         lookup = jobs[job]
@@ -95,22 +102,36 @@ def plan_batch(
                 else:
                     plan.errors[job].append(m.error_result(parsed.id, parsed.error))
                 continue
-            good.append((job, parsed, lookup.spec.sampling))
-    # 2. Tokenize in one call. Pre-tokenized rows skip it.
-    texts = [rec.prompt for _, rec, _ in good if rec.tokens is None]
+            try:  # chat rendering and the row's own sampling (`row.py`)
+                parsed, sampling, row_spec = prepare_row(parsed, lookup.spec, model.render_chat)
+            except ValueError as exc:
+                plan.errors[job].append(m.error_result(parsed.id, str(exc), parsed.columns))
+                continue
+            good.append((job, parsed, sampling, row_spec))
+    # 2. Tokenize in one call (chat prompts in another: no special tokens added).
+    # Pre-tokenized rows skip it.
+    texts = [rec.prompt for _, rec, _, _ in good if rec.tokens is None and rec.messages is None]
+    chats = [rec.prompt for _, rec, _, _ in good if rec.tokens is None and rec.messages is not None]
     encoded = iter(model.encode_batch(texts) if texts else [])
+    encoded_chat = iter((model.encode_chat_batch or model.encode_batch)(chats) if chats else [])
     # 3. Check lengths and vocabulary; shard by the first block.
-    for job, rec, sampling in good:
-        tokens = rec.tokens if rec.tokens is not None else tk.pack(next(encoded))
+    for job, rec, sampling, row_spec in good:
+        if rec.tokens is not None:
+            tokens = rec.tokens
+        else:
+            tokens = tk.pack(next(encoded_chat if rec.messages is not None else encoded))
         n = tk.count(tokens)
-        err = length_error(n, sampling.max_tokens, model.max_model_len)
+        budget = 0 if jobs[job].spec.task == "embed" else sampling.max_tokens  # embeddings generate nothing
+        err = length_error(n, budget, model.max_model_len)
+        if err is not None and rec.messages is not None:
+            err = f"conversation (rendered with the chat template): {err}"
         if err is None and rec.tokens is not None and (top := tk.max_id(tokens)) >= model.vocab_size:
             err = f"token id {top} outside the model's vocabulary ({model.vocab_size})"
         if err is not None:
             plan.errors[job].append(m.error_result(rec.id, err, rec.columns, prompt_tokens=n))
             continue
         node = pick_node(first_block_key(tokens, model.hash_block_size))
-        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, rec.columns, sampling.max_tokens))
+        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, rec.columns, budget, row_spec))
     return plan
 
 

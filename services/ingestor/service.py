@@ -17,7 +17,8 @@ import time
 import structlog
 from nats.aio.msg import Msg
 
-from services.ingestor.plan import Incoming, Model, Plan, plan_batch, poison_rows
+from services.ingestor.model import load_model
+from services.ingestor.plan import Incoming, Plan, plan_batch, poison_rows
 from shared.bus.connection import close, connect
 from shared.bus.jobs import JobCache
 from shared.bus.poison import deliveries, is_poison, quarantine
@@ -25,14 +26,17 @@ from shared.bus.provision import provision
 from shared.bus.publish import ack_all, publish
 from shared.bus.pull import DurablePull
 from shared.prefix.sharding import Sharder
-from shared.prefix.tokenize import load_tokenizer, model_max_len
+from shared.process import metrics
 from shared.process.config import IngestorConfig
 from shared.wire import messages as m
 from shared.wire import subjects
+from shared.wire.sampling import compile_structured
 
 log = structlog.get_logger()
 
 MAX_PROMPTS_PER_MESSAGE = 512
+PROMPTS_OK = metrics.PROMPTS_IN.labels("ok")
+PROMPTS_ERROR = metrics.PROMPTS_IN.labels("error")
 BUCKETER_LIVE_FOR = 3.0
 """Seconds after its last heartbeat that a bucketer still gets prompts."""
 
@@ -47,13 +51,7 @@ def same_model(a: str, b: str) -> bool:
 class Ingestor:
     def __init__(self, cfg: IngestorConfig) -> None:
         self.cfg = cfg
-        tokenizer = load_tokenizer(cfg.model)
-        self.model = Model(
-            encode_batch=lambda texts: [e.ids for e in tokenizer.encode_batch_fast(texts)],
-            vocab_size=tokenizer.get_vocab_size(),
-            max_model_len=min(cfg.max_model_len, model_max_len(cfg.model, cfg.max_model_len)),
-            hash_block_size=cfg.hash_block_size,
-        )
+        self.model = load_model(cfg.model, cfg.max_model_len, cfg.hash_block_size)
         self.bucketers: dict[str, float] = {}  # node -> last heartbeat (monotonic)
         self.sharder = Sharder(epsilon=cfg.shard_epsilon)
 
@@ -110,6 +108,14 @@ class Ingestor:
         spec = lookup.spec
         if spec is not None and spec.model and not same_model(spec.model, self.cfg.model):
             return m.JobLookup(None, f"job wants model {spec.model!r}, this cluster serves {self.cfg.model!r}")
+        if spec is not None and spec.task != self.cfg.task:
+            return m.JobLookup(None, f"job task {spec.task!r}, but this cluster's engines {self.cfg.task} "
+                                     f"(start it with --task {spec.task})")
+        if spec is not None and spec.sampling.structured is not None:
+            try:  # xgrammar compiles it as vLLM would (cached per form)
+                await asyncio.to_thread(compile_structured, spec.sampling.structured)
+            except ValueError as exc:
+                return m.JobLookup(None, f"invalid structured output: {exc}")
         return lookup
 
     async def handle(self, msgs: list[Msg]) -> None:
@@ -120,6 +126,9 @@ class Ingestor:
         plan = await asyncio.to_thread(plan_batch, batch, jobs, self.model, lambda key: self.sharder.pick(key, nodes))
         await self.publish(plan, msgs)
         await ack_all(msgs)
+        PROMPTS_OK.inc(plan.n_prompts)
+        PROMPTS_ERROR.inc(plan.n_errors)
+        metrics.INGEST_BATCH_SECONDS.observe(time.perf_counter() - t0)
         log.debug(
             "ingested",
             messages=len(msgs),
@@ -149,6 +158,7 @@ class Ingestor:
         log.warning("dead-lettered ingest message", subject=msg.subject, error=why)
         headers = {"Pfx-Error": why[:512], "Pfx-Subject": msg.subject}
         await publish(self.js, subjects.dead(msg.subject), msg.data, headers=headers)
+        metrics.DEAD_LETTERS.labels(metrics.stream_of(msg.subject)).inc()
 
     async def fail_job(self, job: str, why: str) -> None:
         """Mark a job that cannot run as failed, with the reason, in the status bucket."""

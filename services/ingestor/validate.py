@@ -1,8 +1,8 @@
 """Parsing and validating one ingest message: pure functions, no I/O.
 
 An ingest message is a JSON object or a msgpack map with at least `id` (int or string)
-and `prompt` (non-empty string) or `prompt_token_ids` (pre-tokenized: a list of token
-ids, not carried to the output); every other field is an input column carried through to
+and `prompt` (non-empty string), `messages` (a chat conversation, rendered by the plan) or
+`prompt_token_ids` (pre-tokenized: a list of token ids, not carried to the output); every other field is an input column carried through to
 the output. The publisher may also send the id in the `Pfx-Id` header (JSON-encoded):
 then even a message whose body cannot be decoded yields an error row for that id. A
 message may also be an array of such objects (what `prefixflow submit` sends: far fewer
@@ -36,6 +36,9 @@ class Record(msgspec.Struct):
     tokens: bytes | None = None
     """Pre-tokenized input (`prompt_token_ids`), packed (`shared.prefix.tokens`): the ingestor
     skips tokenization."""
+    messages: Any = None
+    """Chat input (`messages`, OpenAI shape), when the row has no `prompt`: rendered with
+    the chat template and checked by the plan (`services/ingestor/chat.py`)."""
 
 
 class Rejected(msgspec.Struct):
@@ -101,8 +104,10 @@ def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
             return Rejected(rid, "empty prompt")
         return Record(rid, "", _columns_encoder.encode(body), packed)
     prompt = body.get("prompt")
+    if prompt is None and "messages" in body:
+        return Record(rid, "", _columns_encoder.encode(body), messages=body["messages"])
     if not isinstance(prompt, str):
-        return Rejected(rid, "missing 'prompt' (want a string, or 'prompt_token_ids')")
+        return Rejected(rid, "missing 'prompt' (want a string, 'messages' or 'prompt_token_ids')")
     if not prompt.strip():
         return Rejected(rid, "empty prompt")
     return Record(rid, prompt, _columns_encoder.encode(body))

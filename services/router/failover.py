@@ -28,6 +28,7 @@ from shared.bus.poison import error_rows, is_poison, moved_headers, quarantine
 from shared.bus.provision import ensure_consumer
 from shared.bus.publish import publish
 from shared.bus.pull import DurablePull
+from shared.process import metrics
 from shared.wire import messages as m
 from shared.wire import subjects
 
@@ -65,11 +66,15 @@ class Failover:
         if self.reconnected_at is not None and now - self.reconnected_at < fleet.dead_after:
             for r in fleet.replicas.values():
                 r.last_seen = max(r.last_seen, now - fleet.dead_after / 2)
+                if r.last_ready:
+                    r.last_ready = max(r.last_ready, now - fleet.dead_after / 2)
             return
         await self.retry_waiting()
         live = {r.name for r in fleet.live(now)}
         for name, replica in list(fleet.replicas.items()):
-            dead = name not in live and replica.last_seen and now - replica.last_seen >= fleet.dead_after
+            # Silent, or not ready (rebuilding its engine), for dead_after: its queued
+            # work (and what it handed back) goes to the live replicas meanwhile.
+            dead = name not in live and replica.last_ready and now - replica.last_ready >= fleet.dead_after
             if dead and live:
                 await self.rescue(name)
             elif name in self.rescuing and name in live:
@@ -92,7 +97,7 @@ class Failover:
         assert self.js is not None
         spec = subjects.engine_consumer(name)
         if name not in self.rescuing:
-            log.warning("replica stopped reporting: moving its work", replica=name)
+            log.warning("replica silent or not ready: moving its work", replica=name)
             self.fleet.replicas[name].outstanding = 0  # its work is being moved away
             try:
                 await self.js.delete_consumer(spec.stream, spec.durable)
@@ -128,4 +133,5 @@ class Failover:
             await publish(self.js, subjects.work(replica.name), m.encode(part), headers=headers)
         await msg.ack()
         self.moved += 1
+        metrics.FAILOVER_MOVED.inc()
         return True

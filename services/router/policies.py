@@ -62,6 +62,9 @@ class Replica:
     name: str
     last_seen: float = 0.0
     ready: bool = False
+    last_ready: float = 0.0
+    """When it last reported ready (0: never): a replica not ready for `dead_after` (say,
+    rebuilding its engine) has its queued work moved like a silent one."""
     outstanding: int = 0
     """Work tokens routed here and not yet completed."""
     done_tokens: int = 0
@@ -228,6 +231,8 @@ class Fleet:
             r.outstanding = max(r.outstanding - (done_tokens - r.done_tokens), outstanding, 0)
         r.done_tokens = done_tokens
         r.last_seen, r.ready, r.kv_blocks, r.window = now, ready, kv_blocks, window
+        if ready:
+            r.last_ready = now
         r.engine_block_size = engine_block_size
         if kv_blocks:
             kv_tokens = kv_blocks * (engine_block_size or self.hash_block_size)
@@ -321,12 +326,18 @@ class Policy:
     eager = True
     """Whether the bucketer may release buckets early when replicas have room (the
     reference does not: `Daft` sets it False)."""
+    last_matches: list[int] = []
+    """Of the last decision (for metrics): for each prefix-keyed bucket or part routed,
+    the hash blocks of its key the chosen replica's history held before it."""
 
     def route(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int]) -> Assignments | None:
         """Pick replicas for a bucket and record the assignment in `fleet`."""
+        self.last_matches = []
         chosen = self.choose(fleet, now, prompts, tokens, key)
         if not chosen:
             return None
+        if key:
+            self.last_matches = [fleet.best_match(r, key)[0] for r, _ in chosen]
         given = 0
         for i, (r, n) in enumerate(chosen):
             # Split tokens in proportion to prompts; the last part takes the remainder.
@@ -494,6 +505,7 @@ class PrefixAware(Policy):
         any has room, then among all live ones (still by affinity: an admitted batch's
         tail must not scatter its prefixes). Each part is one decision (it sees the load
         and history the previous parts left)."""
+        self.last_matches = []
         candidates = fleet.open(now)
         if not candidates:
             return None
@@ -502,6 +514,8 @@ class PrefixAware(Policy):
             if i:  # the previous part changed loads (and caps, through the average prompt)
                 candidates = fleet.open(now) or fleet.live(now)
             r = self.ranked(fleet, candidates, key)[0]
+            if key:
+                self.last_matches.append(fleet.best_match(r, key)[0])
             fleet.assign(r, prompts, tokens, key)
             if out and out[-1][0] is r:
                 out[-1] = (r, out[-1][1] + prompts)

@@ -18,6 +18,8 @@ from nats.micro.request import Request
 
 from shared.wire import messages as m
 from shared.wire import subjects
+from shared.wire.control import ControlReply, encode_reply
+from shared.process import metrics
 from shared.process.config import RouterConfig
 from shared.bus.connection import close, connect
 from shared.bus.provision import provision
@@ -68,9 +70,12 @@ class Router:
             chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key)
         if chosen is None:
             # Capped: retry once the next status may have freed room (~50 ms); none live: 1 s.
+            metrics.ROUTER_DECISIONS.labels(self.policy.name, "retry_after").inc()
             return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.05)
         self.routed += 1
-        self.split += len(chosen) > 1
+        split = len(chosen) > 1 and not req.parts  # one bucket over several replicas
+        self.split += split
+        self.count(chosen, split)
         if self.cfg.log_level == "debug":  # per decision: only build the fields when shown
             log.debug(
                 "routed",
@@ -81,6 +86,23 @@ class Router:
                 outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
             )
         return m.RouteReply([m.Assignment(r.name, n) for r, n in chosen])
+
+    def count(self, chosen: list, split: bool) -> None:
+        """Metrics of one decision."""
+        policy = self.policy.name
+        metrics.ROUTER_DECISIONS.labels(policy, "split" if split else "routed").inc()
+        if self.policy.last_matches:
+            hist = metrics.ROUTER_MATCH_BLOCKS.labels(policy)
+            for blocks in self.policy.last_matches:
+                hist.observe(blocks)
+        for r, n in chosen:
+            metrics.ROUTER_ROUTED_PROMPTS.labels(r.name).inc(n)
+
+    def report_fleet(self, now: float) -> None:
+        """Per-replica gauges (every tick of the main loop, not per status message)."""
+        for r in list(self.fleet.replicas.values()):
+            metrics.ROUTER_OUTSTANDING.labels(r.name).set(r.outstanding)
+            metrics.ROUTER_LIVE.labels(r.name).set(1.0 if self.fleet.is_live(r, now) else 0.0)
 
     def place(self, prompts: int, tokens: int, key) -> list | None:
         """Route a batch with the current policy (failover re-places a dead replica's work)."""
@@ -115,6 +137,7 @@ class Router:
                 reply = self.decide(m.route_request_decoder.decode(request.data))
             except Exception as exc:  # noqa: BLE001 - answer with an error, keep serving
                 log.error("route request failed", error=repr(exc))
+                metrics.ROUTER_DECISIONS.labels(self.policy.name, "error").inc()
                 reply = m.RouteReply(retry_after=1.0, error=repr(exc))
             await request.respond(m.encode(reply))
 
@@ -129,7 +152,7 @@ class Router:
             except ValueError as exc:
                 await request.respond_error("400", str(exc))
                 return
-            await request.respond(name.encode())
+            await request.respond(encode_reply(ControlReply(True, name)))
 
         async def on_room(request: Request) -> None:
             now = time.monotonic()
@@ -152,6 +175,7 @@ class Router:
             except Exception as exc:  # noqa: BLE001 - failover retries next tick
                 log.warning("failover tick failed", error=repr(exc))
             now = time.monotonic()
+            self.report_fleet(now)
             if now - last_report >= 5.0:
                 last_report = now
                 log.info(

@@ -23,6 +23,7 @@ from nats.js import JetStreamContext
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.bus.publish import publish
+from shared.process import metrics
 
 log = structlog.get_logger()
 
@@ -68,6 +69,7 @@ async def dead_letter(js: JetStreamContext, msg: Msg, reason: str) -> None:
     except Exception:  # noqa: BLE001 - not a JetStream message
         pass
     await publish(js, subjects.dead(msg.subject), msg.data, headers=headers)
+    metrics.DEAD_LETTERS.labels(metrics.stream_of(msg.subject)).inc()
 
 
 async def quarantine(js: JetStreamContext, msg: Msg, reason: str, rows: list[tuple[str, m.Result]] = ()) -> None:

@@ -1,8 +1,16 @@
 """Idempotent stream / consumer / key-value provisioning.
 
-Every service calls `provision()` at start-up: creating what exists already is a no-op,
-and a stream whose limits changed in `shared.wire.subjects` is updated in place. So
-services can start in any order and a fresh nats-server needs no separate setup step.
+Every service calls `provision()` at start-up: what exists with the right settings is
+only looked at (so a client that may only read stream info, the submitter, passes), a
+stream whose limits changed in `shared.wire.subjects` is updated in place, a missing one
+is created. So services can start in any order and a fresh nats-server needs no separate
+setup step.
+
+Replicas: on a JetStream cluster of 3 or more servers, streams and key-value buckets get
+3 replicas (any one server can die without losing or stalling anything); on a single
+server, 1. `stream_replicas` (`PFX_STREAM_REPLICAS`) sets it explicitly; automatic mode
+never scales an existing stream down (a service that starts while a server is away sees
+a smaller cluster).
 """
 
 from __future__ import annotations
@@ -13,15 +21,39 @@ import nats
 import structlog
 from nats.js import JetStreamContext
 from nats.js import api as js_api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
 
+from shared.bus.connection import current_options
 from shared.wire import subjects
 from shared.wire.subjects import ConsumerSpec, StreamSpec
 
 log = structlog.get_logger()
 
 
-def stream_config(spec: StreamSpec) -> js_api.StreamConfig:
+CLUSTER_REPLICAS = 3
+
+
+def cluster_size(js: JetStreamContext) -> int:
+    """Servers of the cluster we are connected to: the client URLs the server gossips
+    (`connect_urls`, every member's), or the URLs we were given, whichever is more; 1
+    for a server that is not in a cluster."""
+    nc = js._nc  # NOTE: nats.py keeps the connection on the context; no public getter.
+    info = getattr(nc, "_server_info", None) or {}
+    if not info.get("cluster"):
+        return 1
+    return max(len(info.get("connect_urls") or ()), len(getattr(nc, "servers", ()) or ()), 1)
+
+
+def replicas_for(js: JetStreamContext, setting: int | None = None) -> tuple[int, bool]:
+    """(replicas, explicit): the setting if nonzero, else 3 on a cluster of 3+ servers,
+    else 1."""
+    setting = current_options().stream_replicas if setting is None else setting
+    if setting:
+        return setting, True
+    return (CLUSTER_REPLICAS if cluster_size(js) >= CLUSTER_REPLICAS else 1), False
+
+
+def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
     return js_api.StreamConfig(
         name=spec.name,
         subjects=list(spec.subjects),
@@ -35,16 +67,42 @@ def stream_config(spec: StreamSpec) -> js_api.StreamConfig:
         max_msg_size=spec.max_msg_size,
         # Publishers set Nats-Msg-Id; the server drops a re-publish inside this window.
         duplicate_window=120.0,
+        num_replicas=replicas,
     )
 
 
-async def ensure_stream(js: JetStreamContext, spec: StreamSpec) -> None:
-    config = stream_config(spec)
+COMPARED = ("subjects", "retention", "storage", "discard", "max_bytes", "max_msgs", "max_msg_size", "duplicate_window", "num_replicas")
+"""The settings `provision` owns; anything else on a stream is left as the server has it."""
+
+
+def differs(have: js_api.StreamConfig, want: js_api.StreamConfig) -> list[str]:
+    def norm(v):
+        return sorted(v) if isinstance(v, list) else v
+
+    return [k for k in COMPARED if norm(getattr(have, k)) != norm(getattr(want, k))]
+
+
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: tuple[int, bool] = (1, True)) -> None:
+    n, explicit = replicas
     try:
-        await js.add_stream(config)
-    except BadRequestError:
-        # Exists with other settings: bring it in line with subjects.py.
-        await js.update_stream(config)
+        have = (await js.stream_info(spec.name)).config
+    except NotFoundError:
+        have = None
+    if have is not None and not explicit:
+        n = max(n, have.num_replicas or 1)  # automatic: never scale down
+    config = stream_config(spec, n)
+    if have is None:
+        try:
+            await js.add_stream(config)
+            log.info("stream created", stream=spec.name, replicas=n)
+            return
+        except BadRequestError:
+            pass  # created meanwhile by another service: bring it in line below
+    elif not differs(have, config):
+        return
+    else:
+        log.info("stream updated", stream=spec.name, changed=differs(have, config), replicas=n)
+    await js.update_stream(config)
 
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
@@ -65,27 +123,43 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
         await js.add_consumer(spec.stream, config)
 
 
-async def ensure_kv(js: JetStreamContext, bucket: str):
+async def ensure_kv(js: JetStreamContext, bucket: str, replicas: tuple[int, bool] = (1, True)):
+    n, explicit = replicas
     try:
-        return await js.key_value(bucket)
-    except Exception:  # noqa: BLE001 - BucketNotFoundError and friends
+        have = (await js.stream_info(f"KV_{bucket}")).config
+    except NotFoundError:
         return await js.create_key_value(
-            bucket=bucket, history=1, storage=js_api.StorageType.FILE, max_bytes=256 * 1024 * 1024
+            bucket=bucket, history=1, storage=js_api.StorageType.FILE, max_bytes=256 * 1024 * 1024, replicas=n
         )
+    current = have.num_replicas or 1
+    if current != n and (explicit or n > current):
+        have.num_replicas = n
+        await js.update_stream(have)
+        log.info("bucket replicas changed", bucket=bucket, replicas=n, were=current)
+    return await js.key_value(bucket)
 
 
-async def provision(js: JetStreamContext) -> None:
-    """Create (or update) every stream and KV bucket the project uses."""
+async def provision(js: JetStreamContext, replicas: int | None = None) -> None:
+    """Create (or update) every stream and KV bucket the project uses. `replicas`:
+    0 automatic, None the process's `stream_replicas` setting."""
     for attempt in range(60):
         try:
+            n = replicas_for(js, replicas)
             for spec in subjects.STREAMS:
-                await ensure_stream(js, spec)
-            await ensure_kv(js, subjects.JOBS_KV)
-            await ensure_kv(js, subjects.JOB_STATUS_KV)
+                await ensure_stream(js, spec, n)
+            await ensure_kv(js, subjects.JOBS_KV, n)
+            await ensure_kv(js, subjects.JOB_STATUS_KV, n)
             return
-        except (asyncio.TimeoutError, nats.errors.NoRespondersError, NotFoundError) as exc:
-            # JetStream not ready yet (server just started, or reconnecting).
+        except (asyncio.TimeoutError, nats.errors.NoRespondersError, NotFoundError, ServiceUnavailableError) as exc:
+            # JetStream not ready yet (server just started, or reconnecting; a cluster
+            # still electing its meta leader). A user that may not create streams (the
+            # submitter) also waits here until a service has created them.
             log.info("waiting for jetstream", attempt=attempt, error=repr(exc))
+            await asyncio.sleep(0.5)
+        except APIError as exc:
+            # E.g. "insufficient resources" while too few cluster peers are up for the
+            # replicas: they are coming.
+            log.warning("jetstream refused provisioning; retrying", attempt=attempt, error=repr(exc))
             await asyncio.sleep(0.5)
     raise RuntimeError("JetStream did not become available")
 

@@ -7,7 +7,9 @@ import asyncio
 import nats.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
+from nats.js.errors import APIError, NoStreamResponseError
+
+from shared.process import metrics
 
 log = structlog.get_logger()
 
@@ -49,8 +51,11 @@ async def publish(
             if exc.err_code == MESSAGE_TOO_LARGE:
                 raise PublishError(f"{subject}: {exc.description}") from exc
             error = exc
-        except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError) as exc:
+        except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError, NoStreamResponseError) as exc:
+            # NOTE: NoStreamResponseError: the stream has no leader for a moment (on a
+            # cluster, the server that led it just died and the others are electing one).
             error = exc
+        metrics.PUBLISH_WAITS.labels(metrics.stream_of(subject)).inc()
         if attempt == 0 or attempt % 20 == 19:
             log.warning("publish waiting (stream full or server away)", subject=subject, attempt=attempt, error=repr(error))
         attempt += 1

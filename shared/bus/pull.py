@@ -12,6 +12,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.bus.provision import pull_subscription
+from shared.process import metrics
 from shared.wire.subjects import ConsumerSpec
 
 log = structlog.get_logger()
@@ -53,6 +54,9 @@ class DurablePull:
         self.js, self.spec = js, spec
         self.sub: JetStreamContext.PullSubscription | None = None
         self.empty_since: float | None = None
+        self._fetched = metrics.CONSUMER_FETCHED.labels(spec.durable)
+        self._redelivered = metrics.CONSUMER_REDELIVERED.labels(spec.durable)
+        self._pending = metrics.CONSUMER_PENDING.labels(spec.durable)
 
     async def fetch(self, batch: int, timeout: float) -> list:
         try:
@@ -62,6 +66,8 @@ class DurablePull:
             # a hard deadline turns that hang into a re-bind.
             msgs = await asyncio.wait_for(fetch(self.sub, batch, timeout), timeout + 5.0)
             await self._watchdog(bool(msgs))
+            if msgs:
+                self._count(msgs)
             return msgs
         except (NotFoundError, BadRequestError, nats.errors.Error, asyncio.TimeoutError) as exc:
             log.warning("consumer lost; re-binding", consumer=self.spec.durable, error=repr(exc))
@@ -69,10 +75,28 @@ class DurablePull:
             await asyncio.sleep(0.5)
             return []
 
+    def _count(self, msgs: list) -> None:
+        """Metrics of a fetch: messages, redeliveries, and the queue depth behind them
+        (an empty fetch says nothing: the consumer may be at its max_ack_pending)."""
+        self._fetched.inc(len(msgs))
+        try:
+            again = sum(1 for msg in msgs if msg.metadata.num_delivered > 1)
+            self._pending.set(msgs[-1].metadata.num_pending)
+        except Exception:  # noqa: BLE001 - not JetStream messages (tests)
+            return
+        if again:
+            self._redelivered.inc(again)
+
     async def _watchdog(self, got: bool) -> None:
-        """Self-heal a subscription that stopped receiving (seen after a nats-server
-        restart under load): nothing for STALL_CHECK seconds while the consumer holds
-        deliverable messages means re-bind."""
+        """Self-heal a consumer that stopped delivering. After STALL_CHECK seconds of
+        empty fetches:
+        1. the consumer holds deliverable messages but nothing arrives (seen after a
+           nats-server restart under load): re-bind the subscription;
+        2. the consumer has nothing pending or unacked, yet its stream still holds
+           messages on its subject (seen after nats-server was SIGKILLed: the consumer's
+           state had moved past messages the stream kept): re-create the consumer, which
+           delivers them again (on a work queue every message left is unprocessed or a
+           duplicate the sink drops)."""
         now = asyncio.get_running_loop().time()
         if got:
             self.empty_since = None
@@ -87,6 +111,16 @@ class DurablePull:
         if info.num_pending > 0:
             log.warning("consumer has work but nothing arrives: re-binding", consumer=self.spec.durable, pending=info.num_pending)
             await self.unsubscribe()
+            return
+        if info.num_ack_pending:
+            return
+        stream = await self.js.stream_info(self.spec.stream, subjects_filter=self.spec.filter_subject)
+        left = sum((stream.state.subjects or {}).values()) if stream.state.subjects else 0
+        if left:
+            log.warning("stream holds messages the consumer will not deliver: re-creating it",
+                        consumer=self.spec.durable, messages=left)
+            await self.unsubscribe()
+            await self.js.delete_consumer(self.spec.stream, self.spec.durable)
 
     async def unsubscribe(self) -> None:
         if self.sub is not None:

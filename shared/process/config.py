@@ -22,15 +22,12 @@ from shared.prefix.block_keys import HASH_BLOCK_SIZE
 ENV_PREFIX = "PFX_"
 DEFAULT_MODEL = ".prefixflow/models/tiny-llama"
 """Where `prefixflow make-model` builds the local random-weight model (the default model)."""
-POLICIES = ("prefix-aware", "daft", "least-loaded", "round-robin")
-"""Routing policies (`services/router/policies.py`), the default first."""
-ENGINES = ("vllm", "echo")
-"""Engine kinds: vllm (the real engine), echo (no model; tests of the orchestration)."""
 Policy = Literal["prefix-aware", "daft", "least-loaded", "round-robin"]
+"""Routing policies (`services/router/policies.py`), the default first."""
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
 EngineKind = Literal["vllm", "echo"]
-
-Positive = Annotated[int, Meta(gt=0)]
-Seconds = Annotated[float, Meta(gt=0)]
+"""Engine kinds: vllm (the real engine), echo (no model; tests of the orchestration)."""
+ENGINES: tuple[str, ...] = typing.get_args(EngineKind)
 
 
 def _d(text: str, **constraints: Any) -> Meta:
@@ -44,6 +41,29 @@ class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = "auto"
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level")] = "info"
     drain_timeout: Annotated[float, _d("seconds to finish in-flight work on SIGTERM", gt=0)] = 4.0
+    metrics_port: Annotated[
+        int, _d("serve Prometheus metrics on this port, all interfaces (0: off; shared/process/metrics.py)", ge=0, le=65535)
+    ] = 0
+    nats_user: Annotated[str, _d("NATS user (`prefixflow cluster config` writes one per role); empty: no authentication")] = ""
+    nats_password: Annotated[str, _d("the NATS user's password (keep it in a 0600 env file)")] = ""
+    nats_tls_ca: Annotated[str, _d("CA file that signs the NATS servers' certificates; set: connect with TLS")] = ""
+    nats_tls_cert: Annotated[str, _d("client certificate for NATS (servers that verify clients)")] = ""
+    nats_tls_key: Annotated[str, _d("the client certificate's key")] = ""
+    stream_replicas: Annotated[
+        int, _d("JetStream replicas of streams and buckets (0: 3 on a cluster of 3+ servers, else 1)", ge=0, le=5)
+    ] = 0
+
+    def check_connection(self) -> None:
+        """Credentials and TLS files that cannot work fail at start-up (`load` calls
+        this; not a `__post_init__`, which subclasses override)."""
+        if bool(self.nats_user) != bool(self.nats_password):
+            raise ValueError("nats_user and nats_password go together")
+        if bool(self.nats_tls_cert) != bool(self.nats_tls_key):
+            raise ValueError("nats_tls_cert and nats_tls_key go together")
+        for name in ("nats_tls_ca", "nats_tls_cert", "nats_tls_key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file {path!r}")
 
 
 class ModelConfig(CommonConfig, kw_only=True):
@@ -51,6 +71,10 @@ class ModelConfig(CommonConfig, kw_only=True):
         DEFAULT_MODEL
     )
     max_model_len: Annotated[int, _d("longest prompt + output, in tokens", gt=0)] = 4096
+    task: Annotated[
+        Literal["generate", "embed"],
+        _d("what the cluster's engines do: generate text, or embed (vLLM pooling runner); a job of the other task fails"),
+    ] = "generate"
 
 
 class IngestorConfig(ModelConfig, kw_only=True):
@@ -128,8 +152,19 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     result_linger: Annotated[float, _d("seconds a partial result batch may wait", gt=0)] = 0.05
     echo_delay: Annotated[float, _d("echo engine: seconds per prompt (to simulate work)", ge=0)] = 0.0
     echo_crash_token: Annotated[
-        int, _d("echo engine: exit like a dead engine on a prompt holding this token id (fault tests; -1: off)", ge=-1)
+        int,
+        _d("echo engine: dies like a dead vLLM engine core on every prompt holding this token id (fault tests; -1: off)", ge=-1),
     ] = -1
+    echo_crash_after: Annotated[
+        int, _d("echo engine: dies like a dead vLLM engine core once, after this many prompts (fault tests; 0: off)", ge=0)
+    ] = 0
+    max_rebuilds: Annotated[
+        int, _d("engine rebuilds allowed within --rebuild-window; one more engine death exits with code 3", ge=0)
+    ] = 3
+    rebuild_window: Annotated[float, _d("seconds over which engine rebuilds are counted", gt=0)] = 600.0
+    rebuild_backoff: Annotated[
+        float, _d("seconds before the first rebuild of a dead engine, doubled for each further one in the window", ge=0)
+    ] = 1.0
     enforce_eager: Annotated[bool, _d("vLLM enforce_eager (no graph capture; fast start)")] = True
     status_interval: Annotated[
         float, _d("seconds between status messages (the router's view of load lags by this much)", gt=0)
@@ -138,6 +173,11 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
         Literal["prefix-groups", "fcfs"],
         _d("prefix-groups: vLLM priority scheduling, prompts of a prefix group seen earlier first; fcfs: arrival order"),
     ] = "prefix-groups"
+    engine_args: Annotated[
+        str,
+        _d("vLLM engine arguments as for `vllm serve`, one shell-quoted string (also accepted loose after "
+           "the flags or after `--`; listed below by --help); they override prefixflow's engine defaults"),
+    ] = ""
 
     def __post_init__(self) -> None:
         _check_name("replica", self.replica)
@@ -147,13 +187,19 @@ class SinkConfig(CommonConfig, kw_only=True):
     flush_rows: Annotated[int, _d("rows buffered per job before a Parquet part is written", gt=0)] = 4096
     flush_seconds: Annotated[float, _d("longest a row waits before its part is written", gt=0)] = 0.5
     fetch_batch: Annotated[int, _d("result messages fetched per pull", gt=0)] = 64
+    out_root: Annotated[
+        str,
+        _d("the only directory jobs may write under: a job whose out_dir resolves outside it (.., "
+           "another absolute path, a symlink out) fails (default: the working directory)"),
+    ] = ""
 
 
 def _check_name(what: str, name: str) -> None:
-    from shared.wire.subjects import is_valid_name
+    from shared.wire.subjects import name_problem
 
-    if not is_valid_name(name):
-        raise ValueError(f"{what} {name!r} must be 1-64 letters, digits, '-' or '_' (it is a subject token)")
+    problem = name_problem(name)
+    if problem:
+        raise ValueError(f"{what} {name!r} is not a valid subject token: {problem}")
 
 
 C = typing.TypeVar("C", bound=msgspec.Struct)
@@ -197,6 +243,9 @@ def load(cls: type[C], args: argparse.Namespace | None = None, environ: dict[str
         if value is not None:
             raw[f.name] = value
     try:
-        return msgspec.convert(raw, cls, strict=False)
-    except msgspec.ValidationError as exc:
+        cfg = msgspec.convert(raw, cls, strict=False)
+        if isinstance(cfg, CommonConfig):
+            cfg.check_connection()
+        return cfg
+    except (msgspec.ValidationError, ValueError) as exc:
         raise SystemExit(f"invalid configuration: {exc}") from None

@@ -21,6 +21,29 @@ from msgspec import Meta
 # --- job control (JSON, in the key-value buckets) ------------------------------------
 
 
+class StructuredSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Constrained output (vLLM's `StructuredOutputsParams`, xgrammar): exactly one form.
+
+    Checked cheaply when decoded (one form, a valid JSON Schema, a non-empty choice);
+    compiled with xgrammar by the client and the ingestor (`shared/wire/sampling.py`)."""
+
+    json_schema: dict[str, Any] | None = None
+    """Output is JSON valid against this JSON Schema."""
+    regex: str | None = None
+    """Output matches this regular expression."""
+    choice: list[str] | None = None
+    """Output is exactly one of these strings."""
+    grammar: str | None = None
+    """Output follows this grammar (EBNF/GBNF, or Lark)."""
+    json_object: bool = False
+    """Output is some JSON object (OpenAI `response_format: {"type": "json_object"}`)."""
+
+    def __post_init__(self) -> None:
+        from shared.wire.sampling import check_structured
+
+        check_structured(self)
+
+
 class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """Sampling parameters for every prompt of a job (a subset of vLLM's SamplingParams).
 
@@ -38,6 +61,19 @@ class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     """Per-request seed (the prompt's sequence number is added) for reproducible sampling."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks use it with min_tokens == max_tokens)."""
+
+    stop: list[str] = msgspec.field(default_factory=list)
+    """Stop generating at any of these strings (not included in the output)."""
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    structured: StructuredSpec | None = None
+    """Constrained output (JSON schema, regex, choice, grammar); None: free text."""
+    n: Annotated[int, Meta(ge=1, le=64)] = 1
+    """Completions per prompt: with n > 1 the row's `outputs` column lists them all
+    (`output` is the first)."""
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    """Log-probabilities of each generated token of the first completion and of this many
+    alternatives (the row's `logprobs` column); None: none."""
 
     def __post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
@@ -58,6 +94,12 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     """Unix time the job was (last) submitted; the summary's wall time starts here."""
     total: int | None = None
     """Number of distinct prompt ids once sealed; None while prompts are still coming."""
+    chat_template: str = ""
+    """Chat template (Jinja text) for `messages` rows; empty: the model's own."""
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Extra variables for the chat template (as vLLM's `chat_template_kwargs`)."""
+    task: str = "generate"
+    """generate (text) or embed (vectors); a cluster runs one task and fails jobs of the other."""
 
 
 class JobLookup(msgspec.Struct):
@@ -87,6 +129,30 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     """The cluster cannot run this job (invalid spec, model or task mismatch); see `error`."""
     error: str | None = None
     """Why the job failed."""
+    created_at: float = 0.0
+    """When the job was (last) submitted (its spec's `created_at`), Unix time."""
+    rate: float = 0.0
+    """Rows written per second over the last half minute or so."""
+    prompt_tokens: int = 0
+    """Prompt tokens of the ok rows written so far."""
+    cached_tokens: int = 0
+    """Prefix-cache hit tokens of the ok rows written so far."""
+    output_tokens: int = 0
+    """Generated tokens of the ok rows written so far."""
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit rate so far (cached / prompt tokens of the ok rows)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def eta_seconds(self) -> float | None:
+        """Seconds until every row is written at the current rate; None while the total
+        is unknown (not sealed) or nothing is being written; 0 once done."""
+        if self.done:
+            return 0.0
+        if self.total is None or self.rate <= 0:
+            return None
+        return max(self.total - self.rows, 0) / self.rate
 
 
 # --- data plane (msgpack) ------------------------------------------------------------
@@ -108,6 +174,9 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     untouched to the output."""
     max_tokens: int = 0
     """The job's max_tokens, so load can be counted in tokens (prompt + output)."""
+    sampling: bytes = b""
+    """The row's own sampling (msgpack `SamplingSpec`, the job's merged with the row's
+    overrides and structured output); empty: the job's."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -154,13 +223,29 @@ class Result(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     output_tokens: int = 0
     replica: str = ""
     error: str | None = None
+    bucket: str = ""
+    """Id of the bucket the prompt was released in (`WorkBatch.bucket`; empty: unknown)."""
+    started_at: float = 0.0
+    """Unix time the engine-worker submitted the prompt to its engine (0: unknown)."""
+    finished_at: float = 0.0
+    """Unix time the engine finished it (0: unknown; the sink then takes the time the
+    result reached the results stream)."""
+    outputs: list[str] = msgspec.field(default_factory=list)
+    """Every completion when the prompt asked for n > 1 (`output` is the first)."""
+    logprobs: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    """With `logprobs`: per generated token of the first completion, `{"token",
+    "logprob", "top": [{"token", "logprob"}, ...]}`."""
+    embedding: list[float] = msgspec.field(default_factory=list)
+    """Embed jobs: the prompt's embedding (vLLM's pooler output)."""
 
 
 def error_result(
-    id: PromptId, error: str, columns: bytes = b"", *, prompt_tokens: int = 0, replica: str = ""
+    id: PromptId, error: str, columns: bytes = b"", *, prompt_tokens: int = 0, replica: str = "", bucket: str = ""
 ) -> Result:
     """The error row of a prompt (the one way every stage builds one)."""
-    return Result(id, columns, error=error, finish_reason=FinishReason.ERROR, prompt_tokens=prompt_tokens, replica=replica)
+    return Result(
+        id, columns, error=error, finish_reason=FinishReason.ERROR, prompt_tokens=prompt_tokens, replica=replica, bucket=bucket
+    )
 
 
 class ResultBatch(msgspec.Struct, array_like=True, gc=False):
@@ -201,6 +286,8 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     """Most prompts the worker keeps in flight."""
     idle_seconds: float = 0.0
     """Cumulative time with no prompt in the engine."""
+    output_tokens: int = 0
+    """Cumulative generated tokens of finished prompts."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
@@ -269,7 +356,8 @@ def prompt_size(p: Prompt) -> int:
 
 
 def result_size(r: Result) -> int:
-    return len(r.columns) + len(r.output.encode()) * 2 + len(r.error or "") + 64
+    extra = 10 * len(r.embedding) + sum(len(o) for o in r.outputs) * 2 + 96 * sum(1 + len(t.get("top") or ()) for t in r.logprobs)
+    return len(r.columns) + len(r.output.encode()) * 2 + len(r.error or "") + 64 + extra
 
 
 def chunked(items: list, size_of, max_items: int, max_bytes: int = MAX_MESSAGE_BYTES) -> list[list]:
@@ -302,6 +390,7 @@ heartbeat_decoder = msgspec.msgpack.Decoder(BucketerHeartbeat)
 route_request_decoder = msgspec.msgpack.Decoder(RouteRequest)
 route_reply_decoder = msgspec.msgpack.Decoder(RouteReply)
 job_spec_decoder = msgspec.json.Decoder(JobSpec)
+sampling_decoder = msgspec.msgpack.Decoder(SamplingSpec)
 job_status_decoder = msgspec.json.Decoder(JobStatus)
 columns_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 

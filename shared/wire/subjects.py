@@ -88,8 +88,40 @@ ALL_BUCKETER_HEARTBEATS = f"{PREFIX}.hb.bucketer.*"
 NAME_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
 
 
+NAME_MAX = 64
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` cannot be a job id or node/replica name (a subject token), or None.
+
+    Each case gets its own words: a dot would split the subject into more tokens (the job
+    would land on another subject), `*` and `>` are NATS wildcards (publishing there is an
+    error, subscribing reads other jobs), whitespace ends a subject in the protocol."""
+    if not name:
+        return "it is empty"
+    if len(name) > NAME_MAX:
+        return f"it is {len(name)} characters long (at most {NAME_MAX})"
+    if "." in name:
+        return "it contains '.', which separates NATS subject tokens"
+    wild = sorted({c for c in name if c in "*>"})
+    if wild:
+        return f"it contains the NATS wildcard {' and '.join(repr(c) for c in wild)}"
+    if any(c.isspace() for c in name):
+        return "it contains whitespace"
+    bad = sorted({c for c in name if c not in NAME_ALPHABET})
+    if bad:
+        return f"it contains {', '.join(repr(c) for c in bad)}; use letters, digits, '-' and '_'"
+    return None
+
+
 def is_valid_name(name: str) -> bool:
-    return 0 < len(name) <= 64 and all(c in NAME_ALPHABET for c in name)
+    return 0 < len(name) <= NAME_MAX and all(c in NAME_ALPHABET for c in name)
+
+
+def inbox_prefix(user: str) -> str:
+    """Reply inbox prefix of a NATS user (`connect` sets it, `shared.wire.permissions`
+    lets only that user subscribe there): no user can read another's replies."""
+    return f"_INBOX_{user}"
 
 
 # --- streams -------------------------------------------------------------------------

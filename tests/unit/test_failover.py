@@ -103,3 +103,26 @@ def test_moved_headers_accumulate_failed_deliveries_only():
     assert headers == {PRIOR_DELIVERIES: "2"}
     second = FakeMsg(work(), delivered=1, headers=headers)  # now at r1
     assert deliveries(second) == 3
+
+
+def test_a_replica_not_ready_for_dead_after_is_rescued_like_a_silent_one(monkeypatch):
+    """A worker rebuilding its engine keeps reporting, not ready: its queued work must not
+    wait the whole rebuild."""
+    fleet = Fleet(dead_after=2.0)
+    fleet.observe("r0", 100.0, ready=True, outstanding=0, done_tokens=0)
+    fleet.observe("r1", 100.0, ready=True, outstanding=0, done_tokens=0)
+    failover = Failover(fleet, lambda *a: None)
+    rescued: list[str] = []
+
+    async def rescue(name):
+        rescued.append(name)
+
+    monkeypatch.setattr(failover, "rescue", rescue)
+    clock = {"now": 100.0}
+    monkeypatch.setattr("services.router.failover.time.monotonic", lambda: clock["now"])
+    for t in (100.5, 101.0, 101.5, 102.5, 103.0):  # r0 keeps reporting, not ready; r1 ready
+        clock["now"] = t
+        fleet.observe("r0", t, ready=False, outstanding=0, done_tokens=0)
+        fleet.observe("r1", t, ready=True, outstanding=0, done_tokens=0)
+        asyncio.run(failover.tick())
+    assert rescued == ["r0", "r0"], "rescued from dead_after on, not before"

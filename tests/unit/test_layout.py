@@ -18,10 +18,17 @@ PURE = [
     "services.bucketer.buffer",
     "services.router.policies",
     "services.engine_worker.grouping",
+    "services.engine_worker.rebuild",
+    "services.engine_worker.window",
     "services.ingestor.plan",
     "shared.prefix.sharding",
     "shared.prefix.block_keys",
     "shared.wire.messages",
+    "shared.wire.sampling",
+    "services.ingestor.chat",
+    "services.ingestor.row",
+    "services.engine_worker.requests",
+    "cli.openai_batch",
 ]
 
 

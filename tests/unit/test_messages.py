@@ -223,7 +223,7 @@ def test_prompt_work_tokens():
 
 def test_array_like_extra_trailing_field_is_ignored():
     t12 = tk.pack([1, 2])
-    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, "new-field"]], {"new": "batch field"}])
+    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", "new-field"]], {"new": "batch field"}])
     out = m.prompt_batch_decoder.decode(raw)
     assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64)])
 
@@ -233,10 +233,13 @@ def test_array_like_extra_trailing_field_is_ignored():
     raw = msgspec.msgpack.encode({"bucketer": "b", "prompts": 2, "tokens": 4, "parts": [[2, 4, [1], "extra"]]})
     assert m.route_request_decoder.decode(raw).parts == [m.RoutePart(2, 4, [1])]
 
-    full = ["id7", b"c", "out", 1, 10, 5, 3, "r0", None]
-    raw = msgspec.msgpack.encode(["job", [full + [1.5, "more"]]])
+    full = ["id7", b"c", "out", 1, 10, 5, 3, "r0", None, "b9", 1.0, 2.0]
+    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 1.5, "more"]]])
     r = m.result_batch_decoder.decode(raw).results[0]
-    assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None)
+    assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None, "b9", 1.0, 2.0)
+    # ... and a result from before bucket / started_at / finished_at gets their defaults
+    raw = msgspec.msgpack.encode(["job", [full[:9]]])
+    assert m.result_batch_decoder.decode(raw).results[0] == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None)
 
     raw = msgspec.msgpack.encode({"assignments": [["r0", 3, "extra"]], "retry_after": 0.0})
     assert m.route_reply_decoder.decode(raw).assignments == [m.Assignment("r0", 3)]

@@ -84,6 +84,11 @@ def test_result_row_carries_input_and_output_columns():
         "output_tokens": 5,
         "replica": "r0",
         "error": None,
+        "bucket": None,
+        "started_at": None,
+        "finished_at": None,
+        "outputs": None,
+        "logprobs": None,
     }
     assert list(row)[0] == "id" and set(OUTPUT_COLUMNS) <= row.keys()
 
@@ -102,6 +107,11 @@ def test_result_row_error_and_bare():
         "output_tokens": 0,
         "replica": None,
         "error": None,
+        "bucket": None,
+        "started_at": None,
+        "finished_at": None,
+        "outputs": None,
+        "logprobs": None,
     }
 
 
@@ -147,6 +157,11 @@ def test_input_columns_named_like_generated_ones_are_kept_under_input_names():
         "output_tokens": 5,
         "replica": "r0",
         "error": None,
+        "bucket": None,
+        "started_at": None,
+        "finished_at": None,
+        "outputs": None,
+        "logprobs": None,
     }
     # every input value is in the row, under its output name
     assert all(row[input_column(k)] == v for k, v in inputs.items())
@@ -475,7 +490,8 @@ class FakeKV:
 
 
 def fake_sink(specs: dict[str, JobSpec]) -> sink_service.Sink:
-    sink = sink_service.Sink(SinkConfig())
+    # Output is confined to out_root: here, the root of every spec's out_dir.
+    sink = sink_service.Sink(SinkConfig(out_root="/"))
     sink.js, sink.jobs, sink.status_kv = FakeJS(), FakeJobs(specs), FakeKV()
     return sink
 

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import os
 
-from services.engine_worker.engines.base import Completion, Engine, EngineStats, RequestFailed
+from services.engine_worker.engines.base import BatchEngine, Completion, Engine, EngineDead, EngineStats, RequestFailed
 
-__all__ = ["Completion", "Engine", "EngineStats", "RequestFailed", "make_engine"]
+__all__ = ["BatchEngine", "Completion", "Engine", "EngineDead", "EngineStats", "RequestFailed", "make_engine"]
 
 
 def make_engine(cfg) -> Engine:
     if cfg.engine == "echo":
-        from services.engine_worker.engines.echo import EchoEngine
+        from services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine
 
-        return EchoEngine(cfg.echo_delay)
+        cls = EchoEngine if cfg.echo_delay else InstantEchoEngine
+        return cls(cfg.echo_delay, crash_token=cfg.echo_crash_token, crash_after=cfg.echo_crash_after)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # Let vLLM's log records reach our structlog handler instead of its own.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    from services.engine_worker.engine_args import split as split_engine_args
     from services.engine_worker.engines.vllm import VllmEngine
 
     return VllmEngine(
@@ -25,4 +27,6 @@ def make_engine(cfg) -> Engine:
         kv_cache_blocks=cfg.kv_cache_blocks,
         max_num_seqs=cfg.max_num_seqs,
         enforce_eager=cfg.enforce_eager,
+        engine_argv=split_engine_args(cfg.engine_args),
+        task=cfg.task,
     )

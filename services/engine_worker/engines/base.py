@@ -1,8 +1,10 @@
 """What the engine-worker needs from an engine: the `Engine` protocol and its data types.
 
 An engine turns one tokenized prompt into one `Completion`. Failures of a single request
-raise `RequestFailed` (the worker writes an error row); `EngineDead` (or anything else
-escaping from `generate`) means the engine itself is broken.
+raise `RequestFailed` (the worker writes an error row). `EngineDead` (or anything else
+escaping from `generate`) means the engine itself is broken: the worker hands its
+unfinished work back, calls `shutdown()` and `start()` again (the same object), and
+carries on. `start()` must therefore work again after `shutdown()`.
 """
 
 from __future__ import annotations
@@ -22,10 +24,21 @@ class Completion(msgspec.Struct):
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    outputs: list[str] = msgspec.field(default_factory=list)
+    """Every completion when n > 1."""
+    logprobs: list[dict] = msgspec.field(default_factory=list)
+    """Per generated token of the first completion (`Result.logprobs`)."""
+    embedding: list[float] = msgspec.field(default_factory=list)
+    """Embed task: the pooled vector."""
 
 
 class RequestFailed(Exception):
     """This one request was rejected or failed; the engine is fine."""
+
+
+class EngineDead(Exception):
+    """The engine itself died (vLLM's `EngineDeadError`: its engine-core process crashed
+    or was killed). Every request in flight is lost; the engine must be rebuilt."""
 
 
 @dataclass
@@ -37,8 +50,6 @@ class EngineStats:
     block_size: int = 0
 
 
-
-
 def request_seed(sampling: SamplingSpec, prompt_id: PromptId) -> int | None:
     if sampling.seed is None:
         return None
@@ -47,14 +58,29 @@ def request_seed(sampling: SamplingSpec, prompt_id: PromptId) -> int | None:
 
 
 class Engine(Protocol):
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Start (or, after `shutdown()`, start again)."""
 
     async def generate(
         self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0
-    ) -> Completion: ...
+    ) -> Completion:
+        """Raises `RequestFailed` (this request only) or `EngineDead`."""
+
+    def alive(self) -> bool:
+        """False once the engine is known dead (even with no request in flight)."""
 
     def snapshot(self) -> EngineStats: ...
 
     async def reset_prefix_cache(self) -> bool: ...
 
     async def shutdown(self) -> None: ...
+
+
+class BatchEngine(Engine, Protocol):
+    """An engine that completes a whole work batch at once, without a task per prompt
+    (the instant echo engine: the pipeline benchmark then measures the orchestration,
+    not the worker's task overhead). The worker uses `generate_batch` when an engine has it."""
+
+    async def generate_batch(self, prompts: list[tuple[bytes, SamplingSpec]]) -> list[Completion]:
+        """One completion per (packed token ids, sampling) pair, in order. Raises
+        `EngineDead`; has no per-request failures."""

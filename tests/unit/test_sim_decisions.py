@@ -1,0 +1,111 @@
+"""The simulator makes the live services' decisions (must-show 3 of the simulator issue).
+
+A small pipeline simulation records every status the router saw and every route request
+it answered, with the sim's assignments. The recorded stream is then fed to the
+services' own objects, as the services use them:
+- each status to `services.router.service.Router.on_status` (as an `EngineStatus`),
+- each request to `Router.decide` (as the `RouteRequest` the bucketer sends),
+with the router's clock set to the recorded time. Every answer must be the sim's. The
+bucketer side: every bucket the sim routed is turned into a request by the service's
+own `Bucketer.route_request` too, and must equal the sim's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.bucketer import service as bucketer_service
+from services.router import service as router_service
+from shared.process.config import BucketerConfig, RouterConfig
+from shared.wire import messages as m
+from sim.cluster import BucketerSim, Options, simulate
+from sim.cost import load_profile
+from sim.workload import prefix_repetition
+
+pytestmark = pytest.mark.unit
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+
+def small_run(policy: str, monkeypatch):
+    # Zipf-skewed prefixes: large groups (keyed buckets, splits) and a long tail (pooled
+    # batches routed part by part); a KV cache and caps small enough for retry-after.
+    wl = prefix_repetition(num_prompts=3000, prefix_len=256, suffix_len=128, num_prefixes=600, output_len=32, seed=3, zipf=1.1)
+    profile = load_profile("l4-8b")
+    profile.kv_blocks = 400
+    built: list[tuple[m.RouteRequest, m.RouteRequest]] = []
+    real = bucketer_service.Bucketer(BucketerConfig(node="node0"))
+    original = BucketerSim.route_request
+
+    def both(self, bucket):
+        got = original(self, bucket)
+        # The same bucket with wire prompts as payload, through the service's own code.
+        wire = type(bucket)(
+            [type(it)(it.tokens, it.arrived, m.Prompt("j", it.payload, it.tokens, b"", int(wl.output_len[it.payload])), None, it.weight)
+             for it in bucket.items],
+            bucket.key, bucket.prefix_len, bucket.parts,
+        )
+        tokens = sum(it.payload.work_tokens for it in wire.items)
+        built.append((real.route_request(wire, tokens), got))
+        return got
+
+    monkeypatch.setattr(BucketerSim, "route_request", both)
+    result = simulate(wl, profile, 6, policy, Options(nodes=2, record=True, include_startup=False))
+    return result, built
+
+
+@pytest.mark.parametrize("policy", ["prefix-aware", "daft", "round-robin"])
+def test_router_service_makes_the_sims_assignments(policy, monkeypatch):
+    from sim import cluster
+
+    traces = []
+    original_init = cluster.RouterSim.__init__
+
+    def keep(self, sim, name):
+        original_init(self, sim, name)
+        traces.append(self)
+
+    monkeypatch.setattr(cluster.RouterSim, "__init__", keep)
+    result, built = small_run(policy, monkeypatch)
+    trace = traces[0].trace
+    routes = [e for e in trace if e[0] == "route"]
+    assert len(routes) > 30
+    assert any(e[6] is None for e in routes)  # retry-after answers are compared too
+    assert any(e[5] for e in routes)  # pooled batches (route_parts)
+
+    clock = Clock()
+    monkeypatch.setattr(router_service, "time", clock)
+    router = router_service.Router(RouterConfig(policy=policy))
+    answered = 0
+    for event in trace:
+        clock.now = event[1]
+        if event[0] == "status":
+            _, _, name, st = event
+            router.on_status(m.EngineStatus(
+                replica=name, ts=event[1], ready=st["ready"], outstanding_tokens=st["outstanding"],
+                done_tokens=st["done_tokens"], kv_blocks=st["kv_blocks"], block_size=st["engine_block_size"],
+                window=st["window"],
+            ))
+        else:
+            _, _, prompts, tokens, key, parts, sim_answer = event
+            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(p, t, k) for p, t, k in parts])
+            reply = router.decide(req)
+            got = [(a.replica, a.prompts) for a in reply.assignments] if reply.assignments else None
+            assert got == sim_answer, (answered, req)
+            answered += 1
+    assert answered == len(routes)
+    # The bucketer side: the service builds the same request from the same bucket.
+    assert built
+    for service_req, (prompts, tokens, key, parts) in built:
+        assert (service_req.prompts, service_req.tokens, service_req.key) == (prompts, tokens, key)
+        assert [(p.prompts, p.tokens, p.key) for p in service_req.parts] == [(p, t, k) for p, t, k in parts]
+    assert result.prompts == 3000
