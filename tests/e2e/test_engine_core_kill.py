@@ -40,10 +40,14 @@ def engine_cores(worker: int) -> list[int]:
 
 
 def test_engine_core_killed_mid_job_is_rebuilt_in_place(tmp_path, tiny_model):
-    table = prefix_repetition(
-        tokenizer_dir=tiny_model, num_prompts=N, prefix_len=128, suffix_len=64, num_prefixes=6, output_len=16, seed=13
-    )
-    rows = [{"id": r["id"], "prompt": r["prompt"]} for r in table.to_pylist()]
+    # The second half brings prefixes neither replica has seen: no cache affinity keeps
+    # it on the replica that stayed up, so the rebuilt r0 must be given some of it.
+    rows = []
+    for seed in (13, 14):
+        table = prefix_repetition(
+            tokenizer_dir=tiny_model, num_prompts=N // 2, prefix_len=128, suffix_len=64, num_prefixes=6, output_len=16, seed=seed
+        )
+        rows += [{"id": len(rows) + i, "prompt": r["prompt"]} for i, r in enumerate(table.to_pylist())]
     cluster = LocalCluster(
         processes(2, engine="vllm", extra_engine_args=["--kv-cache-blocks", "96"]),
         workdir=tmp_path / "cluster",
@@ -74,16 +78,18 @@ def test_engine_core_killed_mid_job_is_rebuilt_in_place(tmp_path, tiny_model):
 
             await nc.subscribe(subjects.status("r0"), cb=on_status)
             await nc.subscribe(subjects.results("core-kill"), cb=on_results)
-            sampling = m.SamplingSpec(max_tokens=16, min_tokens=16, ignore_eos=True)
+            # Long enough outputs that r0 is still generating when the first check lands
+            # (16-token outputs let the whole first half finish within a second).
+            sampling = m.SamplingSpec(max_tokens=64, min_tokens=64, ignore_eos=True)
             async with Submitter(cluster.url) as client:
                 await client.create(m.JobSpec(job="core-kill", out_dir=out, sampling=sampling))
                 await client.publish_rows("core-kill", rows[:half])
-                # Mid-job: r0 has produced results and has prompts in its engine.
+                # Mid-job: r0 has prompts in its engine.
                 deadline = time.monotonic() + 300
                 while True:
                     assert time.monotonic() < deadline, "r0 never got busy"
                     st = m.engine_status_decoder.decode((await nc.request(subjects.engine_status_request("r0"), b"", timeout=10)).data)
-                    if r0_results and st.inflight > 0:
+                    if st.inflight > 0:
                         break
                     await asyncio.sleep(0.05)
                 killed_at = time.monotonic()

@@ -47,14 +47,13 @@ def test_router_process_replays_the_sims_decisions(nats_server, tmp_path: Path, 
     routes = [e for e in trace if e[0] == "route"]
     assert len(routes) > 20
     env = {**os.environ, "PFX_NATS_URL": nats_server.url, "PFX_POLICY": policy, "PFX_LOG_FORMAT": "json"}
-    log = open(tmp_path / "router.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "router"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        mismatches = asyncio.run(replay(nats_server.url, trace))
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+    with open(tmp_path / "router.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "router"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            mismatches = asyncio.run(replay(nats_server.url, trace))
+        finally:
+            proc.terminate()
+            proc.wait(10)
     assert mismatches == [], mismatches[:5]
 
 
