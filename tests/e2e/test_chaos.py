@@ -243,6 +243,11 @@ def test_chaos_through_prefixflow_run(tmp_path, tiny_model):
         while pending or any(k.back_at is None for k in kills):
             if not chaos.alive():
                 waiting = [k.name for k in kills if k.back_at is None]
+                # Every kill done and the job finished (say, a faster machine) while the
+                # last victim was still in its restart backoff: its time is not measured.
+                if not pending and chaos.proc.returncode == 0:
+                    print(f"run finished with {waiting} still restarting (their times are not measured)")
+                    break
                 raise AssertionError(
                     f"run exited ({chaos.proc.returncode}) with {pending} still to kill and {waiting} not back:\n{chaos.text()}"
                 )
@@ -303,7 +308,8 @@ def test_chaos_through_prefixflow_run(tmp_path, tiny_model):
     print(f"run's restarts: {restarts.group(1)}")
     by_kind = collections.defaultdict(list)
     for k in kills:
-        by_kind[k.kind].append(k.back_at - k.at)
+        if k.back_at is not None:
+            by_kind[k.kind].append(k.back_at - k.at)
     print("kill -> back (restarted and ready), seconds:")
     for kind in KINDS:
         print(f"  {kind:14} " + ", ".join(f"{s:.1f}" for s in by_kind[kind]))
