@@ -129,7 +129,7 @@ class RouterConfig(CommonConfig, kw_only=True):
         int, _d("outstanding work tokens per replica before retry-after (0: cap_windows engine windows)", ge=0)
     ] = 0
     cap_windows: Annotated[float, _d("automatic cap: engine windows of average prompts per replica", gt=0)] = 2.0
-    dead_after: Annotated[float, _d("seconds without status before a replica is excluded", gt=0)] = 5.0
+    dead_after: Annotated[float, _d("seconds a replica may go without status (or stay not ready) before it is excluded and its queued work moved", gt=0)] = 5.0
     history: Annotated[int, _d("prefix keys remembered per replica when it reports no KV capacity", gt=0)] = 64
     load_slack_tokens: Annotated[
         int, _d("prefix-aware: a replica this many tokens above the least loaded may still win on a match (0: its cap)", ge=0)
