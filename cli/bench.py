@@ -430,13 +430,18 @@ def cmd_methods(args) -> None:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
     report = asyncio.run(bench_methods_async(args))
     print_methods_table(report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_methods(report, args.plot)
-        print(f"wrote {args.plot}")
+    write_report(report, args.json, args.plot, plot_methods)
+
+
+def write_report(report: dict[str, Any], json_path: str | None, plot_path: str | None = None, plot=None) -> None:
+    """A benchmark's report as JSON (`--json`) and its plot (`--plot`), when asked for."""
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    if plot_path and plot is not None:
+        plot(report, plot_path)
+        print(f"wrote {plot_path}")
 
 
 def add_parsers(sub) -> None:
@@ -474,6 +479,12 @@ def add_parsers(sub) -> None:
     from cli.bench_router import add_router_parser
 
     add_router_parser(sub)
+    from cli.bench_peers import add_peers_parser
+
+    add_peers_parser(sub)
+    from cli.bench_batching import add_batching_parser
+
+    add_batching_parser(sub)
 
 
 # --- pipeline throughput (echo engine) ----------------------------------------------

@@ -1,11 +1,12 @@
 """`prefixflow`: the one command-line entry point.
 
     prefixflow make-model [--out DIR]               build the local random-weight model
-    prefixflow dataset prefix-repetition ...        write a prefix-repetition dataset
+    prefixflow dataset SHAPE ...                    write a dataset (prefix-repetition, seed, zipf,
+                                                    hierarchical, variable, no-sharing)
     prefixflow serve NAME [flags]                   run one service (see --help of each)
     prefixflow run INPUT --out DIR [...]            all-in-one: local cluster + job + summary
     prefixflow submit INPUT --out DIR [--nats URL]  submit a job to a running cluster
-    prefixflow bench methods|pipeline|router ...   benchmarks (docs/benchmarks.md)
+    prefixflow bench methods|pipeline|router|batching ...   benchmarks (docs/benchmarks.md)
     prefixflow cluster config --out DIR ...        NATS configs and env files for a fleet
     prefixflow status [JOB] [--nats URL]            jobs: rows, errors, rate, hit rate, ETA
     prefixflow top [--nats URL]                     live view of replicas, bucketers, jobs
@@ -165,6 +166,9 @@ def cmd_submit(args: argparse.Namespace) -> None:
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     if status.summary:
         print_summary(status.summary)
+    from cli.report import auto_report
+
+    auto_report(args.out, status.rows)  # when the output directory is on this machine
 
 
 class Interrupted(KeyboardInterrupt):
@@ -281,6 +285,9 @@ def cmd_run(args: argparse.Namespace) -> None:
     if status.summary:
         print_summary(status.summary)
         print(json.dumps(status.summary, indent=2))
+    from cli.report import auto_report
+
+    auto_report(args.out, status.rows, model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=cfgmod.DEFAULT_MODEL, help="model whose tokenizer turns token ids into text")
     d.add_argument("--out", required=True, help="output .parquet file")
     d.set_defaults(fn=cmd_dataset)
+    from cli.dataset import add_shape_parsers
+
+    add_shape_parsers(dsub)  # seed, zipf, hierarchical, variable, no-sharing (docs/datasets.md)
 
     from cli.local_cluster import add_nats_parser
     from services.registry import add_parsers

@@ -540,6 +540,26 @@ def _html(job: JobRows, images: list[tuple[str, str]], groups: dict[Any, GroupSt
     return "\n".join(lines) + "\n"
 
 
+AUTO_GROUPS_MAX_ROWS = 200_000
+"""Above this many rows the report written at job end skips the prefix-group analysis (it
+tokenizes every prompt); `prefixflow report OUTDIR` does it on demand."""
+
+
+def auto_report(out_dir: str | Path, rows: int, model: str | None = None) -> None:
+    """The report `run` and `submit` write when a job ends (`OUT/_report/index.html`).
+    A report that cannot be written is a warning, never a failed job."""
+    if not (Path(out_dir) / "_summary.json").exists():
+        return  # the output is on another machine (the sink's)
+    groups = rows <= AUTO_GROUPS_MAX_ROWS
+    try:
+        index = write_report(out_dir, model=model, groups=groups)
+    except Exception as exc:  # noqa: BLE001 - the job's rows are written; only the plots failed
+        print(f"note: no report ({exc!r}); try `prefixflow report {out_dir}`", flush=True)
+        return
+    more = "" if groups else f" (no prefix groups above {AUTO_GROUPS_MAX_ROWS:,} rows: `prefixflow report {out_dir}`)"
+    print(f"report: {index}{more}", flush=True)
+
+
 def cmd_report(args) -> None:
     index = write_report(args.out_dir, args.dest, model=args.model, groups=not args.no_groups)
     print(f"report: {index}")

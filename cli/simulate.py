@@ -4,8 +4,8 @@ routing code, simulated engines and a fitted cost model (docs/simulator.md).
     prefixflow simulate --shape seed --replicas 128                  the reference table, reproduced
     prefixflow simulate --shape zipf --scaling 8,16,...,1024         scaling curves
     prefixflow simulate --input DATA.parquet --replicas 64 --profile h100-8b
-    prefixflow simulate --calibrate OUT_DIR --kv-blocks 128 --save-profile cpu.json
-    prefixflow simulate --predict OUT_DIR --kv-blocks 128 --profile cpu.json
+    prefixflow simulate --calibrate OUT_DIR:64 --save-profile cpu.json --predict OTHER_DIR:48
+    prefixflow simulate --input prompts.parquet --output-lens 16,96 --write-input mixed.parquet
 """
 
 from __future__ import annotations
@@ -17,6 +17,19 @@ from dataclasses import asdict
 from pathlib import Path
 
 SHAPES = ("seed", "zipf", "prefix-repetition")
+KNOBS = {
+    "buffer-prompts": ("bucketer", "buffer_prompts", int),
+    "min-bucket": ("bucketer", "min_bucket", int),
+    "pool-size": ("bucketer", "pool_size", int),
+    "eager-delay": ("bucketer", "eager_delay", float),
+    "window": ("worker", "window", int),
+    "load-slack-tokens": ("router", "load_slack_tokens", int),
+    "history": ("router", "history", int),
+    "cap-windows": ("router", "cap_windows", float),
+    "split-factor": ("router", "split_factor", float),
+    "nodes": ("", "nodes", int),
+}
+"""Product settings `--sweep` varies: (part of `sim.cluster.Options`, field, type)."""
 
 
 def add_parser(sub) -> None:
@@ -46,11 +59,23 @@ def add_parser(sub) -> None:
     p.add_argument("--load-slack-tokens", type=int, default=-1, help="router --load-slack-tokens (default: the router's)")
     p.add_argument("--history", type=int, default=0, help="router --history (default: the router's)")
     p.add_argument("--cap-windows", type=float, default=0, help="router --cap-windows (default: the router's)")
+    p.add_argument("--split-factor", type=float, default=0, help="router --split-factor (default: the router's)")
+    p.add_argument("--window-probe", action="store_true",
+                   help="simulate the worker's adaptive window with its first-result probe (window.Window): a fresh engine "
+                   "runs one prompt alone first; use it to predict real runs made with it")
+    p.add_argument("--sweep", metavar="KNOB=V1,V2,...", action="append", default=[],
+                   help=f"run --methods at --replicas once per value of a product knob, the others at their defaults "
+                   f"(repeatable; knobs: {', '.join(KNOBS)}); prints a table, --json writes it")
     p.add_argument("--scaling", default="", help="replica counts for scaling curves, e.g. 8,16,32,64,128,256,512,1024")
     p.add_argument("--scaling-methods", default="daft,prefix-aware", help="methods of the scaling curves")
     p.add_argument("--fit-seed", action="store_true", help="fit speed and sort overhead to the published naive and sorted rows (128 GPUs) and print them")
-    p.add_argument("--calibrate", metavar="OUT_DIR", help="fit the profile to a real `prefixflow run` output directory")
-    p.add_argument("--predict", metavar="OUT_DIR", action="append", default=[], help="predict a real run (repeatable) and print the errors; OUT_DIR:KV_BLOCKS when its --kv-cache-blocks differ from --kv-blocks")
+    p.add_argument("--calibrate", metavar="OUT_DIR[:KV]", action="append", default=[],
+                   help="fit the profile to a real `prefixflow run` output directory (repeatable; :KV its --kv-cache-blocks, "
+                   "else --kv-blocks); best a run with several output lengths (--output-lens)")
+    p.add_argument("--predict", metavar="OUT_DIR[:KV]", action="append", default=[], help="predict a real run (repeatable) and print the errors")
+    p.add_argument("--output-lens", default="", help="with --input and --write-input: give the rows these output lengths "
+                   "(per-row sampling max_tokens = min_tokens, as many rows of each), e.g. 16,96")
+    p.add_argument("--write-input", metavar="FILE", help="write --input with --output-lens per row to FILE and stop (a calibration dataset)")
     p.add_argument("--run-policy", default="prefix-aware", help="the policy the real runs used (--calibrate/--predict)")
     p.add_argument("--save-profile", help="write the (calibrated) profile here")
     p.add_argument("--jobs", type=int, default=0, help="parallel simulations (default: the cores)")
@@ -76,12 +101,17 @@ def options(args):
         r = msgspec.structs.replace(r, history=args.history)
     if args.cap_windows:
         r = msgspec.structs.replace(r, cap_windows=args.cap_windows)
+    if args.split_factor:
+        r = msgspec.structs.replace(r, split_factor=args.split_factor)
     nodes = args.nodes
-    if not nodes and not args.input and (args.shape or "seed") == "seed":
+    real_runs = args.calibrate or args.predict  # `prefixflow run`: one bucketer
+    if not nodes and real_runs:
+        nodes = 1
+    if not nodes and not real_runs and not args.input and (args.shape or "seed") == "seed":
         from sim.seed import REFERENCE_NODES
 
         nodes = REFERENCE_NODES
-    return Options(bucketer=b, router=r, worker=w, nodes=nodes)
+    return Options(bucketer=b, router=r, worker=w, nodes=nodes, window_probe=args.window_probe)
 
 
 def workload(args):
@@ -108,6 +138,15 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     if args.kv_blocks:
         profile.kv_blocks = args.kv_blocks
     opts = options(args)
+    if args.write_input:
+        from sim.calibrate import with_output_lengths
+
+        if not args.input or not args.output_lens:
+            raise SystemExit("--write-input needs --input and --output-lens")
+        lens = [int(x) for x in args.output_lens.split(",") if x.strip()]
+        counts = with_output_lengths(args.input, args.write_input, lens, args.seed)
+        print(f"wrote {args.write_input}: " + ", ".join(f"{n} rows of {k} output tokens" for k, n in counts.items()))
+        return
     if args.calibrate or args.predict:
         calibrate_and_predict(args, profile, opts)
         return
@@ -119,6 +158,9 @@ def cmd_simulate(args: argparse.Namespace) -> None:
           f"({profile.kv_blocks} KV blocks of {profile.block_size}); {args.replicas} replicas", flush=True)
     if args.fit_seed:
         fit_seed(args, wl, profile, opts)
+        return
+    if args.sweep:
+        sweep(args, wl, profile, opts, methods)
         return
     jobs = [(wl, m, args.replicas, profile, opts) for m in methods]
     scaling_ns = [int(x) for x in args.scaling.split(",") if x.strip()]
@@ -178,6 +220,51 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         print(f"wrote {args.plot}")
 
 
+def with_knob(opts, knob: str, value: str):
+    """`opts` with one product knob (`KNOBS`) set."""
+    import dataclasses
+
+    import msgspec
+
+    if knob not in KNOBS:
+        raise SystemExit(f"unknown knob {knob!r}: one of {', '.join(KNOBS)}")
+    part, name, kind = KNOBS[knob]
+    if not part:
+        return dataclasses.replace(opts, **{name: kind(value)})
+    return dataclasses.replace(opts, **{part: msgspec.structs.replace(getattr(opts, part), **{name: kind(value)})})
+
+
+def sweep(args, wl, profile, opts, methods: list[str]) -> None:
+    """One-knob-at-a-time sweeps around the current settings (the defaults plus any
+    knob flags given), each value run for every method at --replicas."""
+    from sim import seed
+    from sim.runner import run_many, write_json
+
+    settings = [("current", "", opts)]
+    for spec in args.sweep:
+        knob, _, values = spec.partition("=")
+        for v in (x.strip() for x in values.split(",") if x.strip()):
+            settings.append((f"{knob}={v}", knob, with_knob(opts, knob, v)))
+    jobs = [(wl, m, args.replicas, profile, o) for _, _, o in settings for m in methods]
+    t0 = time.perf_counter()
+    rows = run_many(jobs, args.jobs)
+    out = []
+    print(f"\n{'setting':>28} {'method':>14} {'wall s':>9} {'vs current':>10} {'vs 482 s':>9} {'hit':>7} {'busy':>6} {'split':>6}")
+    base = {r["method"]: r["wall_seconds"] for r in rows[: len(methods)]}
+    for k, (label, knob, _) in enumerate(settings):
+        for r in rows[k * len(methods) : (k + 1) * len(methods)]:
+            r = r | {"setting": label, "knob": knob, "vs_current": round(base[r["method"]] / r["wall_seconds"], 4),
+                     "vs_published_bucketing": round(seed.PUBLISHED["daft"][0] / r["wall_seconds"], 4)}
+            out.append(r)
+            print(f"{label:>28} {r['method']:>14} {r['wall_seconds']:9.1f} {r['vs_current']:9.3f}x {r['vs_published_bucketing']:8.3f}x "
+                  f"{r['hit_rate']:7.1%} {r['busy_fraction']:6.1%} {r['groups_split']:6d}")
+    print(f"\n({time.perf_counter() - t0:.0f} s of simulation)")
+    if args.json:
+        write_json(args.json, {"title": f"{wl.name}, {args.replicas} x {profile.name}: sweeps", "workload": {"name": wl.name, **wl.meta},
+                               "replicas": args.replicas, "profile": asdict(profile), "sweeps": out})
+        print(f"wrote {args.json}")
+
+
 def fit_seed(args, wl, profile, opts) -> None:
     from sim import seed
     from sim.runner import run_many
@@ -191,36 +278,55 @@ def fit_seed(args, wl, profile, opts) -> None:
     print(f"fitted: speed = {speed:.4f}, sort overhead = {sort_s:.1f} s -> sort_s_per_1k = {sort_s / (len(wl) / 1000):.4f}")
 
 
-def calibrate_and_predict(args, profile, opts) -> None:
-    from sim.calibrate import compare, fit, read_run
+def run_spec(spec: str, default_kv: int) -> tuple[str, int]:
+    """OUT_DIR[:KV_BLOCKS]."""
+    out, sep, kv = spec.rpartition(":")
+    if sep and kv.isdigit():
+        return out, int(kv)
+    if not default_kv:
+        raise SystemExit(f"{spec}: give its KV blocks (OUT_DIR:KV) or --kv-blocks")
+    return spec, default_kv
 
-    report: dict = {"profile_before": asdict(profile)}
+
+def calibrate_and_predict(args, profile, opts) -> None:
+    from sim.calibrate import calibrate, coefficients, compare, read_run
+
+    report: dict = {"profile_before": asdict(profile), "policy": args.run_policy}
+    ok_all = True
     if args.calibrate:
-        wl, summary, times = read_run(args.calibrate, args.model)
-        profile, detail = fit(profile, wl, summary, times, args.run_policy, opts)
-        print(f"calibrated on {args.calibrate}: speed {detail['speed']}, start {detail['start_s']} s")
-        fitted_back = compare(profile, wl, summary, times, args.run_policy, opts)
-        print(f"  the calibration run itself: measured {fitted_back['measured_wall_seconds']:.1f} s / {fitted_back['measured_hit_rate']:.1%},"
-              f" simulated {fitted_back['predicted_wall_seconds']:.1f} s / {fitted_back['predicted_hit_rate']:.1%}")
-        report["calibration"] = detail | {"run": fitted_back}
+        specs = [run_spec(s, args.kv_blocks) for s in args.calibrate]
+        runs = [read_run(out, args.model) for out, _ in specs]
+        profile, detail = calibrate(runs, [kv for _, kv in specs], profile, args.run_policy, opts)
+        coef = coefficients(profile)
+        print(f"calibrated on {', '.join(out for out, _ in specs)} ({detail['replays']} replays, completion-curve RMSE {detail['rmse_s']} s):")
+        print(f"  c0 {1e3 * coef['c0']:.3f} ms/step, c_pf {1e6 * coef['c_pf']:.1f} us/prefill token, "
+              f"c_dec {1e6 * coef['c_dec']:.1f} us/decoding request, c_ctx {1e6 * coef['c_ctx']:.3f} us/context token; "
+              f"start-up {profile.startup_s:.3f} s, tail {profile.tail_s:.3f} s")
+        report["calibration"] = detail | {"runs": [compare(profile, r, kv, args.run_policy, opts) for r, (_, kv) in zip(runs, specs)]}
+        for c in report["calibration"]["runs"]:
+            print(f"  fitted back {c['run']}: {c['predicted_wall_seconds']:.2f} s vs {c['measured_wall_seconds']:.2f} s "
+                  f"({c['wall_error']:+.1%}), hit {c['predicted_hit_rate']:.1%} vs {c['measured_hit_rate']:.1%}")
         if args.save_profile:
             profile.save(args.save_profile)
             print(f"wrote {args.save_profile}")
     report["profile"] = asdict(profile)
     report["predictions"] = []
     for spec in args.predict:
-        out, _, kv = spec.partition(":")
-        p = type(profile).from_dict(asdict(profile))
-        if kv:
-            p.kv_blocks = int(kv)
-        wl, summary, times = read_run(out, args.model)
-        c = compare(p, wl, summary, times, args.run_policy, opts) | {"kv_blocks": p.kv_blocks}
+        out, kv = run_spec(spec, args.kv_blocks)
+        c = compare(profile, read_run(out, args.model), kv, args.run_policy, opts)
+        c["wall_within_15pct"] = abs(c["wall_error"]) <= 0.15
+        c["hit_within_3_points"] = abs(c["hit_error_points"]) <= 3
+        ok_all &= c["wall_within_15pct"] and c["hit_within_3_points"]
         report["predictions"].append(c)
-        ok_w = abs(c["wall_error"]) <= 0.15
-        ok_h = abs(c["hit_error_points"]) <= 3
-        print(f"predicted {out}: wall {c['predicted_wall_seconds']:.1f} s vs measured {c['measured_wall_seconds']:.1f} s "
-              f"({c['wall_error']:+.1%}, {'ok' if ok_w else 'MISSED'} ±15%); hit {c['predicted_hit_rate']:.1%} vs "
-              f"{c['measured_hit_rate']:.1%} ({c['hit_error_points']:+.1f} points, {'ok' if ok_h else 'MISSED'} ±3)")
+        print(f"predicted {out} ({c['prompts']} prompts, outputs {c['output_lens']}, {kv} KV blocks): wall {c['predicted_wall_seconds']:.2f} s "
+              f"vs measured {c['measured_wall_seconds']:.2f} s ({c['wall_error']:+.1%}, {'ok' if c['wall_within_15pct'] else 'MISSED'} ±15%); "
+              f"hit {c['predicted_hit_rate']:.1%} vs {c['measured_hit_rate']:.1%} ({c['hit_error_points']:+.1f} points, "
+              f"{'ok' if c['hit_within_3_points'] else 'MISSED'} ±3)")
+        print(f"  engine alone (the run's own feeding replayed, closed loop): span {c['engine_span_replayed_s']:.2f} s vs "
+              f"{c['engine_span_measured_s']:.2f} s ({c['engine_replay_error']:+.1%}), first prompt in an engine at "
+              f"{c['predicted_first_start_s']:.2f} s vs {c['measured_first_start_s']:.2f} s")
+    if args.predict:
+        report["all_within_bounds"] = ok_all
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")

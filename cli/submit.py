@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from nats.js.errors import KeyNotFoundError
 from tqdm import tqdm
 
+from cli.progress import FleetProgress, progress_note
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.wire.ids import IdSet
@@ -153,10 +154,22 @@ class Submitter:
         """Follow the sink's progress until `total` rows are written; raise `JobFailed`
         as soon as the status says the job failed. `check()` runs each round (raise there
         to stop waiting). A NATS outage (nats-server restarting) is waited out."""
-        # Rate and ETA are the sink's (rows per second over its last 30 s), as in `prefixflow status`.
+        # Rate and ETA are the sink's (rows per second over its last 30 s), as in `prefixflow status`;
+        # prompts under way and tokens/s come from the replicas' status messages (cli/progress.py).
         bar = tqdm(total=total, desc=f"job {job}", unit="row", disable=not progress, dynamic_ncols=True,
                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         deadline = None if timeout is None else time.monotonic() + timeout
+        fleet = FleetProgress()
+        self.first_progress: float | None = None
+        """When the line first showed work under way (`prefixflow bench batching` reads it)."""
+
+        async def on_status(msg) -> None:
+            try:
+                fleet.update(m.engine_status_decoder.decode(msg.data), time.monotonic())
+            except msgspec.DecodeError:
+                return
+
+        status_sub = await self.nc.subscribe(subjects.ALL_STATUS, cb=on_status)
         st = None
         try:
             while True:
@@ -168,12 +181,14 @@ class Submitter:
                     pass
                 if st is not None and st.failed:
                     raise JobFailed(job, st.error)
+                if self.first_progress is None and ((st is not None and st.rows) or fleet.held(job)):
+                    self.first_progress = time.time()
                 if st is not None:
                     bar.n = min(st.rows, total)
-                    bar.set_postfix_str(progress_note(st), refresh=False)
-                    bar.refresh()
-                    if st.done and st.total == total:
-                        return st
+                bar.set_postfix_str(progress_note(st, fleet, job), refresh=False)
+                bar.refresh()
+                if st is not None and st.done and st.total == total:
+                    return st
                 if check is not None:
                     check()
                 if deadline is not None and time.monotonic() > deadline:
@@ -181,14 +196,10 @@ class Submitter:
                 await asyncio.sleep(0.5)
         finally:
             bar.close()
-
-
-def progress_note(st: m.JobStatus) -> str:
-    """Rate, hit rate so far, ETA and errors of a job's status (the progress bar's tail)."""
-    from cli.status import fmt_duration
-
-    hit = f"{st.hit_rate:.1%}" if st.prompt_tokens else "-"
-    return f"{st.rate:,.1f} rows/s, hit rate {hit}, ETA {fmt_duration(st.eta_seconds())}, errors {st.errors}"
+            try:
+                await status_sub.unsubscribe()
+            except nats.errors.Error:
+                pass
 
 
 async def submit(

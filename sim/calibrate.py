@@ -1,27 +1,33 @@
-"""Calibrating the cost model on a real `prefixflow run`, and predicting other runs.
+"""Calibrating the cost model on real `prefixflow run`s, and predicting other runs.
 
-Everything comes from what a run already writes in its output directory:
-- `_summary.json`: wall seconds, replicas, token totals, hit rate;
-- the Parquet parts: every row with its `id`, `prompt` (re-tokenized with the run's
-  model, as the ingestor did), `prompt_tokens`, `cached_tokens`, `output_tokens` and
-  `replica`; each part's modification time is when the sink wrote it, so parts give a
-  per-replica timeline of completed rows (at the sink's flush granularity, <= 0.5 s).
+Everything comes from what a run writes in its output directory (`sim.timeline.read_run`):
+the summary (wall seconds, hit rate) and every row's replica, token counts and engine
+timeline (`started_at`, `finished_at`). Not in the output: the run's
+`--kv-cache-blocks` and policy, given on the command line.
 
-Not in the output: the run's `--kv-cache-blocks` and policy, passed on the command line.
+Calibration, in two parts:
 
-The fit: simulate the run at speed 1 with no start-up delay, then fit wall-clock
-completion times T(q) = start + speed x t_sim(q) over the quantiles q of completed rows
-(least squares); repeated over a grid of fixed step costs `c0`, keeping the best. Three
-parameters: `c0` (the fixed cost of an engine step: scheduling, sampling, the forward
-pass's overhead), `speed` (how fast this machine runs the model: the scale of every
-step cost) and `start` (what the pipeline spends before the engines finish anything
-beyond the simulated work: ingest, tokenizing, first routing). Predictions reuse them.
+1. **The engine's step costs** (`c0`, `c_pf`, `c_dec`, `c_ctx`): each replica's requests
+   are replayed into the engine model at their real start times and the coefficients
+   fitted to the real finish times of every row (`sim.timeline.fit_costs`). The bench's
+   calibration run mixes output lengths (`with_output_lengths`): with one output length
+   the time of a decode step cannot be told from the time of prefill tokens (both grow
+   with the prompt count), and a fit on such a run mispredicts a run with other outputs.
+2. **The pipeline's own time**, which the engines do not see: `startup_s`, what the
+   real run spent from the job's creation to its first prompt in an engine beyond what
+   the simulated pipeline spends (ingest, tokenizing, first bucket), and `tail_s`, from
+   the last engine finish to the summary (the sink's last flush). Both measured on the
+   calibration run(s), not fitted.
+
+A prediction simulates the whole pipeline (the product's sharding, bucketer, router and
+feeding, as `prefixflow simulate` does) with the calibrated profile and compares wall
+time and hit rate with the real run's summary. It also replays the real run's own
+arrivals into the engine model (`engine_*` fields), which splits an error into the
+engine model's share and the pipeline simulation's share.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,93 +35,110 @@ import numpy as np
 
 from sim.cluster import Options, simulate
 from sim.cost import Profile
-from sim.workload import Workload
+from sim.timeline import COEFFICIENTS, Run, fit_costs, read_run, replay
+
+__all__ = ["calibrate", "compare", "read_run", "with_output_lengths"]
 
 
-def read_run(out_dir: str | Path, model: str | None = None) -> tuple[Workload, dict, np.ndarray]:
-    """(workload in id order with real output lengths, summary, real completion offsets
-    in seconds from the job's start, one per row)."""
+def calibrate(runs: list[Run], kv_blocks: list[int], profile: Profile, method: str, opts: Options) -> tuple[Profile, dict]:
+    """A profile fitted to `runs` (their engines' KV blocks in `kv_blocks`)."""
+    scheduling = scheduling_of(method, opts)
+    fitted, detail = fit_costs(runs, profile, kv_blocks, scheduling)
+    fitted.startup_s = fitted.tail_s = 0.0
+    starts, tails = [], []
+    for run, kv in zip(runs, kv_blocks):
+        p = Profile.from_dict(asdict(fitted))
+        p.kv_blocks = kv
+        r = simulate(run.workload, p, len(run.replicas), method, opts)
+        starts.append(run.first_start() - r.extra["first_start_seconds"])
+        tails.append(run.tail())
+    fitted.startup_s = max(float(np.mean(starts)), 0.0)
+    fitted.tail_s = max(float(np.mean(tails)), 0.0)
+    fitted.notes = (f"calibrated on {', '.join(r.name for r in runs)} ({sum(len(r.workload) for r in runs)} prompts, "
+                    f"{len(runs[0].replicas)} replicas): step costs from the per-row timelines, start-up and tail measured")
+    detail |= {"startup_s": round(fitted.startup_s, 3), "tail_s": round(fitted.tail_s, 3)}
+    return fitted, detail
+
+
+def scheduling_of(method: str, opts: Options) -> str:
+    """How the run's engine-workers ordered their engines' queues."""
+    return "fcfs" if method == "daft" else opts.worker.scheduling
+
+
+def compare(profile: Profile, run: Run, kv_blocks: int, method: str, opts: Options) -> dict:
+    """Simulate a real run with a calibrated profile: predicted vs measured, plus the
+    engine-only replay of the run's real arrivals."""
+    p = Profile.from_dict(asdict(profile))
+    p.kv_blocks = kv_blocks
+    r = simulate(run.workload, p, len(run.replicas), method, opts)
+    rp = replay(run, p, scheduling_of(method, opts))
+    span = run.finished.max() - run.first_start()
+    prompt = run.workload.total_prompt_tokens()
+    outs = sorted({int(x) for x in run.workload.output_len})
+    return {
+        "run": run.name,
+        "prompts": len(run.workload),
+        "kv_blocks": kv_blocks,
+        "output_lens": outs if len(outs) <= 4 else [outs[0], outs[-1]],
+        "measured_wall_seconds": round(run.wall_seconds, 3),
+        "predicted_wall_seconds": round(r.wall_seconds, 3),
+        "wall_error": round(r.wall_seconds / run.wall_seconds - 1, 4),
+        "measured_hit_rate": run.hit_rate,
+        "predicted_hit_rate": round(r.hit_rate, 4),
+        "hit_error_points": round(100 * (r.hit_rate - run.hit_rate), 2),
+        "preemptions": r.preemptions,
+        "measured_first_start_s": round(run.first_start(), 3),
+        "predicted_first_start_s": round(r.extra["first_start_seconds"], 3),
+        "engine_span_measured_s": round(float(span), 3),
+        "engine_span_replayed_s": round(float(rp.finished.max() - run.first_start()), 3),
+        "engine_replay_error": round(float((rp.finished.max() - run.first_start()) / span - 1), 4),
+        "engine_replay_rmse_s": round(float(np.sqrt(np.mean((rp.finished - run.finished) ** 2))), 3),
+        "engine_replay_hit_rate": round(float(rp.cached.sum() / prompt), 4),
+        "other_cores_during_run": None if run.other_cores is None else round(run.other_cores, 3),
+        "solo_rows": solo_rows(run),
+        "rows_per_replica_measured": [int(np.sum(run.replica == n)) for n in run.replicas],
+        "rows_per_replica_predicted": [int(np.sum(r.replica_of == k)) for k in range(len(run.replicas))],
+    }
+
+
+def solo_rows(run: Run) -> list[dict]:
+    """Rows that ran alone on their engine (the worker's first-result probe): the
+    cleanest measurement a run has of one request's prefill and decode steps."""
+    out = []
+    for name in run.replicas:
+        rows = np.flatnonzero(run.replica == name)
+        for i in rows:
+            others = rows[rows != i]
+            if not np.any((run.started[others] < run.finished[i]) & (run.finished[others] > run.started[i])):
+                out.append({"replica": name, "output_tokens": int(run.workload.output_len[i]),
+                            "prompt_tokens": run.workload.prompt_len(int(i)), "cached_tokens": int(run.cached[i]),
+                            "seconds": round(float(run.finished[i] - run.started[i]), 4)})
+    return out
+
+
+def coefficients(profile: Profile) -> dict:
+    return {c: getattr(profile, c) * profile.speed for c in COEFFICIENTS}
+
+
+def with_output_lengths(src: str | Path, dst: str | Path, lengths: list[int], seed: int = 0) -> dict[int, int]:
+    """Copy a prompt file, giving each row one of `lengths` as its own output length (a
+    `sampling` column with `max_tokens` = `min_tokens`, which the pipeline honours per
+    row, and `output_len`): as many rows of each length, shuffled with `seed`
+    independently of the rows' prefixes. Returns rows per length."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out = Path(out_dir)
-    summary = json.loads((out / "_summary.json").read_text())
-    parts = sorted(out.glob("part-*.parquet"))
-    if not parts:
-        raise SystemExit(f"{out}: no part-*.parquet")
-    mtimes = [os.path.getmtime(p) for p in parts]
-    finished = max(mtimes)
-    start = finished - summary["wall_seconds"]
-    ids, prompts, out_tokens, when, prompt_tokens = [], [], [], [], []
-    for p, mt in zip(parts, mtimes):
-        t = pq.read_table(p, columns=["id", "prompt", "output_tokens", "prompt_tokens", "error"])
-        ok = [e is None for e in t.column("error").to_pylist()]
-        for i, pr, o, n, good in zip(t.column("id").to_pylist(), t.column("prompt").to_pylist(),
-                                     t.column("output_tokens").to_pylist(), t.column("prompt_tokens").to_pylist(), ok):
-            if good:
-                ids.append(i)
-                prompts.append(pr)
-                out_tokens.append(o)
-                prompt_tokens.append(n)
-                when.append(mt - start)
-    order = np.argsort(np.asarray(ids))
-    import pyarrow as pa
-
-    tmp = out / "_calibration_input.parquet"
-    pq.write_table(pa.table({"prompt": [prompts[k] for k in order], "output_len": [out_tokens[k] for k in order]}), tmp)
-    from sim.workload import from_file
-
-    wl = from_file(tmp, model=model)
-    tmp.unlink()
-    wl.name = out.name
-    got = np.array([wl.prompt_len(k) for k in range(len(wl))])
-    want = np.asarray(prompt_tokens)[order]
-    if not np.array_equal(got, want):
-        raise SystemExit(f"{out}: re-tokenized prompts differ from the run's prompt_tokens ({int(np.sum(got != want))} rows): wrong --model?")
-    return wl, summary, np.sort(np.asarray(when))
-
-
-QUANTILES = np.linspace(0.05, 1.0, 20)
-
-
-C0_GRID = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032)
-"""Candidate fixed step costs (seconds, before `speed`) for the fit."""
-
-
-def fit(profile: Profile, wl: Workload, summary: dict, real_times: np.ndarray, method: str, opts: Options) -> tuple[Profile, dict]:
-    """Fit `c0` (the fixed cost of a step, over `C0_GRID`), `speed` and the start offset
-    to the run's completion timeline, by least squares over its quantiles."""
-    real_q = np.quantile(real_times, QUANTILES)
-    best = None
-    for c0 in C0_GRID:
-        p = Profile.from_dict(asdict(profile))
-        p.speed, p.startup_s, p.c0 = 1.0, 0.0, c0
-        r = simulate(wl, p, len(summary["replicas"]), method, opts)
-        sim_q = np.quantile(r.finish_times, QUANTILES)
-        (speed, start), res, *_ = np.polyfit(sim_q, real_q, 1, full=True)
-        err = float(res[0]) if len(res) else 0.0
-        if speed > 0 and (best is None or err < best[0]):
-            best = (err, c0, float(speed), float(start), sim_q)
-    err, c0, speed, start, sim_q = best
-    fitted = Profile.from_dict(asdict(profile))
-    fitted.c0, fitted.speed, fitted.startup_s = c0, speed, max(start, 0.0)
-    fitted.notes = f"calibrated on {summary.get('job')} ({len(wl)} prompts, {len(summary['replicas'])} replicas)"
-    return fitted, {"c0": c0, "speed": round(speed, 4), "start_s": round(start, 3), "residual_s2": round(err, 4),
-                    "sim_quantiles_s": np.round(sim_q, 2).tolist(), "real_quantiles_s": np.round(real_q, 2).tolist()}
-
-
-def compare(profile: Profile, wl: Workload, summary: dict, real_times: np.ndarray, method: str, opts: Options) -> dict:
-    """Simulate a real run with a calibrated profile: predicted vs measured."""
-    r = simulate(wl, profile, len(summary["replicas"]), method, opts)
-    real_wall = summary["wall_seconds"]
-    real_hit = summary["prefix_cache_hit_rate"]
-    return {
-        "run": summary.get("job"),
-        "prompts": len(wl),
-        "measured_wall_seconds": real_wall,
-        "predicted_wall_seconds": round(r.wall_seconds, 2),
-        "wall_error": round(r.wall_seconds / real_wall - 1, 4),
-        "measured_hit_rate": real_hit,
-        "predicted_hit_rate": round(r.hit_rate, 4),
-        "hit_error_points": round(100 * (r.hit_rate - real_hit), 2),
-        "preemptions": r.preemptions,
-    }
+    table = pq.read_table(src)
+    n = table.num_rows
+    per_row = np.resize(np.asarray(lengths, dtype=np.int32), n)
+    np.random.default_rng(seed).shuffle(per_row)
+    sampling = pa.array([{"max_tokens": int(x), "min_tokens": int(x)} for x in per_row],
+                        type=pa.struct([("max_tokens", pa.int64()), ("min_tokens", pa.int64())]))
+    for name, col in (("output_len", pa.array(per_row)), ("sampling", sampling)):
+        if name in table.column_names:
+            table = table.set_column(table.column_names.index(name), name, col)
+        else:
+            table = table.append_column(name, col)
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, dst)
+    return {int(k): int(v) for k, v in zip(*np.unique(per_row, return_counts=True))}

@@ -9,8 +9,9 @@ What runs for real (imported, called as the services call it):
 - routing: `services.router.policies.Fleet` + `make_policy`, fed with the engines'
   status fields and asked to `route` / `route_parts` like `Router.on_status` /
   `Router.decide`;
-- feeding: the engine-worker's window (`services.engine_worker.window`) and prefix-group
-  priorities (`services.engine_worker.grouping.GroupPriorities`).
+- feeding: the engine-worker's window (`services.engine_worker.window`: `next_window`, or
+  with `Options.window_probe` its adaptive `Window` with the first-result probe) and
+  prefix-group priorities (`services.engine_worker.grouping.GroupPriorities`).
 
 What is simulated: the engines (`sim.engine`), time (`sim.cost`), and NATS as a fixed
 hop latency. `tests/unit/test_sim_decisions.py` checks that this driver and the
@@ -86,6 +87,10 @@ class Options:
     shard_epsilon: float = IngestorConfig().shard_epsilon
     nodes: int = 0
     """Bucketer nodes (0: replicas / profile.gpus_per_node)."""
+    window_probe: bool = False
+    """Drive the worker's adaptive `window.Window` (a fresh engine runs one prompt alone
+    first) instead of `initial_window` / `next_window`. Off by default; the calibration
+    benchmark turns it on because its real runs had it."""
     include_startup: bool = True
     record: bool = False
     """Keep a trace of every status and routing decision (decision-equivalence test)."""
@@ -110,6 +115,7 @@ class Result:
     groups_split: int
     finish_times: np.ndarray
     replica_of: np.ndarray
+    start_times: np.ndarray
     sim_seconds: float
     extra: dict = field(default_factory=dict)
 
@@ -158,18 +164,44 @@ class Worker:
         self.status_pending = False
         self.on_batch_done: Callable[[Worker], None] | None = None
         self.batch_left = 0
+        self.probe = None
+        """The worker's adaptive window with its probe (`window.Window`), when simulated."""
+        if sim.opts.window_probe:
+            from services.engine_worker.window import Window
+
+            self.probe = Window(cfg.window, True, cfg.first_result_seconds)
+            self.window = self.probe.limit
+        self.pending: deque[int] = deque()
+        """Prompts of held work batches not yet submitted (probe mode feeds prompt by prompt)."""
 
     # feeding --------------------------------------------------------------------------
 
     def pull(self, now: float) -> None:
-        while self.queue and self.inflight < self.window:
-            self.submit(self.queue.popleft(), now)
+        if self.probe is None:
+            while self.queue and self.inflight < self.window:
+                self.submit(self.queue.popleft(), now)
+            return
+        # As the worker with its adaptive window: held prompts go in one by one while
+        # the window (one prompt during the probe) has room.
+        while self.queue:
+            self.pending.extend(self.queue.popleft())
+        take: list[int] = []
+        while self.pending and self.inflight + len(take) < self.probe.limit:
+            if self.inflight + len(take) == 0:
+                i = self.pending[0]
+                self.probe.work_arrives(now, 0, int(self.sim.wl.output_len[i]), self.engine.stats.decode_tokens)
+            take.append(self.pending.popleft())
+        if take:
+            self.submit(take, now)
 
     def submit(self, batch: list[int], now: float) -> None:
         sim = self.sim
         wl = sim.wl
         hashes = sim.hashes
+        if sim.first_submit < 0:
+            sim.first_submit = now
         for i in batch:
+            sim.start_time[i] = now
             tokens = wl.tokens[i]
             prio = self.groups.priority(tokens) if self.groups is not None else 0
             out = int(wl.output_len[i])
@@ -200,6 +232,8 @@ class Worker:
                 sim.replica_of[i] = self.index
                 sim.cached[i] = req.cached
                 sim.done += 1
+                if self.probe is not None:
+                    self.probe.completed(now)
             if self.on_batch_done is not None:
                 self.batch_left -= len(finished)
                 if self.batch_left <= 0:
@@ -225,9 +259,13 @@ class Worker:
         self.status_pending = False
         self.last_status = now
         eng = self.engine
-        self.window, self.max_running = next_window(
-            self.window, self.window_cfg, eng.cfg.num_blocks, len(eng.running), self.max_running
-        )
+        if self.probe is not None:
+            self.probe.observe(now, eng.cfg.num_blocks, len(eng.running), eng.stats.decode_tokens, self.inflight)
+            self.window = self.probe.limit
+        else:
+            self.window, self.max_running = next_window(
+                self.window, self.window_cfg, eng.cfg.num_blocks, len(eng.running), self.max_running
+            )
         status = {"ready": True, "outstanding": self.inflight_tokens, "done_tokens": self.done_tokens,
                   "kv_blocks": eng.cfg.num_blocks, "window": self.window, "engine_block_size": eng.cfg.block_size}
         self.sim.at(now + self.sim.profile.hop_s, self.sim.router.on_status, self.name, status)
@@ -478,12 +516,16 @@ class Sim:
         self.now = 0.0
         self.done = 0
         self.finish_time = np.full(self.n, np.nan)
+        self.start_time = np.full(self.n, np.nan)
+        """When each prompt entered its engine (the output's `started_at`)."""
         self.replica_of = np.full(self.n, -1, dtype=np.int32)
         self.cached = np.zeros(self.n, dtype=np.int64)
         self.hashes = wl.engine_hashes(profile.block_size)
         self.router: RouterSim | None = None
         self.bucketers: list[BucketerSim] = []
         self.ingest_done = False
+        self.first_submit = -1.0
+        """When the first prompt entered an engine."""
         offline = method == "naive"
         pipeline = method in PIPELINE_METHODS
         prefix_groups = pipeline and method != "daft" and self.opts.worker.scheduling == "prefix-groups"
@@ -614,7 +656,7 @@ class Sim:
         return self.result(time.perf_counter() - wall0)
 
     def result(self, sim_seconds: float) -> Result:
-        wall = float(np.nanmax(self.finish_time)) if self.n else 0.0
+        wall = float(np.nanmax(self.finish_time)) + self.profile.tail_s if self.n else 0.0
         stats = [w.engine.stats for w in self.workers]
         prompt = sum(s.prompt_tokens for s in stats)
         cached = sum(s.cached_tokens for s in stats)
@@ -631,6 +673,7 @@ class Sim:
         extra = {
             "max_running": max(s.max_running for s in stats),
             "start_seconds": round(self.t0, 2),
+            "first_start_seconds": round(self.first_submit, 4),
         }
         if self.router is not None:
             extra["route_decisions"] = self.router.decisions
@@ -642,7 +685,7 @@ class Sim:
             logged_hit_rate_no_preempted=lh / lq if lq else 0.0,
             preemptions=sum(s.preemptions for s in stats),
             busy_fraction=busy / (span * len(self.workers)),
-            groups_split=split, finish_times=self.finish_time, replica_of=self.replica_of,
+            groups_split=split, finish_times=self.finish_time, replica_of=self.replica_of, start_times=self.start_time,
             sim_seconds=sim_seconds, extra=extra,
         )
 

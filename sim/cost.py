@@ -15,7 +15,9 @@ A step's duration is
 The coefficients of the built-in GPU profiles come from the hardware and the model
 (bandwidth, FLOPs, bytes of KV per token); only `speed` and the overheads named below
 are fitted. `startup_s` is the time before the first prompt can run (model load, graph
-capture), counted in the wall time of the reference's runs; `sort_s_per_1k` is the
+capture), counted in the wall time of the reference's runs (for a calibrated profile:
+the pipeline's latency to the first prompt beyond the simulated one); `tail_s` follows
+the last finish (the sink's last flush); `sort_s_per_1k` is the
 cost of a global sort before the first prompt runs (the `sorted` method), per 1000
 prompts.
 """
@@ -45,6 +47,9 @@ class Profile:
     c_ctx: float = 6.0e-7
     speed: float = 1.0
     startup_s: float = 0.0
+    tail_s: float = 0.0
+    """From the last prompt's finish to the job's summary (the sink's last flush): added
+    to every method's wall time."""
     sort_s_per_1k: float = 0.0
     gpus_per_node: int = 4
     """Replicas per node: one bucketer per node."""

@@ -3,7 +3,8 @@
 It follows vLLM v1's scheduler (`vllm/v1/core/sched/scheduler.py`, `kv_cache_manager.py`,
 `block_pool.py`) where it decides time and hit rate:
 
-- a paged KV cache of `num_blocks` blocks of `block_size` tokens; a block holding a full
+- a paged KV cache of `num_blocks` blocks of `block_size` tokens (one of them vLLM's
+  null block, never used for tokens); a block holding a full
   block of tokens is cached under the hash of its token prefix (a chain hash, as vLLM's
   `hash_block_tokens`); freed blocks go to the tail of a free queue and keep their hash
   until they are evicted from its head (LRU over free blocks only: a block in use is
@@ -144,7 +145,9 @@ class Engine:
         self.ref = [0] * n
         self.bhash: list[int | None] = [None] * n
         self.cache: dict[int, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(n))
+        # NOTE: block 0 is vLLM's null block (`BlockPool` takes it off the free queue at
+        # start): `num_blocks` blocks hold num_blocks - 1 blocks of tokens.
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, n))
         self.running: dict[int, Req] = {}
         """Admission order (FCFS preemption takes the last)."""
         self.prefilling: list[Req] = []
@@ -479,7 +482,7 @@ class Engine:
         n = self.cfg.num_blocks
         used = sum(len(r.blocks) for r in self.running.values())
         held = sum(1 for b in range(n) if self.ref[b] > 0)
-        assert held + len(self.free) == n, (held, len(self.free), n)
+        assert held + len(self.free) == n - 1, (held, len(self.free), n)  # block 0: the null block
         assert all(self.ref[b] == 0 for b in self.free)
         assert held <= used  # shared prefix blocks count once
         for h, b in self.cache.items():

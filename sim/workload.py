@@ -11,7 +11,7 @@ exactly what they would see in production. Shapes:
 - `zipf`: prefix popularity Zipf-skewed (prefix k drawn with weight 1 / k^s), so a few
   prefixes dominate and a long tail of prefixes has a few prompts each;
 - a Parquet/JSONL file with `prompt_token_ids` (or `prompt`, tokenized with `--model`'s
-  tokenizer) and optionally `output_len`.
+  tokenizer) and optionally `output_len` (else a `sampling` column's `max_tokens`).
 """
 
 from __future__ import annotations
@@ -166,6 +166,9 @@ def from_file(path: str | Path, *, model: str | None = None, output_len: int = 1
         tokens.append(a.tobytes())
     if "output_len" in cols:
         out = np.asarray(table.column("output_len").to_numpy(zero_copy_only=False), dtype=np.int32)
+    elif "sampling" in cols:  # a real job's per-row sampling: its max_tokens, else the default
+        rows = [r or {} for r in table.column("sampling").to_pylist()]
+        out = np.array([r.get("max_tokens") or r.get("max_completion_tokens") or output_len for r in rows], dtype=np.int32)
     else:
         out = np.full(len(tokens), output_len, dtype=np.int32)
     group = None

@@ -1,8 +1,9 @@
 """Engine-worker (one per GPU / replica): keeps its engine continuously fed, and outlives it.
 
-1. Pull work batches from `pfx.work.<replica>` while fewer than `window` prompts are in
-   flight, and submit every prompt to the engine at once (vLLM's scheduler does the
-   continuous batching).
+1. Pull work batches from `pfx.work.<replica>` while fewer than `window` prompts are held,
+   and submit them to the engine while fewer than `window` are in flight (vLLM's scheduler
+   does the continuous batching). The window sizes itself (`window.Window`): one prompt
+   alone first on a quiet engine (a fast first result), then what the engine can run.
 2. As prompts finish, the outbox publishes their results to `pfx.results.<job>` in small
    batches (`result_batch` rows or `result_linger` seconds).
 3. The ack ledger acks a work batch once all its results are durably published.
@@ -22,6 +23,7 @@ and ends the process with a non-zero exit, never leaving a batch leased.
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 import uuid
 
@@ -30,11 +32,14 @@ import structlog
 from nats.aio.msg import Msg
 
 from services.engine_worker.engines import Completion, EngineDead, RequestFailed, make_engine
+from services.engine_worker.feeder import Feeder, Held
+from services.engine_worker.kv_events import KeyTranslator
+from services.engine_worker.kv_subscriber import CacheEventForwarder, KvEventSubscriber, events_config, ipc_endpoint
 from services.engine_worker.requests import prompt_sampling
 from services.engine_worker.grouping import GroupPriorities
 from services.engine_worker.outbox import Outbox
 from services.engine_worker.rebuild import GAVE_UP_EXIT_CODE, EngineGaveUp, RebuildBudget
-from services.engine_worker.window import initial_window, next_window
+from services.engine_worker.window import Window
 from shared.bus.connection import close, connect
 from shared.bus.jobs import JobCache
 from shared.bus.ledger import AckLedger, Lease
@@ -51,6 +56,9 @@ log = structlog.get_logger()
 
 STATUS_MIN_GAP = 0.02
 """Seconds between two status messages at least."""
+KV_TRANSLATOR_NODES = 1 << 20
+"""The KV-event translator's bound until the engine reports its size."""
+KV_TRANSLATOR_SLACK = 1024
 
 
 class EngineWorker:
@@ -64,8 +72,6 @@ class EngineWorker:
         """Why the engine died, until it is rebuilt."""
         self.budget = RebuildBudget(cfg.max_rebuilds, cfg.rebuild_window, cfg.rebuild_backoff)
         self.rebuilds = 0
-        self.inflight = 0
-        self.inflight_tokens = 0
         self.done_prompt_tokens = 0
         self.done_work_tokens = 0
         self.cached_tokens = 0
@@ -80,12 +86,21 @@ class EngineWorker:
         self.idle_seconds = 0.0
         """Time with no prompt in the engine, since start (the bench's idle fraction)."""
         self.idle_since: float | None = time.monotonic()
-        self.max_running = 0
         self.last_status = 0.0
         self.status_due = asyncio.Event()
         """Set when completed work (or a change of readiness) should reach the router now."""
-        self.window = initial_window(cfg.window)
-        """Current in-flight bound (adapted by `adapt_window`)."""
+        self.window = Window(cfg.window, cfg.adaptive, cfg.first_result_seconds)
+        """The in-flight bound (`window.limit`), sized from measurements (`adapt_window`)."""
+        self.feeder = Feeder(self.window, self.submit, lambda: self.engine.snapshot().generated)
+        """The prompts held here, submitted as the window allows."""
+        self.kv: CacheEventForwarder | None = None
+        """Sends the engine's KV-cache events to the router (`--kv-events`)."""
+        if cfg.kv_events and cfg.engine == "vllm":
+            endpoint = ipc_endpoint(tempfile.gettempdir(), cfg.replica)
+            self.engine.engine_argv += ["--kv-events-config", events_config(endpoint)]
+            translator = KeyTranslator(KV_TRANSLATOR_NODES, hash_block_size=cfg.hash_block_size)
+            self.kv = CacheEventForwarder(cfg.replica, KvEventSubscriber(endpoint, translator),
+                                          lambda data: self.nc.publish(subjects.cache_events(cfg.replica), data))
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.engine.start()
@@ -114,6 +129,10 @@ class EngineWorker:
                 tg.create_task(self.report_status(finished))
                 tg.create_task(self.outbox.run_linger(finished))
                 tg.create_task(keep_in_progress(self.ledger.messages, subjects.IN_PROGRESS_EVERY, finished))
+                if self.kv is not None:
+                    # Bounded by what the engine can hold (plus the blocks of one step in flight).
+                    self.kv.subscriber.translator.max_nodes = self.engine.snapshot().kv_blocks + KV_TRANSLATOR_SLACK
+                    tg.create_task(self.kv.run(finished))
                 try:
                     await self.pump(stop)
                     await self.drain()
@@ -137,7 +156,7 @@ class EngineWorker:
             if self.death is not None:
                 await self.rebuild(stop)
                 continue
-            if self.window - self.inflight <= 0:
+            if self.feeder.room() <= 0:
                 self.window_free.clear()
                 try:
                     await asyncio.wait_for(self.window_free.wait(), 0.5)
@@ -149,7 +168,9 @@ class EngineWorker:
                 await self.start_batch(msg)
 
     async def drain(self) -> None:
-        """Stopping: let prompts in flight finish (up to `drain_timeout`), publish."""
+        """Stopping: let prompts in flight finish (up to `drain_timeout`), publish. Prompts
+        not yet submitted stay unsubmitted: their batches are handed back by close()."""
+        self.feeder.open = False
         if self.prompt_tasks:
             _, pending = await asyncio.wait(self.prompt_tasks, timeout=self.cfg.drain_timeout)
             for t in pending:  # unfinished: their batches are handed back by close()
@@ -173,6 +194,8 @@ class EngineWorker:
         if self.death is None:
             log.error("engine died: handing its work back and rebuilding it", error=repr(exc))
             self.death = exc
+            self.feeder.open = False
+            self.feeder.drop_pending()
             self.ready = False
             self.status_due.set()
             self.window_free.set()
@@ -215,6 +238,8 @@ class EngineWorker:
                 except Exception as stop_exc:  # noqa: BLE001 - half-started: nothing more to stop
                     log.warning("shutting the half-started engine down failed", error=repr(stop_exc))
         self.death = None
+        self.window.reset()  # a new engine: cold, and its first result should come fast
+        self.feeder.open = True
         self.rebuilds += 1
         self.ready = True
         self.status_due.set()
@@ -227,6 +252,8 @@ class EngineWorker:
         if self.ready:
             try:
                 ok = await self.engine.reset_prefix_cache()
+                if ok and self.kv is not None:
+                    self.kv.cleared()  # vLLM reports it only at its next step
                 reply = ControlReply(ok, "" if ok else "busy")
             except EngineDead as exc:
                 self.engine_died(exc)
@@ -249,9 +276,9 @@ class EngineWorker:
 
     def _track_idle(self) -> None:
         now = time.monotonic()
-        if self.inflight == 0 and self.idle_since is None:
+        if self.feeder.inflight == 0 and self.idle_since is None:
             self.idle_since = now
-        elif self.inflight > 0 and self.idle_since is not None:
+        elif self.feeder.inflight > 0 and self.idle_since is not None:
             self.idle_seconds += now - self.idle_since
             self.idle_since = None
 
@@ -278,14 +305,14 @@ class EngineWorker:
         if self.generate_batch is not None:
             await self.run_batch(lease, work.prompts, lookups, work.bucket)
             return
-        for prompt in work.prompts:
-            lookup = lookups[prompt.job]
-            self.inflight += 1
-            self.inflight_tokens += prompt.work_tokens
-            self._track_idle()
-            task = self.tg.create_task(self.run_prompt(lease, prompt, lookup.spec, lookup.error, work.bucket))
-            self.prompt_tasks.add(task)
-            task.add_done_callback(self.prompt_tasks.discard)
+        self.feeder.hold([Held(lease, p, lookups[p.job], work.bucket) for p in work.prompts])
+
+    def submit(self, held: Held) -> None:
+        """Start one prompt in the engine (the feeder calls this as the window allows)."""
+        self._track_idle()
+        task = self.tg.create_task(self.run_prompt(held.lease, held.prompt, held.lookup.spec, held.lookup.error, held.bucket))
+        self.prompt_tasks.add(task)
+        task.add_done_callback(self.prompt_tasks.discard)
 
     async def run_batch(self, lease: Lease, prompts: list[m.Prompt], lookups: dict[str, m.JobLookup], bucket: str = "") -> None:
         """A batch engine: the whole work batch in one call, no task per prompt."""
@@ -326,9 +353,9 @@ class EngineWorker:
                     self.engine_died(exc)
                     return
         finally:
-            self.inflight -= 1
-            self.inflight_tokens -= prompt.work_tokens
+            self.feeder.finished(prompt)
             self._track_idle()
+            self.feeder.feed()
             self.window_free.set()
         await self.finish(lease, prompt, completion, error, bucket=bucket, started_at=started)
 
@@ -361,14 +388,16 @@ class EngineWorker:
             ready=self.ready,
             running=s.running,
             waiting=s.waiting,
-            inflight=self.inflight,
-            outstanding_tokens=self.inflight_tokens,
+            inflight=self.feeder.inflight,
+            outstanding_tokens=self.feeder.held_tokens,
             kv_usage=s.kv_usage,
             kv_blocks=s.kv_blocks,
             block_size=s.block_size,
             prompt_tokens=self.done_prompt_tokens,
             done_tokens=self.done_work_tokens,
-            window=self.window,
+            window=self.window.limit,
+            generated_tokens=s.generated,
+            jobs=dict(self.feeder.jobs),
             cached_tokens=self.cached_tokens,
             completed=self.completed,
             output_tokens=self.output_tokens,
@@ -376,9 +405,10 @@ class EngineWorker:
         )
 
     def adapt_window(self) -> None:
-        """Follow what the engine manages to run at once (`window.next_window`)."""
+        """Size the window from what the engine runs and generates (`window.Window`)."""
         snap = self.engine.snapshot()
-        self.window, self.max_running = next_window(self.window, self.cfg.window, snap.kv_blocks, snap.running, self.max_running)
+        self.window.observe(time.monotonic(), snap.kv_blocks, snap.running, snap.generated, self.feeder.inflight)
+        self.feeder.feed()
 
     async def publish_status(self) -> None:
         self.last_status = time.monotonic()

@@ -28,9 +28,16 @@ Policies:
 Flow control is the same for every policy: replicas that stopped reporting, are not
 ready, or hold their cap of outstanding work are never chosen.
 
+Precise cache model: a replica that sends its KV-cache changes (`CacheEvents`, vLLM's KV
+events translated to prefix block keys by its worker) is scored by the blocks it actually
+holds (`block_index.BlockIndex`) instead of by its history; the others keep the history.
+A bucket routed to such a replica counts as held there at once (its prefill will store
+it, and the next bucket of that prefix must not go elsewhere meanwhile); the engine's
+events then confirm it, or report its eviction.
+
 Cost: the router decides for the whole fleet, so a decision is one pass over the
-replicas plus one index lookup per block of the key (`PrefixIndex`), whatever the length
-of the histories; nothing sorts all replicas.
+replicas plus one index lookup per block of the key (`PrefixIndex`, `BlockIndex`),
+whatever the length of the histories; nothing sorts all replicas.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+from services.router.block_index import BlockIndex
 from shared.prefix.block_keys import HASH_BLOCK_SIZE
 from shared.process import config as cfgmod
+from shared.wire.messages import CacheOp
 
 Key = tuple[int, ...]
 NAME = attrgetter("name")
@@ -55,6 +64,10 @@ Match = tuple[int, int]
 NO_MATCH: Match = (0, 0)
 MIN_HISTORY = 8
 """Keys kept per replica whatever the KV budget (the reference looks at the last 8)."""
+BLOCK_INDEX_ENTRIES = 1 << 20
+"""Default bound of the precise cache model, in (replica, block) entries (200-300 MB when
+full, measured): 64 replicas of 16k hash blocks each (a 100k-block GPU cache of 16-token
+blocks holds 12.5k of 128 tokens)."""
 
 
 @dataclass(eq=False)  # NOTE: a replica is an identity (a key of the prefix index), not a value
@@ -188,6 +201,7 @@ class Fleet:
         history: int = 64,
         cap_windows: float = 2.0,
         hash_block_size: int = HASH_BLOCK_SIZE,
+        block_index_entries: int = BLOCK_INDEX_ENTRIES,
     ) -> None:
         self.dead_after = dead_after
         self.cap_tokens = cap_tokens
@@ -205,6 +219,12 @@ class Fleet:
         self.avg_prompt_tokens = 0.0
         self.clock = itertools.count(1)
         """Global routing clock: history entries compare by recency across replicas."""
+        self.blocks = BlockIndex(block_index_entries)
+        """The precise cache model: blocks the replicas that send KV events hold."""
+        self.precise: dict[str, tuple[str, int]] = {}
+        """Replicas scored by `blocks`: name -> (epoch, last batch number) of their events."""
+        self.cache_gaps = 0
+        """Cache-event batches lost (the model may be wrong until the blocks turn over)."""
 
     def observe(
         self,
@@ -227,6 +247,7 @@ class Fleet:
             bisect.insort(self._by_name, r, key=NAME)
         if done_tokens < r.done_tokens:  # the worker restarted: its own count is the truth
             r.outstanding = outstanding
+            self.forget_cache(name)  # its events (if it still sends them) start a new epoch
         else:
             r.outstanding = max(r.outstanding - (done_tokens - r.done_tokens), outstanding, 0)
         r.done_tokens = done_tokens
@@ -289,6 +310,8 @@ class Fleet:
         if prompts:
             self.avg_prompt_tokens = 0.9 * self.avg_prompt_tokens + 0.1 * (tokens / prompts) if self.avg_prompt_tokens else tokens / prompts
         if key:
+            if r.name in self.precise:
+                self.blocks.stored(r.name, key)  # held there once its prefill runs
             entry = tuple(key)
             stamp = next(self.clock)
             r.history.append((entry, stamp))
@@ -303,8 +326,51 @@ class Fleet:
 
     def best_match(self, r: Replica, key: Sequence[int]) -> Match:
         """(matched hash blocks, routing clock) of r's best history entry for `key`:
-        the longest match, the most recent among equals; NO_MATCH if none."""
-        return self.index.best_match(r, key) if key else NO_MATCH
+        the longest match, the most recent among equals; NO_MATCH if none. For a replica
+        that sends KV events: (blocks of `key` its cache holds, 0)."""
+        if not key:
+            return NO_MATCH
+        if r.name in self.precise:
+            n = self.blocks.longest_match(key).get(r.name, 0)
+            return (n, 0) if n else NO_MATCH
+        return self.index.best_match(r, key)
+
+    def matches(self, key: Sequence[int]) -> dict[Replica, Match]:
+        """Every replica's match for `key` (as `best_match`) that is at least one block:
+        by its cache for the replicas that send KV events, by its history for the others."""
+        found = self.index.matches(key)
+        if not self.precise:
+            return found
+        found = {r: match for r, match in found.items() if r.name not in self.precise}
+        for name, n in self.blocks.longest_match(key).items():
+            r = self.replicas.get(name)
+            if r is not None and name in self.precise:
+                found[r] = (n, 0)
+        return found
+
+    def apply_cache_events(self, replica: str, epoch: str, seq: int, ops: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Apply a replica's `CacheEvents`: from now on it is scored by what it holds. A
+        new epoch (a new worker) starts from nothing; a lost batch is counted (the model
+        then heals as blocks are stored and removed, and its bound evicts what a lost
+        removal left behind)."""
+        known = self.precise.get(replica)
+        if known is None or known[0] != epoch:
+            self.blocks.cleared(replica)
+        elif seq != known[1] + 1:
+            self.cache_gaps += max(seq - known[1] - 1, 1)
+        self.precise[replica] = (epoch, seq)
+        for op, keys in ops:
+            if op == CacheOp.STORED:
+                self.blocks.stored(replica, keys)
+            elif op == CacheOp.REMOVED:
+                self.blocks.removed(replica, keys)
+            elif op == CacheOp.CLEARED:
+                self.blocks.cleared(replica)
+
+    def forget_cache(self, name: str) -> None:
+        """Stop scoring `name` by KV events (until it sends a new epoch of them)."""
+        if self.precise.pop(name, None) is not None:
+            self.blocks.cleared(name)
 
     def room(self, now: float) -> float:
         """Work tokens the open replicas can take before reaching their caps."""
@@ -455,7 +521,7 @@ class PrefixAware(Policy):
         A few passes over the candidates plus the prefix index's walk of the key: only
         the `n` first are ordered (`n` > 1 only for a split), never the whole fleet."""
         eligible = self.within_slack(fleet, candidates)
-        matches = fleet.index.matches(key) if key else {}
+        matches = fleet.matches(key) if key else {}
         if matches:
             is_eligible = set(eligible)
             matches = {r: m for r, m in matches.items() if r in is_eligible}

@@ -1,9 +1,10 @@
 """Router: a nats.micro request/reply service on `pfx.route`.
 
 It listens to every engine's status (`pfx.status.*`) to know which replicas are live and
-how loaded they are, and answers each bucketer's route request with the replica chosen by
-the configured policy, or with retry-after when every live replica is at its cap (or none
-is up yet). Handler errors become error replies (nats.micro), never a dead subscription.
+how loaded they are, and to the KV-cache changes of the engines that send them
+(`pfx.cache.*`) to know which prefixes they hold. It answers each bucketer's route
+request with the replica chosen by the configured policy, or with retry-after when every
+live replica is at its cap (or none is up yet). Handler errors become error replies (nats.micro), never a dead subscription.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class Router:
         r = self.fleet.replicas[status.replica]
         freed = before is None or r.outstanding < before
         return freed and self.fleet.is_open(r, now)  # O(1): every replica reports often
+
+    def on_cache_events(self, events: m.CacheEvents) -> None:
+        self.fleet.apply_cache_events(events.replica, events.epoch, events.seq, events.ops)
 
     def decide(self, req: m.RouteRequest) -> m.RouteReply:
         now = time.monotonic()
@@ -141,7 +145,14 @@ class Router:
                 reply = m.RouteReply(retry_after=1.0, error=repr(exc))
             await request.respond(m.encode(reply))
 
+        async def on_cache_events(msg: Msg) -> None:
+            try:
+                self.on_cache_events(m.cache_events_decoder.decode(msg.data))
+            except Exception as exc:  # noqa: BLE001 - never let a bad message kill the sub
+                log.warning("bad cache events message", error=repr(exc))
+
         await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
+        await nc.subscribe(subjects.ALL_CACHE_EVENTS, cb=on_cache_events)
         service = await add_service(
             nc, name="prefixflow-router", version="0.1.0", description="prefix-aware bucket routing"
         )
@@ -184,6 +195,9 @@ class Router:
                     routed=self.routed,
                     split=self.split,
                     live=[r.name for r in self.fleet.live(now)],
+                    precise=sorted(self.fleet.precise),
+                    cache_entries=len(self.fleet.blocks),
+                    cache_gaps=self.fleet.cache_gaps,
                     outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
                 )
         for pull in failover.rescuing.values():

@@ -350,9 +350,16 @@ class JobOutput:
         cols = ["error", "prompt_tokens", "cached_tokens", "output_tokens", "replica"]
         overall = [0, 0, 0, 0, 0]  # rows, errors, prompt, cached, output tokens
         per_replica: dict[str, list[int]] = {}
+        first_finished: float | None = None
         for part in self.parts():
-            t = pq.read_table(part, columns=cols)
+            has_times = "finished_at" in pq.read_schema(part).names
+            t = pq.read_table(part, columns=cols + (["finished_at"] if has_times else []))
             _add_totals(overall, t)
+            if "finished_at" in t.column_names:
+                times = t.column("finished_at")
+                done = pc.min(pc.filter(times, pc.greater_equal(times, spec.created_at or 0))).as_py()
+                if done is not None:
+                    first_finished = done if first_finished is None else min(first_finished, done)
             for name in pc.unique(t.column("replica")).to_pylist():
                 if name:
                     _add_totals(per_replica.setdefault(name, [0, 0, 0, 0, 0]), t.filter(pc.equal(t.column("replica"), name)))
@@ -374,6 +381,10 @@ class JobOutput:
 
         summary = dict(job=spec.job, **totals(overall), wall_seconds=round(wall, 3) if wall else None)
         summary["created_at"] = spec.created_at or None
+        if spec.created_at and first_finished is not None and first_finished >= spec.created_at:
+            # When an engine finished the first prompt of this run (rows carry `finished_at`);
+            # the row lands within the sink's --flush-seconds. `prefixflow bench batching` reports it.
+            summary["first_result_seconds"] = round(first_finished - spec.created_at, 3)
         if spec.model:
             summary["model"] = spec.model
         summary["finished_at"] = round(finished_at, 3)

@@ -143,6 +143,19 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     replica: Annotated[str, _d("this replica's name (work subject pfx.work.<replica>)")] = "r0"
     engine: Annotated[EngineKind, _d("vllm: the real engine; echo: no model (tests of orchestration)")] = "vllm"
     window: Annotated[int, _d("most prompts in flight in the engine", gt=0)] = 256
+    adaptive: Annotated[
+        bool,
+        _d("size the window from measurements: one prompt alone first (a fast first result), then twice what "
+           "the engine runs at once, up to --window; off: --window from the start"),
+    ] = True
+    kv_events: Annotated[
+        bool,
+        _d("forward vLLM's KV-cache events to the router, which then routes by the blocks each replica holds "
+           "(vllm engine; off: by its history of what it sent)"),
+    ] = False
+    first_result_seconds: Annotated[
+        float, _d("the first prompt runs alone while it can finish within this many seconds (adaptive window)", gt=0)
+    ] = 10.0
     kv_cache_blocks: Annotated[
         int, _d("cap the KV cache at this many blocks (0: as much as the memory budget allows)", ge=0)
     ] = 0

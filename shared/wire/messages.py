@@ -268,7 +268,7 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     inflight: int = 0
     """Prompts submitted to the engine and not finished."""
     outstanding_tokens: int = 0
-    """Work tokens (prompt + max_tokens) of prompts in the engine (the load measure)."""
+    """Work tokens (prompt + max_tokens) of prompts held here (the load measure)."""
     kv_usage: float = 0.0
     kv_blocks: int = 0
     """KV-cache capacity in blocks."""
@@ -288,6 +288,10 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     """Cumulative time with no prompt in the engine."""
     output_tokens: int = 0
     """Cumulative generated tokens of finished prompts."""
+    generated_tokens: int = 0
+    """Cumulative generated tokens, prompts in flight included (progress before a row is done)."""
+    jobs: dict[str, int] = {}
+    """Prompts held here per job (in the engine or waiting for its window)."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
@@ -345,6 +349,35 @@ class RouterRoom(msgspec.Struct, omit_defaults=True):
 router_room_decoder = msgspec.msgpack.Decoder(RouterRoom)
 
 
+class CacheOp(enum.IntEnum):
+    """What happened to a replica's cached prefix blocks (`CacheEvents.ops`)."""
+
+    STORED = 0
+    """The blocks are now held (one prefix's run, shallowest first)."""
+    REMOVED = 1
+    """The blocks are no longer held."""
+    CLEARED = 2
+    """Nothing is held (the cache was reset, or the engine was rebuilt); no blocks."""
+
+
+class CacheEvents(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """engine-worker -> router (`pfx.cache.<replica>`, core NATS), a few times a second
+    while the engine works: what its KV cache gained and lost, in prefix block keys
+    (`block_keys.block_hashes` chain hashes), translated from vLLM's KV events
+    (`services/engine_worker/kv_events.py`). The router's precise cache model
+    (`services/router/block_index.py`) applies the ops in order."""
+
+    replica: str
+    epoch: str
+    """The sender's lifetime (a new worker process starts a new one): the router forgets
+    what it knew of the replica when it changes."""
+    seq: int
+    """Batch number within the epoch, from 0: a jump means batches were lost."""
+    ops: list[tuple[CacheOp, list[int]]]
+    ts: float = 0.0
+    """When it was sent (Unix time)."""
+
+
 # --- batching -----------------------------------------------------------------------
 
 MAX_MESSAGE_BYTES = 512 * 1024
@@ -393,6 +426,7 @@ job_spec_decoder = msgspec.json.Decoder(JobSpec)
 sampling_decoder = msgspec.msgpack.Decoder(SamplingSpec)
 job_status_decoder = msgspec.json.Decoder(JobStatus)
 columns_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+cache_events_decoder = msgspec.msgpack.Decoder(CacheEvents)
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -164,7 +164,7 @@ def _router():
             s.results(ANY),
             s.dead(">"),
         ],
-        [s.ALL_STATUS, s.ROUTE, s.ROUTER_ROOM, s.ROUTER_POLICY, SERVICE_DISCOVERY],
+        [s.ALL_STATUS, s.ALL_CACHE_EVENTS, s.ROUTE, s.ROUTER_ROOM, s.ROUTER_POLICY, SERVICE_DISCOVERY],
         responds=True,
     )
 
@@ -174,6 +174,7 @@ def _engine_worker():
         [
             *consume(s.engine_consumer(ANY)),
             s.status(ANY),
+            s.cache_events(ANY),
             s.results(ANY),
             s.dead(">"),
             *kv_read(s.JOBS_KV),
@@ -196,8 +197,8 @@ def _sink():
 
 
 def _submitter():
-    """Create jobs, publish their prompts, follow their status: nothing else (no
-    results, no work, no stream changes)."""
+    """Create jobs, publish their prompts, follow their status and the replicas' load:
+    nothing else (no results, no work, no stream changes)."""
     pub = [
         *stream_info(ALL_STREAMS),  # `provision` only checks that they exist
         s.ingest(ANY),
@@ -205,7 +206,9 @@ def _submitter():
         *kv_read(s.JOBS_KV),
         *kv_read(s.JOB_STATUS_KV),
     ]
-    return pub, [], False
+    # Replica status (load, prompts held per job, tokens generated): the progress line
+    # shows work under way before the first row is written.
+    return pub, [s.ALL_STATUS], False
 
 
 ROLE_GRANTS: dict[str, Callable[[], tuple[list[str], list[str], bool]]] = {

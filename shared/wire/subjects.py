@@ -11,6 +11,7 @@ Flow (see docs/architecture.md):
     pfx.work.<replica>   bucketer                      -> engine-worker <replica>
     pfx.results.<job>    ingestor (error rows), engine -> sink
     pfx.status.<replica> engine-worker (every second)  -> router, CLI
+    pfx.cache.<replica>  engine-worker (KV events)     -> router
     pfx.hb.bucketer.<n>  bucketer (every second)       -> ingestor (live bucketers)
 """
 
@@ -41,6 +42,11 @@ def results(job: str) -> str:
 
 def status(replica: str) -> str:
     return f"{PREFIX}.status.{replica}"
+
+
+def cache_events(replica: str) -> str:
+    """Event (core NATS): the replica's KV-cache changes (`messages.CacheEvents`)."""
+    return f"{PREFIX}.cache.{replica}"
 
 
 def engine_reset(replica: str) -> str:
@@ -82,6 +88,7 @@ retry-after, or holding buckets for room, try again now rather than at their nex
 ROUTER_POLICY = f"{PREFIX}.router.policy"
 """Request/reply: switch the router's policy (body: the policy name)."""
 ALL_STATUS = f"{PREFIX}.status.*"
+ALL_CACHE_EVENTS = f"{PREFIX}.cache.*"
 ALL_BUCKETER_HEARTBEATS = f"{PREFIX}.hb.bucketer.*"
 
 # Job ids and node/replica names become subject tokens: keep them to a safe alphabet.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -198,3 +199,28 @@ def test_supervisor_drops_a_replica_out_of_budget_and_gives_up_with_none_left(tm
         cluster.stop()
     assert all(p.returncode is not None for p in cluster.running.values())
     assert not processes_of(tmp_path / "cluster")
+
+
+def test_run_shows_work_under_way_before_the_first_row_and_writes_a_report(tmp_path, tiny_model):
+    """Prompts that take seconds each (long outputs): the progress line says how many are
+    being generated while no row is written yet; at the end the job's report is written
+    and the summary says when the first result came."""
+    n = 6
+    data = tmp_path / "prompts.parquet"
+    write_prefix_repetition(data, tokenizer_dir=tiny_model, num_prompts=n, prefix_len=128, suffix_len=16,
+                            num_prefixes=2, output_len=4, seed=3)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [str(VENV_BIN / "prefixflow"), "run", str(data), "--out", str(out), "--engine", "echo", "--model", str(tiny_model),
+         "--max-tokens", "4", "--workdir", str(tmp_path / "cluster"), "--job", "slow-rows", "--timeout", "120"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PFX_ECHO_DELAY": "4"}, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # tqdm redraws the line with \r: every state it showed.
+    states = [s for s in proc.stderr.replace("\r", "\n").splitlines() if f"/{n} [" in s]
+    before_rows = [s for s in states if f" 0/{n} [" in s]
+    assert any(re.search(r"(^|[^\d,])[1-9][\d,]* generating", s) for s in before_rows), states
+    summary = json.loads((out / "_summary.json").read_text())
+    assert summary["rows"] == n and summary["first_result_seconds"] >= 4
+    assert (out / "_report" / "index.html").exists() and (out / "_report" / "throughput.png").exists()
+    assert f"report: {out / '_report' / 'index.html'}" in proc.stdout

@@ -132,3 +132,108 @@ def test_prefix_repetition_ids_are_what_the_prompts_encode_to(dataset_tokenizer_
     assert ids.shape == (40, 17)
     assert [e.ids for e in tok.encode_batch(table["prompt"].to_pylist())] == ids.tolist()
     assert groups.tolist() == table["prefix_id"].to_pylist()
+
+
+# --- benchmark shapes (cli/shapes.py) as text rows --------------------------------------
+
+SMALL = {
+    "seed": dict(num_prompts=60, num_prefixes=6, prefix_len=48, suffix_len=20, output_len=7),
+    "zipf": dict(num_prompts=80, num_prefixes=12, prefix_len=48, suffix_len=20, output_len=5),
+    "hierarchical": dict(num_prompts=60, system_len=40, num_groups=4, group_len=24, question_len=9, output_len=6),
+    "variable": dict(num_prompts=80, num_prefixes=4, prefix_len=40, unique_len_median=30.0, max_unique_len=90,
+                     output_len_median=8.0, max_output_len=20),
+    "no-sharing": dict(num_prompts=30, prompt_len=40, output_len=4),
+}
+
+
+@pytest.fixture(scope="module")
+def shape_tables(dataset_tokenizer_dir):
+    from cli.dataset import build_shape
+
+    return {name: build_shape(name, tokenizer_dir=dataset_tokenizer_dir, **params) for name, params in SMALL.items()}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_shape_text_round_trips(name, shape_tables, tokenizer):
+    from cli.dataset import SHAPE_SCHEMA
+
+    table = shape_tables[name]
+    meta = dataset_metadata(table)
+    assert table.schema.remove_metadata() == SHAPE_SCHEMA
+    assert table["id"].to_pylist() == list(range(SMALL[name]["num_prompts"]))
+    assert meta["generator"] == name and meta["round_trip_mismatches"] == 0
+    rows = table.to_pylist()
+    encoded = [e.ids for e in tokenizer.encode_batch([r["prompt"] for r in rows])]
+    assert [len(ids) for ids in encoded] == table["prompt_len"].to_pylist()
+    assert [tokenizer.decode(ids) for ids in encoded] == [r["prompt"] for r in rows]
+    assert meta["prompt_tokens"] == sum(map(len, encoded))
+    for row in rows:  # the per-row sampling the pipeline reads: exactly output_len tokens
+        assert row["sampling"] == {"max_tokens": row["output_len"], "min_tokens": row["output_len"]}
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_shape_groups_share_token_prefixes_after_reencoding(name, shape_tables, tokenizer):
+    table = shape_tables[name]
+    shared = {"seed": 48, "zipf": 48, "hierarchical": 64, "variable": 40, "no-sharing": 0}[name]
+    groups: dict[int, list[list[int]]] = collections.defaultdict(list)
+    for row in table.to_pylist():
+        groups[row["prefix_id"]].append(tokenizer.encode(row["prompt"]).ids)
+    firsts = {g: members[0] for g, members in groups.items() if g != -1}
+    for g, first in firsts.items():
+        assert all(ids[:shared] == first[:shared] for ids in groups[g])
+    assert len({tuple(ids[:shared]) for ids in firsts.values()}) == len(firsts)  # groups differ
+    if name == "hierarchical":  # the system prompt is every row's
+        assert len({tuple(ids[:40]) for members in groups.values() for ids in members}) == 1
+    if name in ("variable", "no-sharing"):
+        unshared = groups[-1]
+        assert unshared and len({tuple(ids[:4]) for ids in unshared}) == len(unshared)
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_shape_ideal_stored(name, shape_tables):
+    meta = dataset_metadata(shape_tables[name])
+    assert set(meta["ideal_hit_rate"]) == {"16", "128"}
+    for rate in meta["ideal_hit_rate"].values():
+        assert rate["exact"] == pytest.approx(rate["formula"], abs=0.04)  # small rows: Zipf draws, lognormal lengths
+    if name in ("seed", "hierarchical", "no-sharing"):  # nothing random in what is shared
+        assert meta["ideal_hit_rate"]["16"]["exact"] == meta["ideal_hit_rate"]["16"]["formula"]
+
+
+def test_seed_keeps_prefix_repetition_metadata(shape_tables):
+    table = shape_tables["seed"]
+    meta = dataset_metadata(table)
+    assert meta["shared_prefix_tokens"] == 48
+    # the older helper (bench methods) gives the same ideal as the count
+    assert ideal_hit_rate(table, block_size=16) == pytest.approx(meta["ideal_hit_rate"]["16"]["exact"])
+    assert meta["kv_cache_blocks"]["128"] == {"prefix_blocks": 0, "request_blocks": 1, "suggested": 16}
+    assert meta["kv_cache_blocks"]["16"] == {"prefix_blocks": 18, "request_blocks": 2, "suggested": 41}
+
+
+def test_rows_sampling_is_what_the_ingestor_applies(shape_tables):
+    from shared.wire.messages import SamplingSpec
+    from shared.wire.sampling import row_sampling
+
+    job = SamplingSpec(max_tokens=16)
+    for row in shape_tables["variable"].to_pylist():
+        spec = row_sampling(job, row)
+        assert (spec.max_tokens, spec.min_tokens) == (row["output_len"], row["output_len"])
+
+
+def test_shape_command(dataset_tokenizer_dir, tmp_path, capsys):
+    from cli.main import build_parser
+
+    out = tmp_path / "h.parquet"
+    args = build_parser().parse_args(
+        ["dataset", "hierarchical", "--num-prompts", "40", "--num-groups", "4", "--system-len", "32",
+         "--group-len", "32", "--question-len", "16", "--block-size", "32",
+         "--model", str(dataset_tokenizer_dir), "--out", str(out)]
+    )
+    args.fn(args)
+    printed = capsys.readouterr().out
+    meta = dataset_metadata(pq.read_table(out))
+    assert (meta["num_prompts"], meta["num_groups"], meta["block_size"]) == (40, 4, 32)
+    assert set(meta["ideal_hit_rate"]) == {"16", "32", "128"}
+    # (36 rows x 64 + 3 first-of-group rows x 32 cached tokens) / (40 x 80)
+    assert meta["ideal_hit_rate"]["32"] == {"formula": round((36 * 64 + 3 * 32) / 3200, 6),
+                                           "exact": round((36 * 64 + 3 * 32) / 3200, 6)}
+    assert "wrote 40 prompts" in printed and "75.00%" in printed

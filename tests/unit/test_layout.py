@@ -20,6 +20,7 @@ PURE = [
     "services.engine_worker.grouping",
     "services.engine_worker.rebuild",
     "services.engine_worker.window",
+    "services.engine_worker.feeder",
     "services.ingestor.plan",
     "shared.prefix.sharding",
     "shared.prefix.block_keys",
@@ -29,6 +30,8 @@ PURE = [
     "services.ingestor.row",
     "services.engine_worker.requests",
     "cli.openai_batch",
+    "services.router.block_index",
+    "services.engine_worker.kv_events",
 ]
 
 

@@ -95,8 +95,10 @@ def test_submitter_may_submit_and_follow_and_nothing_else():
                     "$JS.API.CONSUMER.CREATE.PFX_RESULTS.snoop", "$JS.API.CONSUMER.MSG.NEXT.PFX_RESULTS.sink",
                     "$JS.API.STREAM.PURGE.PFX_INGEST"):
         assert not may("publish", subject), subject
-    for subject in ("pfx.results.>", subjects.results("job1"), "pfx.>", ">", "_INBOX.>", "_INBOX_sink.>", subjects.ALL_STATUS):
+    for subject in ("pfx.results.>", subjects.results("job1"), "pfx.>", ">", "_INBOX.>", "_INBOX_sink.>", subjects.work("r0")):
         assert not may("subscribe", subject), subject
+    # The replicas' status (load, prompts held per job): the progress line shows work under way.
+    assert may("subscribe", subjects.ALL_STATUS)
 
 
 def test_services_have_what_they_need():

@@ -85,7 +85,7 @@ def test_every_request_finishes_exactly_once_within_capacity(reqs, blocks, budge
         assert r.output == r.out_len
         assert 0 <= r.cached <= r.prompt_len - 1 or r.cached == 0
         assert r.blocks == []
-    assert len(engine.free) == blocks  # every block back in the free queue
+    assert len(engine.free) == blocks - 1  # every block back in the free queue (but vLLM's null block)
     st_ = engine.stats
     assert st_.finished == len(reqs)
     assert st_.cached_tokens <= st_.prompt_tokens

@@ -48,6 +48,9 @@ class EngineStats:
     kv_usage: float = 0.0
     kv_blocks: int = 0
     block_size: int = 0
+    generated: int = 0
+    """Tokens generated since the worker started, finished requests or not (the window's
+    probe measures its rate from it; progress shows it before any row is done)."""
 
 
 def request_seed(sampling: SamplingSpec, prompt_id: PromptId) -> int | None:

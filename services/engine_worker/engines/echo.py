@@ -53,6 +53,7 @@ class EchoEngine:
             if self.dead:  # died meanwhile: every request in flight is lost
                 raise EngineDead("echo engine died")
             out = tokens[-min(len(tokens), sampling.max_tokens) :]
+            self.stats.generated += len(out)
             return Completion(" ".join(map(str, out)), FinishReason.LENGTH, len(tokens), 0, len(out))
         finally:
             self.running -= 1

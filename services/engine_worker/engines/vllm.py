@@ -76,6 +76,8 @@ class VllmEngine:
                     stats.running = scheduler_stats.num_running_reqs
                     stats.waiting = scheduler_stats.num_waiting_reqs
                     stats.kv_usage = scheduler_stats.kv_cache_usage
+                if iteration_stats is not None:
+                    stats.generated += iteration_stats.num_generation_tokens
 
             def log_engine_initialized(self) -> None:
                 stats.kv_blocks = self.cache_config.num_gpu_blocks or 0

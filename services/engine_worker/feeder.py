@@ -1,0 +1,95 @@
+"""The prompts an engine-worker holds, and when each goes into the engine.
+
+A work message carries up to `--max-batch` prompts; they are held here and submitted
+while the engine's window (`window.Window`) has room, so the window (one prompt during
+a probe, then what the engine can run) is kept per prompt, not per message. Everything
+held counts as this replica's load (the router's view), submitted or not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+from services.engine_worker.requests import prompt_sampling
+from services.engine_worker.window import Window
+from shared.wire import messages as m
+
+if TYPE_CHECKING:  # the ledger's module talks to NATS; this one stays pure
+    from shared.bus.ledger import Lease
+
+
+class Held(NamedTuple):
+    """A prompt of a held work batch."""
+
+    lease: "Lease"
+    prompt: m.Prompt
+    lookup: m.JobLookup
+    bucket: str
+
+
+def max_tokens(held: Held) -> int:
+    """The prompt's token budget (0 if its job or sampling is bad: it fails at once)."""
+    if held.lookup.spec is None:
+        return 0
+    try:
+        return prompt_sampling(held.prompt, held.lookup.spec.sampling).max_tokens
+    except Exception:  # noqa: BLE001 - the worker turns it into an error row
+        return 0
+
+
+class Feeder:
+    def __init__(self, window: Window, submit: Callable[[Held], None], generated: Callable[[], int]) -> None:
+        self.window = window
+        self.submit = submit
+        """Starts one prompt in the engine (the worker's task per prompt)."""
+        self.generated = generated
+        """The engine's generated-token count (the probe measures its rate)."""
+        self.pending: deque[Held] = deque()
+        """Held, not yet submitted (at most one work batch past the window)."""
+        self.inflight = 0
+        """Submitted to the engine and not finished."""
+        self.held_tokens = 0
+        """Work tokens of everything held (submitted or pending): the replica's load."""
+        self.jobs: Counter[str] = Counter()
+        """Prompts held per job (the status shows them: progress before any row is done)."""
+        self.open = True
+        """False while the engine is dead or the worker stops: nothing more is submitted."""
+
+    def room(self) -> int:
+        """Prompts the worker may still take (pull more work while positive)."""
+        return self.window.limit - self.inflight - len(self.pending)
+
+    def hold(self, prompts: list[Held]) -> None:
+        for held in prompts:
+            self.held_tokens += held.prompt.work_tokens
+            self.jobs[held.prompt.job] += 1
+            self.pending.append(held)
+        self.feed()
+
+    def feed(self) -> None:
+        """Submit pending prompts while the window has room."""
+        while self.pending and self.open and self.inflight < self.window.limit:
+            held = self.pending.popleft()
+            if self.inflight == 0:
+                self.window.work_arrives(time.monotonic(), 0, max_tokens(held), self.generated())
+            self.inflight += 1
+            self.submit(held)
+
+    def finished(self, prompt: m.Prompt, submitted: bool = True) -> None:
+        """A prompt is done (or, not submitted, handed back): it is no longer held."""
+        if submitted:
+            self.inflight -= 1
+            self.window.completed(time.monotonic())
+        self.held_tokens -= prompt.work_tokens
+        self.jobs[prompt.job] -= 1
+        if self.jobs[prompt.job] <= 0:
+            del self.jobs[prompt.job]
+
+    def drop_pending(self) -> None:
+        """The engine died: pending prompts go back with their batches (handed back)."""
+        for held in self.pending:
+            self.finished(held.prompt, submitted=False)
+        self.pending.clear()
