@@ -202,24 +202,37 @@ def prefixflow_argv() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "cli.main"]
 
 
-async def wait_replicas_ready(url: str, replicas: list[str], timeout: float, alive=lambda: None, options=None) -> float:
+async def wait_replicas_ready(
+    url: str,
+    replicas: list[str],
+    timeout: float,
+    alive=lambda: None,
+    options=None,
+    *,
+    on_ready: Callable[[str], None] | None = None,
+    first_within: bool = False,
+) -> float:
     """Wait until every named replica has reported `ready` on its status subject;
     `alive()` runs each round (raise there if a process died); `options`: NATS
-    credentials and TLS. Returns seconds waited."""
+    credentials and TLS; `on_ready(name)` as each one first reports ready. `timeout`
+    bounds the wait for all of them, or only for the first with `first_within` (the job
+    runs on the first while the others start). Returns seconds waited."""
     t0 = time.monotonic()
     nc = await connect(url, "prefixflow-wait", options=options)
     ready: set[str] = set()
 
     async def on_status(msg) -> None:
         st = m.engine_status_decoder.decode(msg.data)
-        if st.ready:
+        if st.ready and st.replica in replicas and st.replica not in ready:
             ready.add(st.replica)
+            if on_ready is not None:
+                on_ready(st.replica)
 
     await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
     try:
         while not set(replicas) <= ready:
             alive()
-            if time.monotonic() - t0 > timeout:
+            if time.monotonic() - t0 > timeout and not (first_within and ready):
                 raise TimeoutError(f"replicas not ready after {timeout} s: {sorted(set(replicas) - ready)}")
             await asyncio.sleep(0.25)
     finally:
@@ -336,10 +349,17 @@ class LocalCluster:
         self.dropped: set[str] = set()
         self.states: dict[str, str] = {}
         self.stopping = False
+        self.started_at = 0.0
+        """`time.monotonic()` at `start()`."""
+
+    def uptime(self) -> float:
+        """Seconds since `start()`."""
+        return time.monotonic() - self.started_at
 
     # --- starting and stopping -------------------------------------------------------
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         for p in self.procs:
             self.start_one(p)
@@ -398,6 +418,21 @@ class LocalCluster:
     async def wait_ready(self, replicas: list[str], timeout: float = 300.0) -> float:
         """Wait until every replica reports ready; returns the seconds it took."""
         return await wait_replicas_ready(self.url, replicas, timeout, self.check_alive)
+
+    async def wait_started(self, names: list[str], timeout: float = 120.0) -> None:
+        """Wait until each named process has logged its ready line (raise `ProcessExited`
+        if any process exits meanwhile, `TimeoutError` after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        waiting = [n for n in names if n not in self.ready_now]
+        while waiting:
+            self.check_alive()
+            for name in [n for n in waiting if self._ready(n)]:
+                self.ready_now.add(name)
+                self.ever_ready.add(name)
+                waiting.remove(name)
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"not started after {timeout} s: {', '.join(waiting)}")
+            await asyncio.sleep(0.1)
 
     def kill(self) -> None:
         """SIGKILL every process at once (an outage, not a shutdown)."""

@@ -22,13 +22,16 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from shared.process import config as cfgmod
 from shared.wire.messages import SamplingSpec
+
+T = TypeVar("T")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -183,10 +186,37 @@ def _raise_interrupted(signum: int, frame: object) -> None:
     raise Interrupted(signum)
 
 
+STARTUP_TIMEOUT = 300.0
+"""Seconds `prefixflow run` waits for the first replica to be ready."""
+
+
+async def alongside(main: Awaitable[T], side: Awaitable[None]) -> T:
+    """`main`'s result, with `side` running next to it: an error of `side` cancels `main`
+    and is raised; `side` is cancelled when `main` ends."""
+    main_task, side_task = asyncio.ensure_future(main), asyncio.ensure_future(side)
+    try:
+        await asyncio.wait({main_task, side_task}, return_when=asyncio.FIRST_COMPLETED)
+        if side_task.done() and not side_task.cancelled() and side_task.exception() is not None:
+            raise side_task.exception()
+        return await main_task
+    finally:
+        for task in (main_task, side_task):
+            task.cancel()
+        await asyncio.gather(main_task, side_task, return_exceptions=True)
+
+
 def cmd_run(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from cli.local_cluster import ClusterFailed, LocalCluster, ProcessExited, describe_placement, machine_devices, processes
+    from cli.local_cluster import (
+        ClusterFailed,
+        LocalCluster,
+        ProcessExited,
+        describe_placement,
+        machine_devices,
+        processes,
+        wait_replicas_ready,
+    )
     from cli.make_model import make_model
     from cli.submit import JobFailed, submit
 
@@ -222,21 +252,37 @@ def cmd_run(args: argparse.Namespace) -> None:
     job = args.job or default_job_id(args.input)
     replicas = [f"r{i}" for i in range(args.replicas)]
 
+    async def replicas_ready(submitted: float) -> None:
+        # The timeout bounds the wait for the first replica: the job runs on it while the
+        # others start (a replica that never comes is the supervisor's business).
+        def on_ready(name: str) -> None:
+            event(f"{name} ready in {cluster.uptime():.1f} s: it takes work now")
+
+        await wait_replicas_ready(cluster.url, replicas, STARTUP_TIMEOUT, on_ready=on_ready, first_within=True)
+        event(f"{len(replicas)} replicas ready in {cluster.uptime():.1f} s (the job was submitted at {submitted:.1f} s)")
+
     async def run_job():
-        startup = await cluster.wait_ready(replicas)
-        print(f"{len(replicas)} replicas ready in {startup:.1f} s (not counted in the job's wall time)", flush=True)
+        # Engines start while the job is ingested and bucketed: the job is submitted as
+        # soon as the services that take it are up, and each replica gets work as it
+        # becomes ready.
+        await cluster.wait_started([p.name for p in procs if not p.is_engine])
+        submitted = cluster.uptime()
+        print(f"services ready in {submitted:.1f} s: submitting job {job} while {len(replicas)} engines start", flush=True)
         # From here on a process that exits is restarted (backoff, budget) while the job goes on.
         return await cluster.supervised(
-            submit(
-                args.input,
-                nats_url=cluster.url,
-                job=job,
-                out_dir=args.out,
-                sampling=sampling,
-                model=model,
-                progress=not args.no_progress,
-                timeout=args.timeout,
-                **chat,
+            alongside(
+                submit(
+                    args.input,
+                    nats_url=cluster.url,
+                    job=job,
+                    out_dir=args.out,
+                    sampling=sampling,
+                    model=model,
+                    progress=not args.no_progress,
+                    timeout=args.timeout,
+                    **chat,
+                ),
+                replicas_ready(submitted),
             )
         )
 

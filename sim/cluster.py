@@ -326,7 +326,7 @@ class RouterSim:
             # time), so this one would be None too.
             return None
         if parts:
-            chosen = self.policy.route_parts(self.fleet, now, parts)
+            chosen = self.policy.route_parts(self.fleet, now, parts, key)
         else:
             chosen = self.policy.route(self.fleet, now, prompts, tokens, key)
         out = None if chosen is None else [(r.name, n) for r, n in chosen]
@@ -354,7 +354,7 @@ class BucketerSim:
         self.cfg = cfg
         self.buffer = PrefixBuffer(max_prompts=cfg.buffer_prompts, max_bytes=cfg.buffer_bytes, min_bucket=cfg.min_bucket,
                                    threshold=cfg.threshold, max_wait=cfg.max_wait, block_size=cfg.hash_block_size,
-                                   pool_size=cfg.pool_size)
+                                   pool_size=cfg.pool_size, max_bucket=cfg.max_bucket)
         self.pending: deque[list[int]] = deque()
         """Messages on this node's bucket stream, not yet taken."""
         self.last_input = 0.0

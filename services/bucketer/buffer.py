@@ -58,8 +58,12 @@ class Bucket:
     prefix_len: int = 0
     """Common prefix of the items, in tokens."""
     parts: list[tuple[int, list[int]]] = field(default_factory=list)
-    """For a pooled batch: (prompt count, prefix key) of each small bucket in it, in
-    item order, so a router can still place each part by its prefix."""
+    """(prompt count, prefix key) of each part, in item order, so a router can place each
+    part by its own prefix: for a pooled batch, its small buckets; for a keyed bucket
+    whose prompts share longer prefixes in groups (a system prompt, then one of several
+    few-shot prefixes), those groups (`groups`); else empty."""
+    pooled: bool = False
+    """A mixed batch of small buckets (no key)."""
     released: list[tuple[int, str]] = field(default_factory=list)
     """(prompts, why) of each bucket released into this one, in item order (one for a
     keyed bucket, one per part of a pooled batch); why is one of `RELEASE_REASONS`."""
@@ -68,6 +72,10 @@ class Bucket:
     def tokens(self) -> int:
         return sum(tk.count(i.tokens) for i in self.items)
 
+
+MIN_GROUP = 2
+"""Prompts of a keyed bucket sharing a longer prefix form a group of their own (a part
+routed by its own key) from this many on."""
 
 RELEASE_REASONS = ("max_wait", "size", "flush", "eager")
 """Why a bucket left the buffer: a prompt waited `max_wait`; the buffer was over its
@@ -108,6 +116,7 @@ class PrefixBuffer:
         max_wait: float = 5.0,
         block_size: int = 128,
         pool_size: int = 0,
+        max_bucket: int = 0,
     ) -> None:
         self.max_prompts = max_prompts
         self.max_bytes = max_bytes
@@ -117,6 +126,9 @@ class PrefixBuffer:
         self.block_size = block_size
         self.pool_size = max(pool_size, min_bucket)
         """Pooled batches go out at this size (>= min_bucket, as in the reference)."""
+        self.max_bucket = max(max_bucket, 2 * min_bucket) if max_bucket else 0
+        """A larger released bucket goes out as consecutive slices of about this many
+        prompts, each routed on its own under the replicas' caps (0: whole)."""
         self._items: SortedDict = SortedDict()  # Key -> Item, in token order
         self._starts: SortedList = SortedList()  # keys that begin a bucket
         self._by_size: list[tuple[int, int, Key]] = []  # max-heap (-size, seq, start), lazily cleaned
@@ -261,26 +273,72 @@ class PrefixBuffer:
         plen = tk.common_prefix(items[0].tokens, items[-1].tokens) if len(items) > 1 else tk.count(items[0].tokens)
         return Bucket(items, block_hashes(items[0].tokens[: plen * tk.WIDTH], self.block_size), plen)
 
+    def slices(self, items: list[Item]) -> list[list[Item]]:
+        """A released bucket as consecutive slices of `max_bucket` prompts (the last one
+        between `min_bucket` and `max_bucket` + `min_bucket`): a bucket holding most of a
+        job (a dominant prefix, or every row under one system prompt) must not land on
+        one replica at once while the others wait."""
+        size = self.max_bucket
+        if not size or len(items) <= size:
+            return [items]
+        cuts = list(range(0, len(items), size))
+        if len(items) - cuts[-1] < self.min_bucket:
+            cuts.pop()
+        return [items[a:b] for a, b in zip(cuts, [*cuts[1:], len(items)])]
+
+    def groups(self, bucket: Bucket) -> list[tuple[int, list[int]]]:
+        """A keyed bucket's groups that share more than its key: runs of its (sorted)
+        prompts that also share the next block, each of at least `MIN_GROUP` prompts, as
+        (prompt count, key of the run's common prefix); prompts in no such run are parts
+        keyed by what they share. Empty unless there are two such groups (the bucket is
+        then routed as one, by its key)."""
+        items = bucket.items
+        depth = (len(bucket.key) + 1) * self.block_size * tk.WIDTH
+        runs: list[list[Item]] = [[items[0]]]
+        for prev, cur in zip(items, items[1:]):
+            if len(prev.tokens) >= depth and prev.tokens[:depth] == cur.tokens[:depth]:
+                runs[-1].append(cur)
+            else:
+                runs.append([cur])
+        if sum(len(run) >= MIN_GROUP for run in runs) < 2:
+            return []
+        parts: list[list[Item]] = []
+        loose: list[Item] = []
+        for run in runs:
+            if len(run) >= MIN_GROUP:
+                if loose:
+                    parts.append(loose)
+                    loose = []
+                parts.append(run)
+            else:
+                loose.extend(run)
+        if loose:
+            parts.append(loose)
+        return [(len(part), self._keyed(part).key) for part in parts]
+
     def pop(self, now: float, *, flush: bool = False, budget: float = 0) -> list[Bucket]:
         """Release what is due at `now` (everything if `flush`), then, largest first,
         buckets worth up to about `budget` work tokens (the replicas' free room: feeding
         idle engines beats waiting for better buckets)."""
         out: list[Bucket] = []
-        pool = Bucket([])
+        pool = Bucket([], pooled=True)
 
         def emit(items: list[Item], why: str) -> None:
             nonlocal pool
-            keyed = self._keyed(items)
             if len(items) >= self.min_bucket:
-                keyed.released.append((len(items), why))
-                out.append(keyed)
+                for piece in self.slices(items):
+                    keyed = self._keyed(piece)
+                    keyed.released.append((len(piece), why))
+                    keyed.parts = self.groups(keyed)
+                    out.append(keyed)
                 return
+            keyed = self._keyed(items)
             pool.items.extend(items)
             pool.parts.append((len(items), keyed.key))
             pool.released.append((len(items), why))
             if len(pool.items) >= self.pool_size:
                 out.append(pool)
-                pool = Bucket([])
+                pool = Bucket([], pooled=True)
 
         # 1. Overdue prompts go now, with their whole bucket.
         while True:

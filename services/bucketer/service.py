@@ -52,6 +52,7 @@ class Bucketer:
             max_prompts=cfg.buffer_prompts,
             max_bytes=cfg.buffer_bytes,
             min_bucket=cfg.min_bucket,
+            max_bucket=cfg.max_bucket,
             threshold=cfg.threshold,
             max_wait=cfg.max_wait,
             block_size=cfg.hash_block_size,

@@ -62,6 +62,9 @@ OUTSTANDING = attrgetter("outstanding")
 Match = tuple[int, int]
 """(matched hash blocks, routing clock of the latest history entry matching that far)."""
 NO_MATCH: Match = (0, 0)
+MIN_SPLIT_PROMPTS = 8
+"""A bucket is split into pieces of at least this many prompts (each piece recomputes
+its prefix once)."""
 MIN_HISTORY = 8
 """Keys kept per replica whatever the KV budget (the reference looks at the last 8)."""
 BLOCK_INDEX_ENTRIES = 1 << 20
@@ -324,6 +327,16 @@ class Fleet:
                 self.index.remove(r, old)
                 r.history_blocks -= len(old)
 
+    def assign_all(self, placed: Sequence[tuple[Replica, int]], tokens: int, key: Sequence[int]) -> None:
+        """`assign` a bucket's pieces: its tokens in proportion to their prompts, the last
+        piece taking the remainder."""
+        prompts = sum(n for _, n in placed)
+        given = 0
+        for i, (r, n) in enumerate(placed):
+            share = tokens - given if i == len(placed) - 1 else tokens * n // max(prompts, 1)
+            given += share
+            self.assign(r, n, share, key)
+
     def best_match(self, r: Replica, key: Sequence[int]) -> Match:
         """(matched hash blocks, routing clock) of r's best history entry for `key`:
         the longest match, the most recent among equals; NO_MATCH if none. For a replica
@@ -404,21 +417,19 @@ class Policy:
             return None
         if key:
             self.last_matches = [fleet.best_match(r, key)[0] for r, _ in chosen]
-        given = 0
-        for i, (r, n) in enumerate(chosen):
-            # Split tokens in proportion to prompts; the last part takes the remainder.
-            share = tokens - given if i == len(chosen) - 1 else tokens * n // max(prompts, 1)
-            given += share
-            fleet.assign(r, n, share, key)
+        fleet.assign_all(chosen, tokens, key)
         return chosen
 
     def choose(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int]) -> Assignments | None:
         raise NotImplementedError
 
-    def route_parts(self, fleet: Fleet, now: float, parts: Sequence[tuple[int, int, Sequence[int]]]) -> Assignments | None:
-        """Route a pooled batch given its parts as (prompts, tokens, key). Baselines and
-        the reference treat it as one keyless batch."""
-        return self.route(fleet, now, sum(p[0] for p in parts), sum(p[1] for p in parts), [])
+    def route_parts(
+        self, fleet: Fleet, now: float, parts: Sequence[tuple[int, int, Sequence[int]]], key: Sequence[int] = ()
+    ) -> Assignments | None:
+        """Route a batch given its parts as (prompts, tokens, key): a pooled batch (no
+        `key`), or a keyed bucket whose prompts share longer prefixes in groups. Baselines
+        and the reference route it as one batch with the bucket's key."""
+        return self.route(fleet, now, sum(p[0] for p in parts), sum(p[1] for p in parts), list(key))
 
 
 class RoundRobin(Policy):
@@ -548,46 +559,68 @@ class PrefixAware(Policy):
             top += heapq.nsmallest(n - len(top), (r for r in candidates if r not in is_eligible), key=by_load)
         return top
 
+    def pieces(self, candidates: list[Replica], prompts: int, tokens: int) -> int:
+        """Over how many replicas a bucket is split: one, unless its work exceeds
+        `split_factor` times what each candidate holds on average; then into pieces of
+        about that average (each recomputes the prefix once; all stay busy), at least
+        `MIN_SPLIT_PROMPTS` prompts each. On an idle fleet any bucket that large is split."""
+        n = len(candidates)
+        if n < 2 or prompts < 2 * MIN_SPLIT_PROMPTS:
+            return 1
+        share = sum(map(OUTSTANDING, candidates)) / n
+        if tokens <= self.split_factor * share:
+            return 1
+        return max(1, min(n, prompts // MIN_SPLIT_PROMPTS, math.ceil(tokens / share) if share else n))
+
     def choose(self, fleet, now, prompts, tokens, key):
         candidates = fleet.open(now)
         if not candidates:
             return None
-        # A bucket far larger than one replica's fair share of the work in the system is
-        # split over several replicas (each recomputes the prefix once; all stay busy).
-        fair = (sum(map(OUTSTANDING, candidates)) + tokens) / len(candidates)
-        parts = 1
-        if len(candidates) > 1 and prompts > 1 and tokens > self.split_factor * fair:
-            parts = min(len(candidates), prompts, math.ceil(tokens / fair))
+        return self.place(fleet, candidates, prompts, tokens, key)
+
+    def place(self, fleet: Fleet, candidates: list[Replica], prompts: int, tokens: int, key: Sequence[int]) -> Assignments:
+        """(replica, prompts) for one bucket among `candidates`: its best replica, or the
+        best `pieces` of them for a bucket far larger than the work they hold."""
+        parts = self.pieces(candidates, prompts, tokens)
         ranked = self.ranked(fleet, candidates, key, parts)
         if parts == 1:
             return [(ranked[0], prompts)]
         base, extra = divmod(prompts, parts)
         return [(r, base + (1 if i < extra else 0)) for i, r in enumerate(ranked)]
 
-    def route_parts(self, fleet, now, parts):
+    def route_parts(self, fleet, now, parts, key=()):
         """Each part goes where its own prefix is (the reference loses this: it sends a
-        pooled batch with no key). Consecutive parts for one replica are merged. The cap
-        admits the batch as a whole: parts are ranked among the replicas with room while
-        any has room, then among all live ones (still by affinity: an admitted batch's
-        tail must not scatter its prefixes). Each part is one decision (it sees the load
-        and history the previous parts left)."""
+        pooled batch with no key, and a keyed bucket by its shortest common prefix, say
+        the system prompt every row of a labelling job shares, where its parts are the
+        few-shot groups under it). A part far larger than the work the replicas hold is
+        split like a bucket. Consecutive parts for one replica are merged. The cap admits
+        the batch as a whole: parts are ranked among the replicas with room while any has
+        room, then among all live ones (still by affinity: an admitted batch's tail must
+        not scatter its prefixes). Each part is one decision (it sees the load and history
+        the previous parts left)."""
         self.last_matches = []
         candidates = fleet.open(now)
         if not candidates:
             return None
         out: Assignments = []
-        for i, (prompts, tokens, key) in enumerate(parts):
+        for i, (prompts, tokens, part_key) in enumerate(parts):
             if i:  # the previous part changed loads (and caps, through the average prompt)
                 candidates = fleet.open(now) or fleet.live(now)
-            r = self.ranked(fleet, candidates, key)[0]
-            if key:
-                self.last_matches.append(fleet.best_match(r, key)[0])
-            fleet.assign(r, prompts, tokens, key)
-            if out and out[-1][0] is r:
-                out[-1] = (r, out[-1][1] + prompts)
-            else:
-                out.append((r, prompts))
+            placed = self.place(fleet, candidates, prompts, tokens, part_key)
+            if part_key:
+                self.last_matches += [fleet.best_match(r, part_key)[0] for r, _ in placed]
+            fleet.assign_all(placed, tokens, part_key)
+            extend_merged(out, placed)
         return out
+
+
+def extend_merged(out: Assignments, placed: Assignments) -> None:
+    """Append assignments to `out`, merging one for the replica `out` ends with."""
+    for r, n in placed:
+        if out and out[-1][0] is r:
+            out[-1] = (r, out[-1][1] + n)
+        else:
+            out.append((r, n))
 
 
 POLICIES = cfgmod.POLICIES

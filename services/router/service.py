@@ -69,7 +69,7 @@ class Router:
     def decide(self, req: m.RouteRequest) -> m.RouteReply:
         now = time.monotonic()
         if req.parts:
-            chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key) for p in req.parts])
+            chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key) for p in req.parts], req.key)
         else:
             chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key)
         if chosen is None:

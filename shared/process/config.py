@@ -102,6 +102,11 @@ class BucketerConfig(CommonConfig, kw_only=True):
     ] = 0.5
     hash_block_size: Annotated[int, _d("prefix-key block length in tokens (bucket keys)", gt=0)] = HASH_BLOCK_SIZE
     max_batch: Annotated[int, _d("most prompts in one work message", gt=0)] = 256
+    max_bucket: Annotated[
+        int,
+        _d("a released bucket larger than this goes out in slices of this many prompts, each routed on "
+           "its own under the replicas' caps (0: whole)", ge=0),
+    ] = 256
     pool_size: Annotated[
         int, _d("pooled (mixed) batches go out at this many prompts (at least min_bucket)", gt=0)
     ] = 64
@@ -164,6 +169,9 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     result_batch: Annotated[int, _d("results per published message", gt=0)] = 64
     result_linger: Annotated[float, _d("seconds a partial result batch may wait", gt=0)] = 0.05
     echo_delay: Annotated[float, _d("echo engine: seconds per prompt (to simulate work)", ge=0)] = 0.0
+    echo_start_seconds: Annotated[
+        float, _d("echo engine: seconds each start takes, like a real engine loading its model (tests of start-up)", ge=0)
+    ] = 0.0
     echo_crash_token: Annotated[
         int,
         _d("echo engine: dies like a dead vLLM engine core on every prompt holding this token id (fault tests; -1: off)", ge=-1),

@@ -201,20 +201,27 @@ def test_supervisor_drops_a_replica_out_of_budget_and_gives_up_with_none_left(tm
     assert not processes_of(tmp_path / "cluster")
 
 
+def run_echo_job(tmp_path: Path, tiny_model, *, n: int, num_prefixes: int, job: str, env: dict[str, str],
+                 extra: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`prefixflow run` of `n` prompts (4 output tokens each) on echo engines, output in tmp_path/out."""
+    data = tmp_path / "prompts.parquet"
+    write_prefix_repetition(data, tokenizer_dir=tiny_model, num_prompts=n, prefix_len=128, suffix_len=16,
+                            num_prefixes=num_prefixes, output_len=4, seed=3)
+    return subprocess.run(
+        [str(VENV_BIN / "prefixflow"), "run", str(data), "--out", str(tmp_path / "out"), "--engine", "echo",
+         "--model", str(tiny_model), "--max-tokens", "4", "--workdir", str(tmp_path / "cluster"), "--job", job,
+         "--timeout", "120", *(extra or [])],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, **env}, timeout=240,
+    )
+
+
 def test_run_shows_work_under_way_before_the_first_row_and_writes_a_report(tmp_path, tiny_model):
     """Prompts that take seconds each (long outputs): the progress line says how many are
     being generated while no row is written yet; at the end the job's report is written
     and the summary says when the first result came."""
     n = 6
-    data = tmp_path / "prompts.parquet"
-    write_prefix_repetition(data, tokenizer_dir=tiny_model, num_prompts=n, prefix_len=128, suffix_len=16,
-                            num_prefixes=2, output_len=4, seed=3)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [str(VENV_BIN / "prefixflow"), "run", str(data), "--out", str(out), "--engine", "echo", "--model", str(tiny_model),
-         "--max-tokens", "4", "--workdir", str(tmp_path / "cluster"), "--job", "slow-rows", "--timeout", "120"],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ, "PFX_ECHO_DELAY": "4"}, timeout=240,
-    )
+    proc = run_echo_job(tmp_path, tiny_model, n=n, num_prefixes=2, job="slow-rows", env={"PFX_ECHO_DELAY": "4"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # tqdm redraws the line with \r: every state it showed.
     states = [s for s in proc.stderr.replace("\r", "\n").splitlines() if f"/{n} [" in s]
@@ -224,3 +231,26 @@ def test_run_shows_work_under_way_before_the_first_row_and_writes_a_report(tmp_p
     assert summary["rows"] == n and summary["first_result_seconds"] >= 4
     assert (out / "_report" / "index.html").exists() and (out / "_report" / "throughput.png").exists()
     assert f"report: {out / '_report' / 'index.html'}" in proc.stdout
+
+
+def test_run_submits_while_the_engines_start_and_the_work_waits_for_them(tmp_path, tiny_model):
+    """Engines that take 6 s to start: `run` submits the job as soon as the services that
+    take it are up, the bucketer and router hold the work until a replica is ready, each
+    replica says when it takes work, and every row is written once."""
+    n = 400
+    out = tmp_path / "out"
+    proc = run_echo_job(tmp_path, tiny_model, n=n, num_prefixes=4, job="early", env={"PFX_ECHO_START_SECONDS": "6"},
+                        extra=["--no-progress"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    submitted = float(re.search(r"services ready in ([0-9.]+) s: submitting job early", proc.stdout).group(1))
+    ready = {name: float(t) for name, t in re.findall(r"(r\d) ready in ([0-9.]+) s: it takes work now", proc.stdout)}
+    assert set(ready) == {"r0", "r1"}, proc.stdout
+    assert min(ready.values()) > submitted + 2, proc.stdout  # submitted before any engine was ready
+    last = re.search(r"2 replicas ready in ([0-9.]+) s \(the job was submitted at ([0-9.]+) s\)", proc.stdout)
+    assert last and float(last.group(2)) == submitted, proc.stdout
+    table = pq.read_table(out)
+    assert sorted(table.column("id").to_pylist()) == list(range(n))
+    assert table.column("error").null_count == n
+    summary = json.loads((out / "_summary.json").read_text())
+    # The job was created before the engines were ready: its first result waited for one.
+    assert summary["rows"] == n and summary["first_result_seconds"] >= 4, summary

@@ -106,6 +106,20 @@ def test_prefixflow_summary_and_startup_line():
     assert bp.parse_prefixflow(summary, "")["startup_seconds"] is None
 
 
+def test_prefixflow_time_without_start_up_counts_from_the_last_replica_ready():
+    """The job is submitted while the engines start: what ran before the last one was
+    ready is not counted (as for Daft), and the time from the job's creation is kept."""
+    summary = {"rows": 8, "errors": 0, "prompt_tokens": 80, "cached_tokens": 0, "output_tokens": 8,
+               "prefix_cache_hit_rate": 0.0, "wall_seconds": 40.0, "replicas": {}}
+    stdout = "services ready in 2.0 s: ...\n2 replicas ready in 31.5 s (the job was submitted at 2.5 s)\n"
+    got = bp.parse_prefixflow(summary, stdout)
+    assert got["startup_seconds"] == 31.5 and got["run_seconds"] == 11.0
+    assert got["extra"]["run_seconds_from_first_engine"] == 40.0
+    # Every replica ready before the job was submitted: nothing overlapped.
+    late = bp.parse_prefixflow(summary, "2 replicas ready in 31.5 s (the job was submitted at 35.0 s)\n")
+    assert late["run_seconds"] == 40.0 and "run_seconds_from_first_engine" not in late["extra"]
+
+
 # --- medians and ratios ------------------------------------------------------------------
 
 

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.bucketer.buffer import Bucket, Item, PrefixBuffer, linked, split_sorted
+from services.bucketer.buffer import (
+    MIN_GROUP,
+    Bucket,
+    Item,
+    PrefixBuffer,
+    linked,
+    split_sorted,
+)
 from shared.prefix import tokens as tk
 from shared.prefix.block_keys import block_hashes, matched_blocks
 
@@ -196,8 +203,8 @@ def test_flush_pools_small_buckets_and_keeps_large_keyed():
     assert buf.pop(1.0) == []
     out = buf.pop(1.0, flush=True)
     assert len(buf) == 0 and buf.nbytes == 0
-    keyed = [b for b in out if not b.parts]
-    pooled = [b for b in out if b.parts]
+    keyed = [b for b in out if not b.pooled]
+    pooled = [b for b in out if b.pooled]
     assert [sorted(i.payload for i in b.items) for b in keyed] == [["k0", "k1", "k2", "k3"]]
     assert out[0] is keyed[0]  # largest first
     assert [len(b.items) for b in pooled] == [3, 3, 1]
@@ -275,13 +282,76 @@ ops = st.lists(
 )
 
 
+def check_groups(b: Bucket, buf: PrefixBuffer) -> None:
+    """A keyed bucket's groups: none, or parts covering its items in order, each keyed by
+    its own common prefix (at least the bucket's key); at least two are groups of
+    `MIN_GROUP` or more prompts sharing the block after the bucket's key, and no such
+    group is cut in two."""
+    if not b.parts:
+        return
+    assert sum(n for n, _ in b.parts) == len(b.items)
+    depth = (len(b.key) + 1) * buf.block_size
+    at, deep = 0, 0
+    for n, key in b.parts:
+        run = b.items[at : at + n]
+        at += n
+        plen = common_prefix_all(run)
+        assert key == block_hashes(run[0].tokens[: 4 * plen], buf.block_size)
+        assert key[: len(b.key)] == b.key
+        deep += n >= MIN_GROUP and plen >= depth
+    assert deep >= 2
+    # no two neighbours across a part boundary share the block after the key
+    at = 0
+    for n, _ in b.parts[:-1]:
+        at += n
+        left, right = b.items[at - 1].tokens, b.items[at].tokens
+        assert tk.common_prefix(left, right) < depth or min(tk.count(left), tk.count(right)) < depth
+
+
+def test_a_bucket_under_a_shared_system_prompt_lists_its_groups():
+    """Every prompt shares a 4-token system prompt (one bucket by the reference rule);
+    under it, three groups share 4 more tokens each and two prompts share nothing more:
+    the bucket is keyed by the system prompt and lists the groups as parts, each with its
+    own key, the two loose prompts as one part keyed by the system prompt."""
+    system = [7, 7, 7, 7]
+    buf = PrefixBuffer(min_bucket=2, threshold=0.3, max_wait=100, block_size=4)
+    rows = [system + [g] * 4 + [q] for g in (1, 2, 3) for q in range(3)] + [system + [9, 8, 7, 6, 5], system + [9, 9, 9, 9, 1]]
+    for i, row in enumerate(rows):
+        buf.insert(Item(P(*row), 0.0, payload=i))
+    (b,) = buf.pop(1.0, flush=True)
+    assert b.key == block_hashes(P(*system), 4) and not b.pooled
+    assert b.parts == [(3, block_hashes(P(*system, g, g, g, g), 4)) for g in (1, 2, 3)] + [(2, b.key)]
+    check_groups(b, buf)
+    # one group only: the bucket is routed as one, by its key
+    one = PrefixBuffer(min_bucket=2, threshold=0.3, max_wait=100, block_size=4)
+    for i, row in enumerate(rows[:3] + rows[-2:]):
+        one.insert(Item(P(*row), 0.0, payload=i))
+    assert one.pop(1.0, flush=True)[0].parts == []
+
+
+def test_a_large_bucket_goes_out_in_slices_in_token_order():
+    buf = PrefixBuffer(min_bucket=4, threshold=0.5, max_wait=100, block_size=2, max_bucket=10)
+    for i in range(23):
+        buf.insert(Item(P(3, 3, 3, 3, i), 0.0, payload=i))
+    out = buf.pop(1.0, flush=True)
+    # 23 prompts: 10 + 13 (a last slice under min_bucket joins the one before)
+    assert [len(b.items) for b in out] == [10, 13]
+    assert [i.payload for b in out for i in b.items] == list(range(23))
+    assert all(b.key == block_hashes(P(3, 3, 3, 3), 2) for b in out)
+    whole = PrefixBuffer(min_bucket=4, threshold=0.5, max_wait=100, block_size=2)
+    for i in range(23):
+        whole.insert(Item(P(3, 3, 3, 3, i), 0.0, payload=i))
+    assert [len(b.items) for b in whole.pop(1.0, flush=True)] == [23]
+
+
 def check_buckets(buckets: list[Bucket], buf: PrefixBuffer) -> None:
     for b in buckets:
         assert b.items
         assert b.tokens == sum(tk.count(i.tokens) for i in b.items)
-        if not b.parts:
+        if not b.pooled:
             # a keyed bucket: one whole run of the reference rule, keyed by its common prefix
             assert len(b.items) >= buf.min_bucket
+            assert not buf.max_bucket or len(b.items) < buf.max_bucket + buf.min_bucket
             toks = [i.tokens for i in b.items]
             assert toks == sorted(toks), "a keyed bucket is one run, in token order"
             for prev, cur in zip(toks, toks[1:]):
@@ -291,6 +361,7 @@ def check_buckets(buckets: list[Bucket], buf: PrefixBuffer) -> None:
             plen = common_prefix_all(b.items)
             assert b.prefix_len == plen
             assert b.key == block_hashes(b.items[0].tokens[: 4 * plen], buf.block_size)
+            check_groups(b, buf)
         else:
             # a pooled (mixed) batch: no key; lists its small buckets in item order, each
             # with its own key
@@ -307,7 +378,7 @@ def check_buckets(buckets: list[Bucket], buf: PrefixBuffer) -> None:
                 assert all(linked(x, y, buf.threshold) for x, y in zip(toks, toks[1:]))
                 plen = common_prefix_all(run)
                 assert key == block_hashes(run[0].tokens[: 4 * plen], buf.block_size)
-    pooled = [b for b in buckets if b.parts]
+    pooled = [b for b in buckets if b.pooled]
     assert all(len(b.items) >= buf.min_bucket for b in pooled[:-1]), "only the last mixed batch is short"
 
 
@@ -320,8 +391,9 @@ def check_buckets(buckets: list[Bucket], buf: PrefixBuffer) -> None:
     threshold=st.sampled_from([0.0, 0.2, 0.33, 0.5, 0.9, 1.0]),
     max_wait=st.floats(0.3, 3.0),
     block_size=st.sampled_from([1, 2, 4]),
+    max_bucket=st.sampled_from([0, 1, 3, 8]),
 )
-def test_buffer_invariants(ops, max_prompts, max_bytes, min_bucket, threshold, max_wait, block_size):
+def test_buffer_invariants(ops, max_prompts, max_bytes, min_bucket, threshold, max_wait, block_size, max_bucket):
     buf = PrefixBuffer(
         max_prompts=max_prompts,
         max_bytes=max_bytes,
@@ -329,6 +401,7 @@ def test_buffer_invariants(ops, max_prompts, max_bytes, min_bucket, threshold, m
         threshold=threshold,
         max_wait=max_wait,
         block_size=block_size,
+        max_bucket=max_bucket,
     )
     now = 0.0
     inserted: dict[int, Item] = {}

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from services.router.policies import (
     MIN_HISTORY,
+    MIN_SPLIT_PROMPTS,
     POLICIES,
     Daft,
     Fleet,
@@ -323,20 +324,47 @@ def test_best_match():
 def test_prefix_aware_splits_a_large_bucket():
     f = fleet(("a", 0), ("b", 0), ("c", 0), cap=10**9)
     p = PrefixAware(slack_tokens=100, split_factor=2.0)
-    out = p.route(f, NOW, 10, 1000, [1])
-    # fair share = 1000 / 3; 1000 > 2 x fair: split over ceil(1000 / fair) = 3 replicas
-    assert sorted(n for _, n in out) == [3, 3, 4]
+    out = p.route(f, NOW, 40, 1000, [1])
+    # an idle fleet: split over every replica
+    assert sorted(n for _, n in out) == [13, 13, 14]
     assert len({r.name for r, _ in out}) == 3
     assert sum(r.outstanding for r in f.replicas.values()) in range(998, 1001)
-    # a small bucket is not split
-    assert len(p.route(f, NOW, 10, 100, [1])) == 1
+    # ~333 tokens held each: a bucket within 2 x that is not split, a larger one is,
+    # into pieces of about that
+    assert len(p.route(f, NOW, 40, 600, [1])) == 1
+    assert len(p.route(f, NOW, 40, 2000, [2])) == 3
+
+
+def test_two_idle_replicas_share_one_large_bucket():
+    """The whole job in one bucket (say, every row shares a system prompt) must not go to
+    one replica of two while the other idles."""
+    f = fleet(("a", 0), ("b", 0), cap=10**9)
+    out = PrefixAware(split_factor=2.0).route(f, NOW, 1024, 1024 * 600, [1, 2])
+    assert sorted(n for _, n in out) == [512, 512]
 
 
 def test_split_conserves_tokens():
     f = fleet(("a", 0), ("b", 0), ("c", 0), cap=10**9)
-    out = PrefixAware(split_factor=1.0).route(f, NOW, 3, 10, [1])
+    out = PrefixAware(split_factor=1.0).route(f, NOW, 24, 10, [1])
     assert len(out) == 3
     assert sum(r.outstanding for r in f.replicas.values()) == 10
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 10**6), min_size=1, max_size=8),
+    prompts=st.integers(1, 5000),
+    tokens=st.integers(1, 10**7),
+    factor=st.floats(0.5, 8.0),
+)
+def test_split_pieces_are_never_below_the_minimum(loads, prompts, tokens, factor):
+    f = fleet(*((f"r{i}", load) for i, load in enumerate(loads)), cap=10**12)
+    out = PrefixAware(split_factor=factor).route(f, NOW, prompts, tokens, [1])
+    assert sum(n for _, n in out) == prompts and len({r.name for r, _ in out}) == len(out)
+    if len(out) > 1:
+        assert min(n for _, n in out) >= MIN_SPLIT_PROMPTS
+        # split only when the bucket outweighs split_factor x the average held
+        assert tokens > factor * sum(loads) / len(loads)
 
 
 # --- daft (the reference) ----------------------------------------------------------------

@@ -6,7 +6,6 @@ the engine block size."""
 from __future__ import annotations
 
 import json
-import math
 from collections import deque
 
 import pytest
@@ -14,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cli.bench_router import bench_router
-from services.router.policies import MIN_HISTORY, Fleet, PrefixAware
+from services.router.policies import MIN_HISTORY, Fleet, PrefixAware, extend_merged
 from shared.prefix.block_keys import matched_blocks
 from shared.wire import messages as m
 
@@ -65,27 +64,22 @@ class ScanningPrefixAware(PrefixAware):
         candidates = ref_open(fleet, now)
         if not candidates:
             return None
+        return self.split(fleet, candidates, prompts, tokens, key)
+
+    def split(self, fleet, candidates, prompts, tokens, key):
         ranked = self.ranked(fleet, candidates, key)
-        fair = (sum(r.outstanding for r in candidates) + tokens) / len(candidates)
-        parts = 1
-        if len(candidates) > 1 and prompts > 1 and tokens > self.split_factor * fair:
-            parts = min(len(candidates), prompts, math.ceil(tokens / fair))
-        if parts == 1:
-            return [(ranked[0], prompts)]
+        parts = self.pieces(candidates, prompts, tokens)
         base, extra = divmod(prompts, parts)
         return [(r, base + (1 if i < extra else 0)) for i, r in enumerate(ranked[:parts])]
 
-    def route_parts(self, fleet, now, parts):
+    def route_parts(self, fleet, now, parts, key=()):
         if not ref_open(fleet, now):
             return None
         out = []
-        for prompts, tokens, key in parts:
-            r = self.ranked(fleet, ref_open(fleet, now) or ref_live(fleet, now), key)[0]
-            fleet.assign(r, prompts, tokens, key)
-            if out and out[-1][0] is r:
-                out[-1] = (r, out[-1][1] + prompts)
-            else:
-                out.append((r, prompts))
+        for prompts, tokens, part_key in parts:
+            placed = self.split(fleet, ref_open(fleet, now) or ref_live(fleet, now), prompts, tokens, part_key)
+            fleet.assign_all(placed, tokens, part_key)
+            extend_merged(out, placed)
         return out
 
 

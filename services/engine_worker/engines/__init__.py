@@ -14,7 +14,8 @@ def make_engine(cfg) -> Engine:
         from services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine
 
         cls = EchoEngine if cfg.echo_delay else InstantEchoEngine
-        return cls(cfg.echo_delay, crash_token=cfg.echo_crash_token, crash_after=cfg.echo_crash_after)
+        return cls(cfg.echo_delay, crash_token=cfg.echo_crash_token, crash_after=cfg.echo_crash_after,
+                   start_seconds=cfg.echo_start_seconds)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # Let vLLM's log records reach our structlog handler instead of its own.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

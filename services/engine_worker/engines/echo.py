@@ -19,8 +19,9 @@ class EchoEngine:
     """No model: the output is the prompt's last few token ids as text; `delay` seconds
     per prompt simulate work (a task per prompt, as with vLLM)."""
 
-    def __init__(self, delay: float = 0.0, *, crash_token: int = -1, crash_after: int = 0) -> None:
+    def __init__(self, delay: float = 0.0, *, crash_token: int = -1, crash_after: int = 0, start_seconds: float = 0.0) -> None:
         self.delay = delay
+        self.start_seconds = start_seconds
         self.crash_token = crash_token
         self.crash_after = crash_after
         self.stats = EngineStats(block_size=128)
@@ -30,6 +31,8 @@ class EchoEngine:
         self.dead = False
 
     async def start(self) -> None:
+        if self.start_seconds:
+            await asyncio.sleep(self.start_seconds)
         self.dead = False
 
     def _check(self, tokens: list[int] | None, packed: bytes = b"") -> None:
