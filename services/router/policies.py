@@ -73,6 +73,35 @@ full, measured): 64 replicas of 16k hash blocks each (a 100k-block GPU cache of 
 blocks holds 12.5k of 128 tokens)."""
 
 
+@dataclass
+class HistoryChecks:
+    """Where replicas send KV events, each decision also asks what the history-based model
+    would have said: how often it is wrong about what a replica holds, and how often it
+    would have preferred another replica (the precise model's gain, measured)."""
+
+    decisions: int = 0
+    wrong: int = 0
+    """Decisions where the history's matched blocks differ from the cache's for some replica."""
+    overestimated: int = 0
+    """... of which the history believed more blocks held than the cache holds."""
+    misplaced: int = 0
+    """Decisions where the replicas with the longest match differ between the two models."""
+
+    def compare(self, history: dict[str, Match], cached: dict[str, int]) -> None:
+        """`history`: each replica's history match (blocks, recency); `cached`: the blocks
+        its cache holds (replicas with no match left out of both)."""
+        self.decisions += 1
+        names = history.keys() | cached.keys()
+        if any(history.get(n, NO_MATCH)[0] != cached.get(n, 0) for n in names):
+            self.wrong += 1
+            self.overestimated += any(history.get(n, NO_MATCH)[0] > cached.get(n, 0) for n in names)
+        # The history's pick: the longest match, the most recent among equals.
+        pick = max(history, key=history.__getitem__) if history else None
+        top = max(cached.values(), default=0)
+        if (pick is None) != (top == 0) or (pick is not None and cached.get(pick, 0) != top):
+            self.misplaced += 1
+
+
 @dataclass(eq=False)  # NOTE: a replica is an identity (a key of the prefix index), not a value
 class Replica:
     name: str
@@ -228,6 +257,8 @@ class Fleet:
         """Replicas scored by `blocks`: name -> (epoch, last batch number) of their events."""
         self.cache_gaps = 0
         """Cache-event batches lost (the model may be wrong until the blocks turn over)."""
+        self.history_checks = HistoryChecks()
+        """How the history would have scored the replicas that send events (measured)."""
 
     def observe(
         self,
@@ -354,11 +385,15 @@ class Fleet:
         found = self.index.matches(key)
         if not self.precise:
             return found
+        history = {r.name: match for r, match in found.items() if r.name in self.precise}
         found = {r: match for r, match in found.items() if r.name not in self.precise}
+        cached = {}
         for name, n in self.blocks.longest_match(key).items():
             r = self.replicas.get(name)
             if r is not None and name in self.precise:
                 found[r] = (n, 0)
+                cached[name] = n
+        self.history_checks.compare(history, cached)
         return found
 
     def apply_cache_events(self, replica: str, epoch: str, seq: int, ops: Sequence[tuple[int, Sequence[int]]]) -> None:

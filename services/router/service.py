@@ -10,6 +10,7 @@ live replica is at its cap (or none is up yet). Handler errors become error repl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import structlog
@@ -198,6 +199,7 @@ class Router:
                     precise=sorted(self.fleet.precise),
                     cache_entries=len(self.fleet.blocks),
                     cache_gaps=self.fleet.cache_gaps,
+                    history_checks=dataclasses.asdict(self.fleet.history_checks),
                     outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
                 )
         for pull in failover.rescuing.values():

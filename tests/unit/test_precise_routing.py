@@ -60,6 +60,28 @@ def test_the_cache_overrules_the_history_where_they_disagree():
         assert route(f, K) == ("b" if precise else "a")
 
 
+def test_the_router_measures_where_the_history_would_have_been_wrong():
+    """The situation above, counted: the history believes `a` holds K (overestimated) and
+    would have preferred `a`; the cache sends it to `b` (misplaced)."""
+    f = fleet("a", "b")
+    events(f, "a", 0)
+    events(f, "b", 0)
+    route(f, K)  # nothing held anywhere: both models agree
+    assert (f.history_checks.decisions, f.history_checks.wrong, f.history_checks.misplaced) == (1, 0, 0)
+    f.replicas["a"].outstanding = 0
+    events(f, "a", 1, (CacheOp.STORED, K), (CacheOp.REMOVED, K))
+    events(f, "b", 1, (CacheOp.STORED, K[:2]))
+    assert route(f, K) == "b"
+    checks = f.history_checks
+    assert (checks.decisions, checks.wrong, checks.overestimated, checks.misplaced) == (2, 1, 1, 1)
+    # a cache that holds what the history says: right, and the same choice
+    f.replicas["b"].outstanding = 0
+    # The history still believes a holds K (wrong), but picks b, sent K more recently:
+    # the same replica as the cache's.
+    assert route(f, K) == "b"
+    assert (checks.decisions, checks.wrong, checks.misplaced) == (3, 2, 1)
+
+
 def test_replicas_without_events_keep_the_history():
     f = fleet("a", "b")
     events(f, "a", 0, (CacheOp.STORED, [1]))  # a sends events, b does not
