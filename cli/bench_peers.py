@@ -131,20 +131,23 @@ def parse_peer_output(stdout: str) -> dict[str, Any]:
 
 
 STARTUP_LINE = re.compile(r"(\d+) replicas ready in ([0-9.]+) s(?: \(the job was submitted at ([0-9.]+) s\))?")
+REPLICA_READY_LINE = re.compile(r"^\S+ ready in ([0-9.]+) s: it takes work now$", re.MULTILINE)
 
 
 def parse_prefixflow(summary: dict[str, Any], stdout: str) -> dict[str, Any]:
     """A `prefixflow run`'s result fields from its `_summary.json` and its stdout (start-up
     line). The job is submitted while the engines start: its time without start-up counts
     from the last replica ready (as Daft's, from its last engine ready), and
-    `run_seconds_from_first_engine` from the job's creation."""
+    `run_seconds_from_first_engine` from the first."""
     startup = STARTUP_LINE.search(stdout)
     overlap = 0.0
-    if startup and startup.group(3):
-        overlap = max(0.0, float(startup.group(2)) - float(startup.group(3)))
     extra: dict[str, Any] = {"replicas": {name: r.get("prefix_cache_hit_rate") for name, r in summary.get("replicas", {}).items()}}
-    if overlap:
-        extra["run_seconds_from_first_engine"] = summary["wall_seconds"]
+    if startup and startup.group(3):
+        submitted = float(startup.group(3))
+        overlap = max(0.0, float(startup.group(2)) - submitted)
+        first = min((float(t) for t in REPLICA_READY_LINE.findall(stdout)), default=None)
+        if overlap and first is not None:
+            extra["run_seconds_from_first_engine"] = round(summary["wall_seconds"] - max(0.0, first - submitted), 3)
     return dict(
         rows=summary["rows"],
         errors=summary["errors"],

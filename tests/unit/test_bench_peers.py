@@ -111,10 +111,11 @@ def test_prefixflow_time_without_start_up_counts_from_the_last_replica_ready():
     ready is not counted (as for Daft), and the time from the job's creation is kept."""
     summary = {"rows": 8, "errors": 0, "prompt_tokens": 80, "cached_tokens": 0, "output_tokens": 8,
                "prefix_cache_hit_rate": 0.0, "wall_seconds": 40.0, "replicas": {}}
-    stdout = "services ready in 2.0 s: ...\n2 replicas ready in 31.5 s (the job was submitted at 2.5 s)\n"
+    stdout = ("services ready in 2.0 s: ...\nr1 ready in 26.5 s: it takes work now\nr0 ready in 31.4 s: it takes work now\n"
+              "2 replicas ready in 31.5 s (the job was submitted at 2.5 s)\n")
     got = bp.parse_prefixflow(summary, stdout)
     assert got["startup_seconds"] == 31.5 and got["run_seconds"] == 11.0
-    assert got["extra"]["run_seconds_from_first_engine"] == 40.0
+    assert got["extra"]["run_seconds_from_first_engine"] == 16.0  # from r1 ready
     # Every replica ready before the job was submitted: nothing overlapped.
     late = bp.parse_prefixflow(summary, "2 replicas ready in 31.5 s (the job was submitted at 35.0 s)\n")
     assert late["run_seconds"] == 40.0 and "run_seconds_from_first_engine" not in late["extra"]
