@@ -371,7 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_nats_parser(ssub)
     p.set_defaults(fn=cmd_serve)
 
-    p = sub.add_parser("run", help="start a local cluster, run INPUT through it, print the summary, stop")
+    p = sub.add_parser(
+        "run",
+        help="start a local cluster, run INPUT through it, print the summary, stop",
+        description="Start a local cluster (nats-server and the five services), submit INPUT as soon as the "
+        "services are up while the engines load their model (each replica takes work as it becomes ready; "
+        "the run gives up if none is ready within 300 s), write the output and its report, print the "
+        "summary, stop.",
+    )
     add_job_args(p)
     p.add_argument("--model", default=os.environ.get("PFX_MODEL", cfgmod.DEFAULT_MODEL), help="model directory or hub id")
     p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
