@@ -20,11 +20,11 @@ import pytest
 
 from cli.local_cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
 from cli.make_model import make_model
+from shared.bus.connection import close, connect
+from shared.process.logs import setup_logging
+from shared.wire import messages as m
 from shared.wire import subjects
 from shared.wire.control import ControlReply, decode_reply
-from shared.bus.connection import close, connect
-
-from shared.process.logs import setup_logging
 
 setup_logging("tests", fmt="console", level="warning")
 
@@ -148,6 +148,17 @@ def vllm_cluster(tmp_path_factory, tiny_model):
         yield cluster
     finally:
         cluster.stop()
+
+
+async def wait_for_router(nc, attempts: int = 100) -> None:
+    """Return once the router answers route requests (a zero-prompt probe), or after
+    `attempts` tries (the caller's next request then says what is wrong)."""
+    for _ in range(attempts):
+        try:
+            await nc.request(subjects.ROUTE, m.encode(m.RouteRequest("probe", 0, 0)), timeout=0.5)
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            await asyncio.sleep(0.2)
 
 
 async def set_policy(url: str, policy: str) -> None:

@@ -15,6 +15,7 @@ from shared.bus.connection import close, connect
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.wire.messages import CacheOp
+from tests.conftest import wait_for_router
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(60)]
 
@@ -54,12 +55,7 @@ async def scenario(url: str) -> list[str]:
         return a.replica
 
     try:
-        for _ in range(100):  # the router is up once it answers
-            try:
-                await nc.request(subjects.ROUTE, m.encode(m.RouteRequest("probe", 0, 0)), timeout=0.5)
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                await asyncio.sleep(0.2)
+        await wait_for_router(nc)
         got = []
         await status()
         got.append(await route())  # nothing known: the first name; history now says a

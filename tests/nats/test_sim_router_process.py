@@ -24,6 +24,7 @@ from shared.wire import subjects
 from sim.cluster import Options, Sim
 from sim.cost import load_profile
 from sim.workload import prefix_repetition
+from tests.conftest import wait_for_router
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(180)]
 
@@ -60,12 +61,7 @@ def test_router_process_replays_the_sims_decisions(nats_server, tmp_path: Path, 
 async def replay(url: str, trace: list) -> list:
     nc = await connect(url, "sim-replay")
     try:
-        for _ in range(100):  # the router is up once it answers
-            try:
-                await nc.request(subjects.ROUTE, m.encode(m.RouteRequest("probe", 0, 0)), timeout=0.5)
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                await asyncio.sleep(0.2)
+        await wait_for_router(nc)
         mismatches = []
         pending_status = False
         for event in trace:
