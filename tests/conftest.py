@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -161,6 +162,20 @@ async def wait_for_router(nc, attempts: int = 100) -> None:
             await asyncio.sleep(0.2)
 
 
+@contextlib.contextmanager
+def router_process(url: str, log_path: Path, **env: str):
+    """The router as its own process (`python -m cli.main serve router`) on `url`, its JSON
+    log in `log_path`; `env`: more `PFX_*` settings. Terminated on exit."""
+    full = {**os.environ, "PFX_NATS_URL": url, "PFX_LOG_FORMAT": "json", **env}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "router"], env=full, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
 async def set_policy(url: str, policy: str) -> None:
     nc = await connect(url, "tests")
     try:
@@ -170,11 +185,18 @@ async def set_policy(url: str, policy: str) -> None:
         await close(nc)
 
 
-async def reset_prefix_caches(url: str, replicas: list[str]) -> None:
+async def reset_prefix_caches(url: str, replicas: list[str], busy_for: float = 30.0) -> None:
+    """Empty the replicas' prefix caches; vLLM refuses ("busy") while blocks are still
+    held (the last requests of a job finishing): asked again for up to `busy_for` s."""
     nc = await connect(url, "tests")
     try:
         for r in replicas:
-            reply = decode_reply((await nc.request(subjects.engine_reset(r), b"", timeout=30)).data)
+            deadline = time.monotonic() + busy_for
+            while True:
+                reply = decode_reply((await nc.request(subjects.engine_reset(r), b"", timeout=30)).data)
+                if reply.ok or reply.detail != "busy" or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.5)
             assert reply.ok, (r, reply.detail)
     finally:
         await close(nc)

@@ -294,6 +294,8 @@ class EngineWorker:
         if is_poison(msg):
             # It keeps failing (say, a prompt that kills the engine): error rows, not a loop.
             await quarantine(self.js, msg, "generation failed repeatedly", error_rows(work.prompts, "poison message"))
+            # Done as far as the router counts: it routed this work here.
+            self.done_work_tokens += sum(p.work_tokens for p in work.prompts)
             return
         lease = self.ledger.hold(seq, msg, len(work.prompts))
         if not work.prompts:

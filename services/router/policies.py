@@ -129,6 +129,9 @@ class Replica:
     only through `Fleet` (`assign`, `forget_history`): `Fleet.index` mirrors it."""
     history_blocks: int = 0
     """Hash blocks covered by `history` (kept within `history_budget`)."""
+    drained: tuple[float, int] | None = None
+    """(since when, `routed_prompts` then) while it reports holding nothing but the
+    router counts work outstanding on it (see `Fleet.observe`)."""
 
 
 class _Prefix:
@@ -234,6 +237,7 @@ class Fleet:
         cap_windows: float = 2.0,
         hash_block_size: int = HASH_BLOCK_SIZE,
         block_index_entries: int = BLOCK_INDEX_ENTRIES,
+        settle: float = 3.0,
     ) -> None:
         self.dead_after = dead_after
         self.cap_tokens = cap_tokens
@@ -259,6 +263,12 @@ class Fleet:
         """Cache-event batches lost (the model may be wrong until the blocks turn over)."""
         self.history_checks = HistoryChecks()
         """How the history would have scored the replicas that send events (measured)."""
+        self.settle = settle
+        """Seconds a ready replica may report holding nothing, with nothing routed to it
+        meanwhile, before the work still counted on it is written off as lost."""
+        self.written_off = 0
+        """Work tokens written off so (a route reply the bucketer never got, a publish
+        that failed after routing, a batch dropped unread)."""
 
     def observe(
         self,
@@ -285,6 +295,7 @@ class Fleet:
         else:
             r.outstanding = max(r.outstanding - (done_tokens - r.done_tokens), outstanding, 0)
         r.done_tokens = done_tokens
+        self.write_off(r, now, ready=ready, holds=outstanding)
         r.last_seen, r.ready, r.kv_blocks, r.window = now, ready, kv_blocks, window
         if ready:
             r.last_ready = now
@@ -294,6 +305,21 @@ class Fleet:
             r.history_budget = kv_tokens // self.hash_block_size
         else:
             r.history_budget = None
+
+    def write_off(self, r: Replica, now: float, *, ready: bool, holds: int) -> None:
+        """Heal the outstanding count: work routed to a replica that never reaches it
+        (the bucketer missed the route reply and asked again, or its publish failed) is
+        never completed, and would keep the replica at its cap for good. A ready replica
+        that holds nothing pulls whatever its queue has; when it has held nothing for
+        `settle` seconds and nothing was routed to it meanwhile, its queue is empty and
+        what the router still counts on it is lost: written off."""
+        if not ready or holds or not r.outstanding:
+            r.drained = None
+        elif r.drained is None or r.drained[1] != r.routed_prompts:
+            r.drained = (now, r.routed_prompts)
+        elif now - r.drained[0] >= self.settle:
+            self.written_off += r.outstanding
+            r.outstanding, r.drained = 0, None
 
     def is_live(self, r: Replica, now: float) -> bool:
         return r.ready and now - r.last_seen < self.dead_after

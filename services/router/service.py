@@ -50,6 +50,7 @@ class Router:
         now = time.monotonic()
         r = self.fleet.replicas.get(status.replica)
         before = r.outstanding if r is not None else None
+        written_off = self.fleet.written_off
         self.fleet.observe(
             status.replica,
             now,
@@ -61,6 +62,9 @@ class Router:
             window=status.window,
         )
         r = self.fleet.replicas[status.replica]
+        if self.fleet.written_off > written_off:
+            log.warning("work routed here never arrived: written off", replica=r.name,
+                        tokens=self.fleet.written_off - written_off)
         freed = before is None or r.outstanding < before
         return freed and self.fleet.is_open(r, now)  # O(1): every replica reports often
 
@@ -199,6 +203,7 @@ class Router:
                     precise=sorted(self.fleet.precise),
                     cache_entries=len(self.fleet.blocks),
                     cache_gaps=self.fleet.cache_gaps,
+                    written_off=self.fleet.written_off,
                     history_checks=dataclasses.asdict(self.fleet.history_checks),
                     outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
                 )

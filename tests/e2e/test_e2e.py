@@ -121,7 +121,7 @@ def test_bad_input_mid_job_becomes_error_rows(vllm_cluster, tiny_model, tmp_path
 def test_prefix_aware_routing_reaches_ideal_hit_rate(vllm_cluster, tiny_model, tmp_path):
     """Same dataset, same engines (KV cache constrained: the dataset does not fit), cold
     cache for each run: prefix-aware reaches >= 90 % of the analytic ideal hit rate and
-    beats round-robin, measured in the same test.
+    beats round-robin on average over two rounds, measured in the same test.
 
     The bucketer's buffer (64 prompts) is far smaller than the shuffled stream, so most
     prefix groups leave in two or more fragments. Round-robin sends a group's fragments
@@ -131,7 +131,8 @@ def test_prefix_aware_routing_reaches_ideal_hit_rate(vllm_cluster, tiny_model, t
     keeps a group on one replica (16 prefixes each). Each split or eviction costs 384
     of 253,952 prompt tokens (0.0015 of hit rate). Measured in 15 runs: prefix-aware
     0.710-0.720, round-robin 0.672-0.708 (9-25 split groups), prefix-aware ahead by
-    0.010-0.042 every time (docs/benchmarks.md)."""
+    0.010-0.042 every time (docs/benchmarks.md); once, in CI, round-robin got lucky
+    (0.7077) and prefix-aware not (0.7046): hence two rounds."""
     data = tmp_path / "prompts.parquet"
     # 3 prefix blocks + 1 block of suffix and output per prompt (384 + 112 + 8 tokens).
     table = write_prefix_repetition(
@@ -139,22 +140,24 @@ def test_prefix_aware_routing_reaches_ideal_hit_rate(vllm_cluster, tiny_model, t
     )
     ideal = ideal_hit_rate(table, block_size=128)
     assert 32 * 3 + 512 * 1 > 2 * 128, "the dataset's KV (shared prefixes + 1 block a prompt) must not fit in the caches"
-    rates = {}
-    for policy in ("round-robin", "prefix-aware"):
+    rates: dict[str, list[float]] = {"round-robin": [], "prefix-aware": []}
+    # Two rounds in ABBA order: a lucky or unlucky run of either policy (the shared
+    # machine's timing shapes the fragments) is averaged with the other round.
+    for i, policy in enumerate(("round-robin", "prefix-aware", "prefix-aware", "round-robin")):
         asyncio.run(set_policy(vllm_cluster.url, policy))
         asyncio.run(reset_prefix_caches(vllm_cluster.url, ["r0", "r1"]))
-        out = tmp_path / policy
+        out = tmp_path / f"{policy}-{i}"
         res = run_cli(
-            "submit", str(data), "--out", str(out), "--nats", vllm_cluster.url, "--job", f"e2e-{policy}",
+            "submit", str(data), "--out", str(out), "--nats", vllm_cluster.url, "--job", f"e2e-{policy}-{i}",
             "--max-tokens", "8", "--no-progress", "--timeout", "600",
         )
         assert res.returncode == 0, f"{res.stdout}\n{res.stderr}\n{vllm_cluster.tail()}"
         summary = json.loads((out / "_summary.json").read_text())
         assert summary["rows"] == 512 and summary["errors"] == 0
-        rates[policy] = summary["prefix_cache_hit_rate"]
-    print(f"\nideal {ideal:.4f}  " + "  ".join(f"{k} {v:.4f}" for k, v in rates.items()))
-    assert rates["prefix-aware"] >= 0.9 * ideal, rates
-    assert rates["prefix-aware"] > rates["round-robin"], rates
+        rates[policy].append(summary["prefix_cache_hit_rate"])
+    print(f"\nideal {ideal:.4f}  " + "  ".join(f"{k} {v}" for k, v in rates.items()))
+    assert min(rates["prefix-aware"]) >= 0.9 * ideal, rates
+    assert sum(rates["prefix-aware"]) > sum(rates["round-robin"]), rates
 
 
 def test_vllm_replica_killed_at_a_third_fails_over(tmp_path, tiny_model):

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ from shared.bus.connection import close, connect
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.wire.messages import CacheOp
-from tests.conftest import wait_for_router
+from tests.conftest import router_process, wait_for_router
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(60)]
 
@@ -23,14 +20,8 @@ K = [101, 102, 103]
 
 
 def test_router_follows_the_replicas_cache_events(nats_server, tmp_path: Path):
-    env = {**os.environ, "PFX_NATS_URL": nats_server.url, "PFX_POLICY": "prefix-aware", "PFX_LOG_FORMAT": "json"}
-    with open(tmp_path / "router.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "router"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            got = asyncio.run(scenario(nats_server.url))
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with router_process(nats_server.url, tmp_path / "router.log", PFX_POLICY="prefix-aware"):
+        got = asyncio.run(scenario(nats_server.url))
     assert got == ["a", "b", "a"], (tmp_path / "router.log").read_text()[-2000:]
 
 

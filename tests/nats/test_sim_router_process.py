@@ -11,9 +11,6 @@ assignment (or retry-after where the simulator was refused). The unit test
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +21,7 @@ from shared.wire import subjects
 from sim.cluster import Options, Sim
 from sim.cost import load_profile
 from sim.workload import prefix_repetition
-from tests.conftest import wait_for_router
+from tests.conftest import router_process, wait_for_router
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(180)]
 
@@ -47,14 +44,8 @@ def test_router_process_replays_the_sims_decisions(nats_server, tmp_path: Path, 
     trace = record(policy)
     routes = [e for e in trace if e[0] == "route"]
     assert len(routes) > 20
-    env = {**os.environ, "PFX_NATS_URL": nats_server.url, "PFX_POLICY": policy, "PFX_LOG_FORMAT": "json"}
-    with open(tmp_path / "router.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "router"], env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            mismatches = asyncio.run(replay(nats_server.url, trace))
-        finally:
-            proc.terminate()
-            proc.wait(10)
+    with router_process(nats_server.url, tmp_path / "router.log", PFX_POLICY=policy):
+        mismatches = asyncio.run(replay(nats_server.url, trace))
     assert mismatches == [], mismatches[:5]
 
 

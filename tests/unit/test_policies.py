@@ -436,6 +436,79 @@ def test_observe_property(steps):
             assert r.outstanding == reported
 
 
+def test_work_that_never_arrived_is_written_off_once_the_replica_drains():
+    """A route reply the bucketer missed (it asked again) leaves work counted on a replica
+    that never gets it; over the cap, the replica would never be routed to again."""
+    f = Fleet(cap_tokens=1000, settle=3.0)
+    f.observe("r", 0.0, ready=True, outstanding=0, done_tokens=0)
+    r = f.replicas["r"]
+    f.assign(r, 10, 5000, [1])  # lost on its way
+    for t in (1.0, 2.0, 3.9):
+        f.observe("r", t, ready=True, outstanding=0, done_tokens=0)
+        assert r.outstanding == 5000 and not f.is_open(r, t)
+    f.observe("r", 4.0, ready=True, outstanding=0, done_tokens=0)
+    assert r.outstanding == 0 and f.written_off == 5000 and f.is_open(r, 4.0)
+
+
+@pytest.mark.parametrize("interrupt", ["routed", "holds", "not-ready"])
+def test_write_off_waits_for_a_quiet_drained_replica(interrupt):
+    """Work routed to it, work it holds, or not being ready (rebuilding: its queue waits)
+    restarts the wait."""
+    f = Fleet(cap_tokens=1000, settle=3.0)
+    f.observe("r", 0.0, ready=True, outstanding=0, done_tokens=0)
+    r = f.replicas["r"]
+    f.assign(r, 10, 5000, [1])
+    f.observe("r", 1.0, ready=True, outstanding=0, done_tokens=0)
+    if interrupt == "routed":
+        f.assign(r, 1, 100, [2])
+    f.observe("r", 2.0, ready=interrupt != "not-ready", outstanding=100 if interrupt == "holds" else 0, done_tokens=0)
+    f.observe("r", 4.5, ready=True, outstanding=0, done_tokens=0)  # 3.5 s after the first drained status
+    assert f.written_off == 0 and r.outstanding >= 5000
+    f.observe("r", 7.5, ready=True, outstanding=0, done_tokens=0)  # 3 s of quiet after it
+    assert f.written_off > 0 and r.outstanding == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.floats(0.05, 1.0), st.one_of(st.just(0), st.integers(1, 800)), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.booleans()),
+        min_size=1, max_size=40,
+    ),
+    lossy=st.booleans(),
+)
+def test_write_off_property(steps, lossy):
+    """A worker that gets what is routed to it within a second and reports what it holds:
+    nothing is ever written off and the count never falls below what is really on the
+    way or held. When some routed work is lost instead, the count is back to the truth
+    (zero) once the worker has drained and nothing was routed for `settle` seconds."""
+    f = Fleet(settle=3.0)
+    f.observe("r", 0.0, ready=True, outstanding=0, done_tokens=0)
+    r = f.replicas["r"]
+    now, held, done = 0.0, 0, 0
+    transit: list[tuple[float, int]] = []  # (arrival time, tokens)
+    for dt, routed, delay, finish, lose in steps:
+        now += dt
+        if routed:
+            f.assign(r, 1, routed, [])
+            if not (lossy and lose):
+                transit.append((now + delay, routed))
+        held += sum(n for t, n in transit if t <= now)
+        transit = [(t, n) for t, n in transit if t > now]
+        finished = int(held * finish)
+        held, done = held - finished, done + finished
+        f.observe("r", now, ready=True, outstanding=held, done_tokens=done)
+        if not lossy:
+            assert f.written_off == 0
+            assert r.outstanding >= held + sum(n for _, n in transit)
+    for _ in range(8):  # the worker drains; nothing more is routed
+        now += 0.5
+        held += sum(n for _, n in transit)
+        transit = []
+        done, held = done + held, 0
+        f.observe("r", now, ready=True, outstanding=0, done_tokens=done)
+    assert r.outstanding == 0
+
+
 # --- property: prefix-aware choices -----------------------------------------------------
 
 replica_specs = st.lists(
