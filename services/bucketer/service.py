@@ -213,17 +213,17 @@ class Bucketer:
             return 0
         return float("inf") if reply.tokens < 0 else reply.tokens
 
-    def route_request(self, bucket: Bucket, tokens: int) -> m.RouteRequest:
+    def route_request(self, bucket: Bucket, tokens: int, bucket_id: str) -> m.RouteRequest:
         parts = []
         start = 0
         for n, key in bucket.parts:
             part_tokens = sum(it.payload.work_tokens for it in bucket.items[start : start + n])
             parts.append(m.RoutePart(n, part_tokens, key))
             start += n
-        return m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key, parts)
+        return m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key, parts, bucket_id)
 
-    async def route(self, bucket: Bucket, tokens: int, stop_retrying: bool) -> list[m.Assignment]:
-        req = m.encode(self.route_request(bucket, tokens))
+    async def route(self, bucket: Bucket, tokens: int, bucket_id: str, stop_retrying: bool) -> list[m.Assignment]:
+        req = m.encode(self.route_request(bucket, tokens, bucket_id))
         while True:
             freed = self.freed  # a freed-room notice from now on ends the retry wait
             try:
@@ -250,11 +250,11 @@ class Bucketer:
 
     async def send(self, bucket: Bucket, stop_retrying: bool = False) -> None:
         tokens = sum(it.payload.work_tokens for it in bucket.items)
+        bucket_id = uuid.uuid4().hex[:12]
         try:
-            assignments = await self.route(bucket, tokens, stop_retrying)
+            assignments = await self.route(bucket, tokens, bucket_id, stop_retrying)
         except TimeoutError:
             return
-        bucket_id = uuid.uuid4().hex[:12]
         start = 0
         for a in assignments:
             items = bucket.items[start : start + a.prompts]

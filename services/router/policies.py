@@ -267,8 +267,7 @@ class Fleet:
         """Seconds a ready replica may report holding nothing, with nothing routed to it
         meanwhile, before the work still counted on it is written off as lost."""
         self.written_off = 0
-        """Work tokens written off so (a route reply the bucketer never got, a publish
-        that failed after routing, a batch dropped unread)."""
+        """Work tokens written off so far (see `write_off`)."""
 
     def observe(
         self,
@@ -308,8 +307,9 @@ class Fleet:
 
     def write_off(self, r: Replica, now: float, *, ready: bool, holds: int) -> None:
         """Heal the outstanding count: work routed to a replica that never reaches it
-        (the bucketer missed the route reply and asked again, or its publish failed) is
-        never completed, and would keep the replica at its cap for good. A ready replica
+        (the bucketer's publish failed after routing, a reply lost past the router's
+        memory of answers) is never completed, and would keep the replica at its cap
+        for good. A ready replica
         that holds nothing pulls whatever its queue has; when it has held nothing for
         `settle` seconds and nothing was routed to it meanwhile, its queue is empty and
         what the router still counts on it is lost: written off."""

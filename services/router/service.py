@@ -10,6 +10,7 @@ live replica is at its cap (or none is up yet). Handler errors become error repl
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 
@@ -30,6 +31,9 @@ from services.router.policies import Fleet, make_policy
 
 log = structlog.get_logger()
 
+ANSWERS_KEPT = 4096
+"""Route answers kept for requests asked again (a bucketer retries within seconds)."""
+
 
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
@@ -44,6 +48,9 @@ class Router:
         self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor)
         self.routed = 0
         self.split = 0
+        self.answered: collections.OrderedDict[tuple[str, str], m.RouteReply] = collections.OrderedDict()
+        """The last `ANSWERS_KEPT` assignments by (bucketer, bucket id): a request asked
+        again because its reply was lost gets the same answer, not a second assignment."""
 
     def on_status(self, status: m.EngineStatus) -> bool:
         """Apply a status; True when it freed room on a replica that can take work."""
@@ -72,6 +79,19 @@ class Router:
         self.fleet.apply_cache_events(events.replica, events.epoch, events.seq, events.ops)
 
     def decide(self, req: m.RouteRequest) -> m.RouteReply:
+        """Route one request; a request asked again gets its first answer."""
+        asked = (req.bucketer, req.bucket)
+        if req.bucket and asked in self.answered:
+            metrics.ROUTER_DECISIONS.labels(self.policy.name, "repeated").inc()
+            return self.answered[asked]
+        reply = self.route(req)
+        if req.bucket and reply.assignments:
+            self.answered[asked] = reply
+            if len(self.answered) > ANSWERS_KEPT:
+                self.answered.popitem(last=False)
+        return reply
+
+    def route(self, req: m.RouteRequest) -> m.RouteReply:
         now = time.monotonic()
         if req.parts:
             chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key) for p in req.parts], req.key)

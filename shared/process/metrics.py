@@ -90,7 +90,7 @@ ROUTE_RETRIES = _counter("pfx_bucketer_route_retries", "Route requests answered 
 # --- router --------------------------------------------------------------------------
 
 ROUTER_DECISIONS = _counter(
-    "pfx_router_decisions", "Route decisions by outcome: routed (one replica), split (several), retry_after, error", ["policy", "outcome"]
+    "pfx_router_decisions", "Route decisions by outcome: routed (one replica), split (several), retry_after, error, repeated (a request asked again: its first answer)", ["policy", "outcome"]
 )
 ROUTER_MATCH_BLOCKS = _histogram(
     "pfx_router_match_blocks", "Prefix blocks of a routed (part of a) bucket already in the chosen replica's history", ["policy"], BLOCK_BUCKETS

@@ -321,6 +321,9 @@ class RouteRequest(msgspec.Struct, omit_defaults=True):
     """Block-hash chain of the bucket's common prefix; empty for a pooled batch."""
     parts: list[RoutePart] = msgspec.field(default_factory=list)
     """A pooled batch's small buckets, in prompt order (their prompts sum to `prompts`)."""
+    bucket: str = ""
+    """The bucket's id: a request asked again (its reply lost) gets the first answer, its
+    work is not counted twice."""
 
 
 class Assignment(msgspec.Struct, array_like=True):

@@ -1,6 +1,6 @@
-"""The real router process writes off work that never reached its replica (a route reply
-the bucketer missed before asking again): without that, the replica stays at its cap
-for good and a job stalls with its prompts waiting in the bucketer."""
+"""The real router process writes off work that never reached its replica (the bucketer's
+publish failed after routing): without that, the replica stays at its cap for good and
+a job stalls with its prompts waiting in the bucketer."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def small_run(policy: str, monkeypatch):
             bucket.key, bucket.prefix_len, bucket.parts,
         )
         tokens = sum(it.payload.work_tokens for it in wire.items)
-        built.append((real.route_request(wire, tokens), got))
+        built.append((real.route_request(wire, tokens, "b"), got))
         return got
 
     monkeypatch.setattr(BucketerSim, "route_request", both)
@@ -109,3 +109,20 @@ def test_router_service_makes_the_sims_assignments(policy, monkeypatch):
         assert (service_req.prompts, service_req.tokens, service_req.key) == (prompts, tokens, key)
         assert [(p.prompts, p.tokens, p.key) for p in service_req.parts] == [(p, t, k) for p, t, k in parts]
     assert result.prompts == 3000
+
+
+def test_a_route_request_asked_again_gets_its_first_answer(monkeypatch):
+    """A bucketer whose route reply was lost asks again with the same bucket id: the same
+    replicas, and the work counted once (twice, it would hold the replica at its cap)."""
+    router = router_service.Router(RouterConfig(policy="prefix-aware", replica_cap_tokens=1000))
+    for name in ("a", "b"):
+        router.on_status(m.EngineStatus(replica=name, ts=0.0, ready=True))
+    first = router.decide(m.RouteRequest("node0", 4, 600, [1, 2], bucket="x1"))
+    again = router.decide(m.RouteRequest("node0", 4, 600, [1, 2], bucket="x1"))
+    assert again == first and len(first.assignments) == 1
+    assert sum(r.outstanding for r in router.fleet.replicas.values()) == 600
+    other = router.decide(m.RouteRequest("node1", 4, 600, [1, 2], bucket="x1"))  # another bucketer's id
+    assert sum(r.outstanding for r in router.fleet.replicas.values()) == 1200 and other.assignments
+    monkeypatch.setattr(router_service, "ANSWERS_KEPT", 2)  # bounded: the oldest answers go
+    router.decide(m.RouteRequest("node0", 1, 1, bucket="x2"))
+    assert list(router.answered) == [("node1", "x1"), ("node0", "x2")]
