@@ -72,6 +72,8 @@ class EngineWorker:
         """Why the engine died, until it is rebuilt."""
         self.budget = RebuildBudget(cfg.max_rebuilds, cfg.rebuild_window, cfg.rebuild_backoff)
         self.rebuilds = 0
+        self.cache_epoch = uuid.uuid4().hex[:8]
+        """A new one whenever the engine's prefix cache starts empty (`EngineStatus`)."""
         self.done_prompt_tokens = 0
         self.done_work_tokens = 0
         self.cached_tokens = 0
@@ -241,6 +243,7 @@ class EngineWorker:
         self.window.reset()  # a new engine: cold, and its first result should come fast
         self.feeder.open = True
         self.rebuilds += 1
+        self.cache_epoch = uuid.uuid4().hex[:8]
         self.ready = True
         self.status_due.set()
         log.info("engine rebuilt: taking work again", seconds=round(time.monotonic() - t0, 2), rebuilds=self.rebuilds)
@@ -252,6 +255,8 @@ class EngineWorker:
         if self.ready:
             try:
                 ok = await self.engine.reset_prefix_cache()
+                if ok:
+                    self.cache_epoch = uuid.uuid4().hex[:8]
                 if ok and self.kv is not None:
                     self.kv.cleared()  # vLLM reports it only at its next step
                 reply = ControlReply(ok, "" if ok else "busy")
@@ -400,6 +405,7 @@ class EngineWorker:
             window=self.window.limit,
             generated_tokens=s.generated,
             jobs=dict(self.feeder.jobs),
+            cache_epoch=self.cache_epoch,
             cached_tokens=self.cached_tokens,
             completed=self.completed,
             output_tokens=self.output_tokens,

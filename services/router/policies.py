@@ -129,6 +129,8 @@ class Replica:
     only through `Fleet` (`assign`, `forget_history`): `Fleet.index` mirrors it."""
     history_blocks: int = 0
     """Hash blocks covered by `history` (kept within `history_budget`)."""
+    cache_epoch: str = ""
+    """The engine cache's epoch it last reported (`EngineStatus.cache_epoch`)."""
     drained: tuple[float, int] | None = None
     """(since when, `routed_prompts` then) while it reports holding nothing but the
     router counts work outstanding on it (see `Fleet.observe`)."""
@@ -280,10 +282,13 @@ class Fleet:
         kv_blocks: int = 0,
         window: int = 0,
         engine_block_size: int = 0,
+        cache_epoch: str = "",
     ) -> None:
         """Apply a status message: completed work leaves the outstanding count, which is
         never below what the replica itself reports in flight. `kv_blocks` counts engine
-        blocks of `engine_block_size` tokens (0: not reported, taken as hash blocks)."""
+        blocks of `engine_block_size` tokens (0: not reported, taken as hash blocks). A new
+        `cache_epoch` (its engine's cache started empty) forgets its history: its
+        prefixes are no longer there."""
         r = self.replicas.get(name)
         if r is None:
             r = self.replicas[name] = Replica(name)
@@ -294,6 +299,10 @@ class Fleet:
         else:
             r.outstanding = max(r.outstanding - (done_tokens - r.done_tokens), outstanding, 0)
         r.done_tokens = done_tokens
+        if cache_epoch and cache_epoch != r.cache_epoch:
+            if r.cache_epoch:  # (KV events carry their own epochs)
+                self.forget_history(r)
+            r.cache_epoch = cache_epoch
         self.write_off(r, now, ready=ready, holds=outstanding)
         r.last_seen, r.ready, r.kv_blocks, r.window = now, ready, kv_blocks, window
         if ready:

@@ -67,6 +67,7 @@ class Router:
             kv_blocks=status.kv_blocks,
             engine_block_size=status.block_size,
             window=status.window,
+            cache_epoch=status.cache_epoch,
         )
         r = self.fleet.replicas[status.replica]
         if self.fleet.written_off > written_off:

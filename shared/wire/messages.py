@@ -292,6 +292,9 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     """Cumulative generated tokens, prompts in flight included (progress before a row is done)."""
     jobs: dict[str, int] = {}
     """Prompts held here per job (in the engine or waiting for its window)."""
+    cache_epoch: str = ""
+    """Changes whenever the engine's prefix cache starts empty (a new worker, a rebuilt
+    engine, a reset): what the router remembers routing here is gone."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):

@@ -43,6 +43,7 @@ class Watch:
 
     def __init__(self) -> None:
         self.ready: list[tuple[float, bool]] = []  # (time, ready) each time r0's readiness changes
+        self.epochs: list[str] = []  # r0's cache epochs, in the order reported
         self.at: dict = {}
         self.replica: dict = {}
 
@@ -53,6 +54,8 @@ class Watch:
             st = m.engine_status_decoder.decode(msg.data)
             if not self.ready or self.ready[-1][1] != st.ready:
                 self.ready.append((time.monotonic(), st.ready))
+            if not self.epochs or self.epochs[-1] != st.cache_epoch:
+                self.epochs.append(st.cache_epoch)
 
         async def on_results(msg) -> None:
             now = time.monotonic()
@@ -116,6 +119,7 @@ def test_worker_rebuilds_its_dead_engine_in_place(tmp_path, tiny_model, rows):
         proc = cluster.running["engine0"]
         assert proc.pid == pid and proc.poll() is None, "the worker process survived its engine"
         assert [ready for _, ready in watch.ready][:3] == [True, False, True], watch.ready
+        assert len(watch.epochs) >= 2 and all(watch.epochs) and len(set(watch.epochs)) == len(watch.epochs), "the rebuilt engine's cache is a new epoch (the router forgets r0's history)"
         assert new_r0, "r0 took new work after the rebuild"
         assert "engine rebuilt" in cluster.log_tail("engine0", 400)
         assert status.done and status.rows == N and status.errors == 0

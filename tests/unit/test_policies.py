@@ -436,6 +436,24 @@ def test_observe_property(steps):
             assert r.outstanding == reported
 
 
+def test_a_new_cache_epoch_forgets_the_replicas_history():
+    """Its engine was rebuilt, reset or its worker restarted: the prefixes routed there
+    are gone, so the router no longer prefers it for them (the other replica keeps its)."""
+    f = Fleet()
+    for name in ("a", "b"):
+        f.observe(name, 1.0, ready=True, outstanding=0, done_tokens=0, cache_epoch="e1")
+    a, b = f.replicas["a"], f.replicas["b"]
+    f.assign(a, 1, 10, [1, 2])
+    f.assign(b, 1, 10, [3])
+    f.observe("a", 2.0, ready=True, outstanding=0, done_tokens=10, cache_epoch="e1")
+    assert f.best_match(a, [1, 2])[0] == 2
+    f.observe("a", 3.0, ready=True, outstanding=0, done_tokens=10, cache_epoch="e2")
+    assert f.best_match(a, [1, 2]) == (0, 0) and not a.history and f.matches([1, 2]) == {}
+    assert f.best_match(b, [3])[0] == 1
+    f.observe("b", 3.0, ready=True, outstanding=0, done_tokens=10)  # no epoch reported: kept
+    assert f.best_match(b, [3])[0] == 1
+
+
 def test_work_that_never_arrived_is_written_off_once_the_replica_drains():
     """A route reply the bucketer missed (it asked again) leaves work counted on a replica
     that never gets it; over the cap, the replica would never be routed to again."""
