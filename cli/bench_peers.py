@@ -14,7 +14,8 @@ The peers run in their own virtualenv (`make bench-peers`: `.venv-peers`), each 
 bench/peers/ that prints one `PEER_RESULT {json}` line; prefixflow runs as `prefixflow run` in a
 subprocess too, so every method pays its own process start, imports and engine start-up.
 
-Every method gets the same per-row lengths (resolved here once: `row_lengths`), the same sampling
+Every method gets the same per-row lengths (resolved here once: `row_lengths`; with
+`--mean-lengths`, every row the rounded means, the one setting Daft's provider can run), the same sampling
 flags, prefix caching on, enforce_eager, and `--kv-cache-blocks` KV blocks per engine. Each method
 reports two times:
 
@@ -226,10 +227,22 @@ def dataset_ideal(path: str | Path, metadata: dict[str, Any], block_size: int | 
 # --- inputs ------------------------------------------------------------------------------
 
 
-def prepare_inputs(dataset: Path, work: Path, default_max: int, default_min: int) -> dict[str, Any]:
-    """Write the two inputs every method reads, with the same rows and per-row lengths:
-    `peers.parquet` (id, prompt, max_tokens, min_tokens) and `prefixflow.parquet` (id, prompt,
-    and a `sampling` column only when lengths vary; otherwise they go as flags)."""
+def mean_lengths(hi: list[int], lo: list[int]) -> tuple[list[int], list[int]]:
+    """Every row at the rounded mean (max_tokens, min_tokens), min never above max: what
+    Daft's provider, which takes one sampling setting per query, runs (its `uniform_sampling`)."""
+    if not hi:
+        return hi, lo
+    mean_max = round(sum(hi) / len(hi))
+    mean_min = min(mean_max, round(sum(lo) / len(lo)))
+    return [mean_max] * len(hi), [mean_min] * len(lo)
+
+
+def prepare_inputs(dataset: Path, work: Path, default_max: int, default_min: int,
+                   mean: bool = False) -> dict[str, Any]:
+    """Write the two inputs every method reads, with the same rows and per-row lengths
+    (`mean`: every row at the means): `peers.parquet` (id, prompt, max_tokens, min_tokens) and
+    `prefixflow.parquet` (id, prompt, and a `sampling` column only when lengths vary;
+    otherwise they go as flags)."""
     table = pq.read_table(dataset)
     names = set(table.column_names)
     if "prompt" not in names:
@@ -237,6 +250,8 @@ def prepare_inputs(dataset: Path, work: Path, default_max: int, default_min: int
     ids = table.column("id") if "id" in names else pa.array(range(table.num_rows), pa.int64())
     wanted = [c for c in ("sampling", "max_tokens", "min_tokens", "output_len") if c in names]
     hi, lo = row_lengths({c: table.column(c).to_pylist() for c in wanted} or {"id": ids.to_pylist()}, default_max, default_min)
+    if mean:
+        hi, lo = mean_lengths(hi, lo)
     work.mkdir(parents=True, exist_ok=True)
     peers = pa.table({"id": ids, "prompt": table.column("prompt"), "max_tokens": pa.array(hi, pa.int32()),
                       "min_tokens": pa.array(lo, pa.int32())})
@@ -332,7 +347,7 @@ def run_peer(method: str, round_: int, args: argparse.Namespace, work: Path) -> 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir)
     (work / "logs").mkdir(parents=True, exist_ok=True)
-    inputs = prepare_inputs(Path(args.dataset), work, args.max_tokens, args.min_tokens)
+    inputs = prepare_inputs(Path(args.dataset), work, args.max_tokens, args.min_tokens, args.mean_lengths)
     print(f"{inputs['rows']} rows, {inputs['output_tokens_asked']} output tokens asked; "
           f"{args.rounds} round(s) of {', '.join(args.methods)}; logs in {work / 'logs'}", flush=True)
     runs: list[Run] = []
@@ -464,6 +479,9 @@ def add_peers_parser(sub) -> None:
     p.add_argument("--model", default=cfgmod.DEFAULT_MODEL)
     p.add_argument("--max-tokens", type=int, default=128, help="for rows whose dataset gives no length")
     p.add_argument("--min-tokens", type=int, default=0, help="for rows whose dataset gives no length")
+    p.add_argument("--mean-lengths", action="store_true",
+                   help="every method runs every row at the rounded mean lengths (the job Daft's provider runs on rows "
+                        "whose lengths differ): a like-for-like comparison")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (per row: seed + id)")

@@ -53,6 +53,9 @@ def test_min_never_exceeds_max(pairs):
     assert len(hi) == len(lo) == len(pairs)
     assert all(0 <= m <= x for x, m in zip(hi, lo))
     assert hi == [a for a, _ in pairs]
+    mhi, mlo = bp.mean_lengths(hi, lo)  # --mean-lengths: one setting, the same total within rounding
+    assert len(set(mhi)) == len(set(mlo)) == 1 and 0 <= mlo[0] <= mhi[0]
+    assert abs(sum(mhi) - sum(hi)) <= len(hi) / 2
 
 
 def test_inputs_carry_the_same_rows_to_every_method(tmp_path):
@@ -68,6 +71,12 @@ def test_inputs_carry_the_same_rows_to_every_method(tmp_path):
     assert [r["sampling"] for r in own] == [{"max_tokens": 4, "min_tokens": 4}, {"max_tokens": 8, "min_tokens": 2},
                                             {"max_tokens": 4, "min_tokens": 4}]
     assert info["uniform_lengths"] is None and info["output_tokens_asked"] == 16
+
+    # --mean-lengths: every method gets the rows' rounded means (Daft's provider's one setting)
+    info = bp.prepare_inputs(tmp_path / "varied.parquet", tmp_path / "w3", 128, 0, mean=True)
+    assert info["uniform_lengths"] == (5, 3) and info["output_tokens_asked"] == 15
+    assert [(r["max_tokens"], r["min_tokens"]) for r in pq.read_table(tmp_path / "w3" / "peers.parquet").to_pylist()] == [(5, 3)] * 3
+    assert pq.read_table(tmp_path / "w3" / "prefixflow.parquet").column_names == ["id", "prompt"]  # lengths go as flags
 
     fixed = pa.table({"id": [0, 1], "prompt": ["x", "y"], "output_len": pa.array([32, 32], pa.int32())})
     pq.write_table(fixed, tmp_path / "fixed.parquet")
