@@ -193,6 +193,17 @@ def test_daft_gets_one_sampling_and_says_so_when_rows_differ():
     assert (row["max_tokens"], row["min_tokens"]) == (48, 16) and "one SamplingParams" in note
 
 
+@given(st.lists(st.tuples(st.integers(1, 512), st.integers(0, 512)), min_size=1, max_size=30))
+def test_mean_lengths_give_every_method_what_the_daft_runner_runs(pairs):
+    """`bench peers --mean-lengths` (product venv) and the Daft runner (peers venv, which
+    cannot import the product) compute the same means: this keeps the two equal."""
+    hi, lo = bp.row_lengths({"max_tokens": [a for a, _ in pairs], "min_tokens": [b for _, b in pairs]}, 128, 0)
+    rows = [{"id": i, "max_tokens": a, "min_tokens": b} for i, (a, b) in enumerate(zip(hi, lo))]
+    row, _ = daft_provider.uniform_sampling(rows)
+    mhi, mlo = bp.mean_lengths(hi, lo)
+    assert (mhi[0], mlo[0]) == (row["max_tokens"], row["min_tokens"])
+
+
 def test_each_engine_claims_its_own_cores(tmp_path):
     held = len(daft_hook._held)
     try:
