@@ -56,9 +56,12 @@ class Ingestor:
         self.sharder = Sharder(epsilon=cfg.shard_epsilon)
 
     def live_nodes(self) -> list[str]:
+        """Bucketer nodes heard from within BUCKETER_LIVE_FOR; when none is (heartbeats
+        late across a reconnect), every node ever heard: its durable stream keeps the
+        prompts until its bucketer is back. Never a node no bucketer reported: nothing
+        would ever take its prompts. Empty until the first heartbeat."""
         now = time.monotonic()
-        nodes = sorted(n for n, seen in self.bucketers.items() if now - seen < BUCKETER_LIVE_FOR)
-        return nodes or [self.cfg.default_node]
+        return sorted(n for n, seen in self.bucketers.items() if now - seen < BUCKETER_LIVE_FOR) or sorted(self.bucketers)
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, "ingestor")
@@ -80,6 +83,9 @@ class Ingestor:
         await nc.subscribe(subjects.ALL_BUCKETER_HEARTBEATS, cb=on_heartbeat)
         log.info("ingestor ready", max_model_len=self.model.max_model_len)
         while not stop.is_set():
+            if not self.bucketers:  # no bucketer has reported yet: its prompts would have nowhere to go
+                await asyncio.sleep(0.1)
+                continue
             msgs = await sub.fetch(self.cfg.fetch_batch, timeout=1.0)
             if not msgs:
                 continue

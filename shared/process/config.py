@@ -79,7 +79,6 @@ class ModelConfig(CommonConfig, kw_only=True):
 
 class IngestorConfig(ModelConfig, kw_only=True):
     fetch_batch: Annotated[int, _d("ingest messages fetched per pull", gt=0)] = 64
-    default_node: Annotated[str, _d("bucketer node used while no bucketer has reported")] = "node0"
     hash_block_size: Annotated[int, _d("prefix-key block length in tokens (sharding key)", gt=0)] = HASH_BLOCK_SIZE
     shard_epsilon: Annotated[
         float, _d("bounded-load sharding: a bucketer may take (1 + this) x the average recent load", gt=0)

@@ -99,6 +99,44 @@ def timeline(watch: Watch, t0: float, step: float = 1.0) -> str:
     return " ".join(f"{counts[k][REPLICAS[0]]}/{counts[k][REPLICAS[1]]}" for k in range(max(counts) + 1))
 
 
+async def pipeline_state(fleet: Fleet) -> dict:
+    """Where a stuck job's prompts are (for the failure message): each stream's message
+    count and each consumer's pending, ack-pending, redelivered and delivered/acked
+    sequence numbers."""
+    nc = await connect(fleet.url(2), "diagnose", options=fleet.options("admin"))
+    try:
+        js = nc.jetstream()
+        state: dict = {}
+        for spec in subjects.STREAMS:
+            try:
+                state[spec.name] = {"messages": (await js.stream_info(spec.name)).state.messages}
+                for c in await js.consumers_info(spec.name):
+                    state[spec.name][c.name] = (c.num_pending, c.num_ack_pending, c.num_redelivered,
+                                                c.delivered.stream_seq, c.ack_floor.stream_seq)
+            except Exception as exc:  # noqa: BLE001 - a diagnostic: say what failed
+                state[spec.name] = repr(exc)
+        return state
+    finally:
+        await close(nc)
+
+
+def settled(state: dict) -> bool:
+    """No consumer has a message pending or unacknowledged."""
+    return all(isinstance(v, dict) and all(c[0] == 0 and c[1] == 0 for k, c in v.items() if k != "messages")
+               for v in state.values())
+
+
+async def drained(fleet: Fleet, timeout: float = 15) -> dict:
+    """The pipeline state once every consumer has settled (after a finished job, the last
+    acks may still be on their way), or the last one seen at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = await pipeline_state(fleet)
+        if settled(state) or time.monotonic() > deadline:
+            return state
+        await asyncio.sleep(0.5)
+
+
 async def run_job(fleet: Fleet, data, job: str, fault: bool) -> dict:
     """`prefixflow submit` as the submitter on node 3; with `fault`, SIGKILL node 2's
     nats-server once KILL_AT of the results are in (its unit restarts it 1 s later)."""
@@ -116,7 +154,7 @@ async def run_job(fleet: Fleet, data, job: str, fault: bool) -> dict:
         await asyncio.sleep(0.01)
     output = proc.stdout.read()  # type: ignore[union-attr]
     await watch.stop()
-    assert proc.returncode == 0, output
+    assert proc.returncode == 0, f"{output}\npipeline: {await pipeline_state(fleet)}"
     summary = json.loads((out / "_summary.json").read_text())
     result = {"wall": summary["wall_seconds"], "out": out}
     if fault:
@@ -191,6 +229,8 @@ def test_fleet_survives_losing_a_nats_server_mid_job(tmp_path, tiny_model):
 
         base = asyncio.run(run_job(fleet, data, "no-fault", fault=False))
         assert_exactly_once(base["out"])
+        state = asyncio.run(drained(fleet))
+        assert settled(state) and state["PFX_WORK"]["messages"] == 0, f"work left behind after the job: {state}"
         hurt = asyncio.run(run_job(fleet, data, "nats-killed", fault=True))
         assert_exactly_once(hurt["out"])
         state = asyncio.run(rejoined(fleet))

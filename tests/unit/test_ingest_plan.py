@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import msgspec
 import pytest
@@ -97,7 +98,7 @@ def test_ingestor_tokenizes_off_the_event_loop(monkeypatch):
     ing = Ingestor.__new__(Ingestor)
     ing.cfg = IngestorConfig()
     ing.model = Model(encode, 1000, 64, 4)
-    ing.bucketers, ing.sharder = {}, Sharder()
+    ing.bucketers, ing.sharder = {"node0": time.monotonic()}, Sharder()
     published: list[str] = []
 
     async def lookup(job):
@@ -113,3 +114,15 @@ def test_ingestor_tokenizes_off_the_event_loop(monkeypatch):
     asyncio.run(ing.handle(msgs))
     assert threads == [False], "tokenized once, in a worker thread"
     assert published == ["pfx.bucket.node0"] and all(x.acked for x in msgs)
+
+
+def test_prompts_go_only_to_nodes_a_bucketer_reported():
+    """No guessed node: a prompt sent to a node no bucketer runs on would wait forever."""
+    ing = Ingestor.__new__(Ingestor)
+    ing.bucketers = {}
+    assert ing.live_nodes() == []  # the ingestor fetches nothing until a bucketer reports
+    now = time.monotonic()
+    ing.bucketers = {"b": now, "a": now - 60}
+    assert ing.live_nodes() == ["b"]  # only the live ones while any is
+    ing.bucketers = {"b": now - 30, "a": now - 60}
+    assert ing.live_nodes() == ["a", "b"]  # none live (a late heartbeat): the known ones keep their streams
