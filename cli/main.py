@@ -19,20 +19,15 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import time
-from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
 from shared.process import config as cfgmod
 from shared.wire.messages import SamplingSpec
-
-T = TypeVar("T")
-
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
@@ -118,7 +113,7 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def cmd_make_model(args: argparse.Namespace) -> None:
-    from cli.make_model import make_model
+    from datagen.make_model import make_model
 
     t0 = time.perf_counter()
     out = make_model(args.out, seed=args.seed, force=args.force)
@@ -126,8 +121,8 @@ def cmd_make_model(args: argparse.Namespace) -> None:
 
 
 def cmd_dataset(args: argparse.Namespace) -> None:
-    from cli.dataset import shape_args, write_prefix_repetition
-    from cli.make_model import make_model
+    from datagen.dataset import shape_args, write_prefix_repetition
+    from datagen.make_model import make_model
 
     model = args.model
     if model == cfgmod.DEFAULT_MODEL:
@@ -138,7 +133,7 @@ def cmd_dataset(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     if args.service == "nats":
-        from cli.local_cluster import exec_nats
+        from launch.local_cluster import exec_nats
 
         exec_nats(args.nats_url, args.store_dir)
         return
@@ -147,8 +142,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(args.service, args)
 
 
+def cmd_run(args: argparse.Namespace) -> None:
+    from launch.run import run_local
+
+    args.job = args.job or default_job_id(args.input)
+    run_local(args, sampling=sampling_from(args), chat=chat_from(args), print_summary=print_summary)
+
+
 def cmd_submit(args: argparse.Namespace) -> None:
-    from cli.submit import JobFailed, submit
+    from client.submit import JobFailed, submit
 
     job = args.job or default_job_id(args.input)
     try:
@@ -169,171 +171,9 @@ def cmd_submit(args: argparse.Namespace) -> None:
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     if status.summary:
         print_summary(status.summary)
-    from cli.report import auto_report
+    from report.job_report import auto_report
 
     auto_report(args.out, status.rows)  # when the output directory is on this machine
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM (or SIGINT) reached `prefixflow run`: stop the cluster and exit."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted(signum)
-
-
-STARTUP_TIMEOUT = 300.0
-"""Seconds `prefixflow run` waits for the first replica to be ready."""
-
-
-async def alongside(main: Awaitable[T], side: Awaitable[None]) -> T:
-    """`main`'s result, with `side` running next to it: an error of `side` cancels `main`
-    and is raised; `side` is cancelled when `main` ends."""
-    main_task, side_task = asyncio.ensure_future(main), asyncio.ensure_future(side)
-    try:
-        await asyncio.wait({main_task, side_task}, return_when=asyncio.FIRST_COMPLETED)
-        if side_task.done() and not side_task.cancelled() and side_task.exception() is not None:
-            raise side_task.exception()
-        return await main_task
-    finally:
-        for task in (main_task, side_task):
-            task.cancel()
-        await asyncio.gather(main_task, side_task, return_exceptions=True)
-
-
-def cmd_run(args: argparse.Namespace) -> None:
-    from tqdm import tqdm
-
-    from cli.local_cluster import (
-        ClusterFailed,
-        LocalCluster,
-        ProcessExited,
-        describe_placement,
-        machine_devices,
-        processes,
-        wait_replicas_ready,
-    )
-    from cli.make_model import make_model
-    from cli.submit import JobFailed, submit
-
-    sampling = sampling_from(args)
-    chat = chat_from(args)
-    if args.model == cfgmod.DEFAULT_MODEL:
-        make_model(args.model)
-    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-    extra = ["--kv-cache-blocks", str(args.kv_cache_blocks)] if args.kv_cache_blocks else []
-    engine_argv = getattr(args, "engine_argv", None)
-    if engine_argv:  # vLLM engine arguments for every replica, checked by vLLM's parser now
-        import shlex
-
-        from services.engine_worker.engine_args import explicit
-
-        explicit(engine_argv)
-        extra += [f"--engine-args={shlex.join(engine_argv)}"]  # `=`: a value may start with `--`
-    devices = machine_devices()
-    try:
-        procs = processes(args.replicas, engine=args.engine, extra_engine_args=extra,
-                          tensor_parallel_size=args.tensor_parallel_size, devices=devices)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-
-    def event(text: str) -> None:
-        tqdm.write(text, file=sys.stdout)
-        sys.stdout.flush()
-
-    # The run's own sink writes this job only: its output root is the job's --out.
-    env = {"PFX_MODEL": model, "PFX_POLICY": args.policy, "PFX_OUT_ROOT": str(Path(args.out).resolve()),
-           "PFX_TASK": args.task}
-    cluster = LocalCluster(procs, workdir=args.workdir, env=env, on_event=event)
-    job = args.job or default_job_id(args.input)
-    replicas = [f"r{i}" for i in range(args.replicas)]
-
-    async def replicas_ready(submitted: float) -> None:
-        # The timeout bounds the wait for the first replica: the job runs on it while the
-        # others start (a replica that never comes is the supervisor's business).
-        def on_ready(name: str) -> None:
-            event(f"{name} ready in {cluster.uptime():.1f} s: it takes work now")
-
-        await wait_replicas_ready(cluster.url, replicas, STARTUP_TIMEOUT, on_ready=on_ready, first_within=True)
-        event(f"{len(replicas)} replicas ready in {cluster.uptime():.1f} s (the job was submitted at {submitted:.1f} s)")
-
-    async def run_job():
-        # Engines start while the job is ingested and bucketed: the job is submitted as
-        # soon as the services that take it are up, and each replica gets work as it
-        # becomes ready.
-        await cluster.wait_started([p.name for p in procs if not p.is_engine])
-        submitted = cluster.uptime()
-        print(f"services ready in {submitted:.1f} s: submitting job {job} while {len(replicas)} engines start", flush=True)
-        # From here on a process that exits is restarted (backoff, budget) while the job goes on.
-        return await cluster.supervised(
-            alongside(
-                submit(
-                    args.input,
-                    nats_url=cluster.url,
-                    job=job,
-                    out_dir=args.out,
-                    sampling=sampling,
-                    model=model,
-                    progress=not args.no_progress,
-                    timeout=args.timeout,
-                    **chat,
-                ),
-                replicas_ready(submitted),
-            )
-        )
-
-    print(f"starting local cluster on {cluster.url} (workdir: {cluster.workdir}, logs: {cluster.workdir / 'logs'}) ...", flush=True)
-    if args.tensor_parallel_size > 1:
-        if devices.gpus:
-            print(f"note: the engine-worker has no tensor-parallel setting yet: each replica sees "
-                  f"{args.tensor_parallel_size} GPUs but vLLM uses one", flush=True)
-        else:
-            print("note: --tensor-parallel-size applies to GPUs only; ignored on CPU", flush=True)
-    for p in procs:
-        if p.is_engine:
-            print(f"{p.name}: {describe_placement(p.env)}", flush=True)
-    error: str | None = None
-    code = 0
-    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        cluster.start()
-        status = asyncio.run(run_job())
-    except JobFailed as exc:
-        error, code = str(exc), 1
-    except ClusterFailed as exc:
-        error, code = f"giving up: {exc}", 1
-    except ProcessExited as exc:  # a process died during start-up (check_alive)
-        error, code = f"cluster failed to start: {exc}", 1
-    except TimeoutError as exc:  # --timeout, or replicas not ready in time
-        error, code = str(exc), 1
-    except (Interrupted, KeyboardInterrupt) as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        error, code = f"interrupted ({signal.Signals(signum).name}): stopped the cluster", 128 + signum
-    finally:
-        # Stopping is not interrupted by a second Ctrl-C (it has its own time limits).
-        for s in previous:
-            signal.signal(s, signal.SIG_IGN)
-        if error is not None:
-            print("stopping the local cluster ...", file=sys.stderr, flush=True)
-        cluster.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    restarts = {name: n for name, n in cluster.restart_counts().items() if n}
-    print("restarts: " + (", ".join(f"{name} {n}" for name, n in restarts.items()) if restarts else "none"), flush=True)
-    if error is not None:
-        print(error, file=sys.stderr, flush=True)
-        sys.exit(code)
-    print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
-    if status.summary:
-        print_summary(status.summary)
-        print(json.dumps(status.summary, indent=2))
-    from cli.report import auto_report
-
-    auto_report(args.out, status.rows, model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -358,11 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=cfgmod.DEFAULT_MODEL, help="model whose tokenizer turns token ids into text")
     d.add_argument("--out", required=True, help="output .parquet file")
     d.set_defaults(fn=cmd_dataset)
-    from cli.dataset import add_shape_parsers
+    from datagen.dataset import add_shape_parsers
 
     add_shape_parsers(dsub)  # seed, zipf, hierarchical, variable, no-sharing (docs/datasets.md)
 
-    from cli.local_cluster import add_nats_parser
+    from launch.local_cluster import add_nats_parser
     from services.registry import add_parsers
 
     p = sub.add_parser("serve", help="run one service process")
@@ -394,16 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="cluster directory: logs/, JetStream store, pids.json (default: a new temporary directory)")
     p.set_defaults(fn=cmd_run)
 
-    from cli.bench import add_parsers as add_bench_parsers
+    from bench.commands import add_parsers as add_bench_parsers
 
     p = sub.add_parser("bench", help="benchmarks (methods comparison on vLLM; pipeline throughput)")
     add_bench_parsers(p.add_subparsers(dest="bench", required=True))
 
-    from cli.simulate import add_parser as add_simulate_parser
+    from sim.commands import add_parser as add_simulate_parser
 
     add_simulate_parser(sub)  # prefixflow simulate (docs/simulator.md)
 
-    from cli.cluster_config import add_parsers as add_cluster_parsers
+    from launch.fleet_config import add_parsers as add_cluster_parsers
 
     p = sub.add_parser("cluster", help="bring up a fleet: NATS cluster configs and env files for N nodes")
     add_cluster_parsers(p.add_subparsers(dest="cluster", required=True))
@@ -413,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats", default=os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
     p.set_defaults(fn=cmd_submit)
 
-    from cli.report import add_parser as add_report_parser
-    from cli.status import add_parsers as add_status_parsers
+    from report.job_report import add_parser as add_report_parser
+    from client.status import add_parsers as add_status_parsers
 
     add_status_parsers(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))  # status, top
     add_report_parser(sub)

@@ -147,7 +147,7 @@ def from_file(path: str | Path, *, model: str | None = None, output_len: int = 1
     if "prompt_token_ids" in cols:
         ids = table.column("prompt_token_ids").to_pylist()
     elif "prompt" in cols:
-        from cli.make_model import make_model
+        from datagen.make_model import make_model
         from shared.prefix.tokenize import load_tokenizer
         from shared.process.config import DEFAULT_MODEL
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from cli.local_cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
-from cli.make_model import make_model
+from launch.local_cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
+from datagen.make_model import make_model
 from shared.bus.connection import close, connect
 from shared.process.logs import setup_logging
 from shared.wire import messages as m

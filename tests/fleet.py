@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cli.local_cluster import free_port, wait_replicas_ready
+from launch.local_cluster import free_port, wait_replicas_ready
 from shared.bus.connection import NatsOptions
 
 REPO = Path(__file__).resolve().parents[1]

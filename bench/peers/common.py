@@ -1,7 +1,7 @@
 """What every peer runner shares: its command line, the rows, the engine settings, its result line.
 
 The runners run inside the peers' virtualenv (`make bench-peers`), not the product's, so this
-module needs only the standard library and pyarrow. `prefixflow bench peers` (cli/bench_peers.py)
+module needs only the standard library and pyarrow. `prefixflow bench peers` (bench/peer_runs.py)
 writes the input they read (columns id, prompt, max_tokens, min_tokens: the per-row lengths are
 resolved there, once, for every method) and parses the one result line they print.
 

@@ -61,25 +61,31 @@ def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
         storage=js_api.StorageType.FILE,
         # Full work streams refuse new messages (backpressure); the dead-letter stream
         # drops its oldest instead, so poison can never block the pipeline.
-        discard=js_api.DiscardPolicy.NEW if spec.work_queue else js_api.DiscardPolicy.OLD,
+        discard=js_api.DiscardPolicy.OLD if spec.discard_old else js_api.DiscardPolicy.NEW,
         max_bytes=spec.max_bytes,
         max_msgs=spec.max_msgs,
         max_msg_size=spec.max_msg_size,
+        max_age=spec.max_age or None,
         # Publishers set Nats-Msg-Id; the server drops a re-publish inside this window.
         duplicate_window=120.0,
         num_replicas=replicas,
     )
 
 
-COMPARED = ("subjects", "retention", "storage", "discard", "max_bytes", "max_msgs", "max_msg_size", "duplicate_window", "num_replicas")
+COMPARED = (
+    "subjects", "retention", "storage", "discard", "max_bytes", "max_msgs", "max_msg_size", "max_age", "duplicate_window",
+    "num_replicas",
+)
 """The settings `provision` owns; anything else on a stream is left as the server has it."""
 
 
 def differs(have: js_api.StreamConfig, want: js_api.StreamConfig) -> list[str]:
-    def norm(v):
+    def norm(k, v):
+        if k == "max_age":  # the server reports "no limit" as 0
+            return v or None
         return sorted(v) if isinstance(v, list) else v
 
-    return [k for k in COMPARED if norm(getattr(have, k)) != norm(getattr(want, k))]
+    return [k for k in COMPARED if norm(k, getattr(have, k)) != norm(k, getattr(want, k))]
 
 
 async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: tuple[int, bool] = (1, True)) -> None:

@@ -18,6 +18,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from shared.wire.structured import check_structured
+
 # --- job control (JSON, in the key-value buckets) ------------------------------------
 
 
@@ -39,8 +41,6 @@ class StructuredSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     """Output is some JSON object (OpenAI `response_format: {"type": "json_object"}`)."""
 
     def __post_init__(self) -> None:
-        from shared.wire.sampling import check_structured
-
         check_structured(self)
 
 
@@ -170,13 +170,18 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Token ids, packed big-endian uint32 (`shared.prefix.tokens`): compact, and byte order is
     token order."""
     columns: bytes = b""
-    """The input row's other columns (msgpack map, `prompt` included), carried through
-    untouched to the output."""
+    """Unused since input columns stay out of the pipeline (`src`, `row`); kept so that
+    older peers still decode this struct (a rolling upgrade)."""
     max_tokens: int = 0
     """The job's max_tokens, so load can be counted in tokens (prompt + output)."""
     sampling: bytes = b""
     """The row's own sampling (msgpack `SamplingSpec`, the job's merged with the row's
     overrides and structured output); empty: the job's."""
+    src: int = -1
+    """Where the row's input columns are kept: blob `in-<src>` of the job
+    (`client/columns.py`); -1: the row has none. Only model inputs travel."""
+    row: int = -1
+    """The row's index in that blob's record batch."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -237,6 +242,10 @@ class Result(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     "logprob", "top": [{"token", "logprob"}, ...]}`."""
     embedding: list[float] = msgspec.field(default_factory=list)
     """Embed jobs: the prompt's embedding (vLLM's pooler output)."""
+    src: int = -1
+    """The prompt's `Prompt.src`: the blob holding its input columns (-1: none)."""
+    row: int = -1
+    """The prompt's `Prompt.row` in that blob."""
 
 
 def error_result(

@@ -3,7 +3,7 @@ Pure functions (no I/O, no NATS, no vLLM); the engine-worker maps the result ont
 `SamplingParams` / `StructuredOutputsParams` (`services/engine_worker/requests.py`).
 
 Two levels of checking a structured-output form:
-- `check_structured` (every decode of a `StructuredSpec`): exactly one form, a JSON
+- `check_structured` (`shared/wire/structured.py`; every decode of a `StructuredSpec`): exactly one form, a JSON
   Schema that is valid against its meta-schema, a non-empty choice of strings. Cheap: it
   runs wherever a job spec is read.
 - `compile_structured` (the client before it creates a job; the ingestor for a job spec
@@ -17,36 +17,12 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-if TYPE_CHECKING:
-    from shared.wire.messages import SamplingSpec, StructuredSpec
-
-FORMS = ("json_schema", "regex", "choice", "grammar", "json_object")
-"""Structured-output forms a job or row may give (at most one)."""
-ROW_FIELDS = ("sampling", "response_format", *FORMS)
-"""Row columns that set the row's own sampling."""
-
-
-def check_structured(spec: StructuredSpec) -> None:
-    given = [f for f in FORMS if getattr(spec, f) not in (None, False)]
-    if len(given) != 1:
-        raise ValueError(f"structured output wants exactly one of {', '.join(FORMS)} (got {', '.join(given) or 'none'})")
-    if spec.json_schema is not None:
-        from jsonschema import exceptions, validators
-
-        try:
-            validators.validator_for(spec.json_schema).check_schema(spec.json_schema)
-        except exceptions.SchemaError as exc:
-            raise ValueError(f"invalid JSON schema: {exc.message} (at {'/'.join(map(str, exc.path)) or 'the top'})") from None
-    if spec.choice is not None and (not spec.choice or not all(isinstance(c, str) and c for c in spec.choice)):
-        raise ValueError("choice wants a non-empty list of non-empty strings")
-    if spec.regex is not None and (not spec.regex or "\x00" in spec.regex):
-        raise ValueError("regex must be non-empty and hold no NUL character")
-    if spec.grammar is not None and not spec.grammar.strip():
-        raise ValueError("grammar is empty")
+from shared.wire.messages import SamplingSpec, StructuredSpec
+from shared.wire.structured import FORMS, ROW_FIELDS, check_structured  # noqa: F401 (re-exported)
 
 
 def compile_structured(spec: StructuredSpec | None) -> None:
@@ -130,8 +106,6 @@ def row_sampling(job: SamplingSpec, row: dict[str, Any]) -> SamplingSpec | None:
     `response_format` are accepted) and by a structured-output form given as a column.
     None when the row overrides nothing. Raises ValueError for an unknown field, a value
     out of range or a structured-output form that does not compile."""
-    from shared.wire.messages import SamplingSpec
-
     over = row.get("sampling")
     if over is None:
         over = {}

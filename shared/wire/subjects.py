@@ -68,6 +68,17 @@ def bucketer_heartbeat(node: str) -> str:
     return f"{PREFIX}.hb.bucketer.{node}"
 
 
+def blob_piece(job: str, key: str, piece: int) -> str:
+    """Piece `piece` of blob `key` of `job` (`shared/bus/blobs.py`); `key` is a subject
+    token the writer chose (letters, digits, '-', '_')."""
+    return f"{PREFIX}.blob.{job}.{key}.{piece}"
+
+
+def job_blobs(job: str) -> str:
+    """Every blob piece of `job` (to purge them)."""
+    return f"{PREFIX}.blob.{job}.>"
+
+
 def dead(original_subject: str) -> str:
     """Dead-letter subject for a message that can never be processed."""
     return f"{PREFIX}.dead.{original_subject}"
@@ -146,6 +157,10 @@ class StreamSpec(msgspec.Struct, frozen=True):
     max_msg_size: int = 8 * 1024 * 1024
     work_queue: bool = True
     """Work-queue retention (a message is deleted once acked); else limits retention."""
+    discard_old: bool = False
+    """When full, drop the oldest messages (dead letters) instead of refusing new ones."""
+    max_age: float = 0.0
+    """Seconds a message is kept (0: until acked or pushed out by the limits)."""
 
 
 MiB = 1024 * 1024
@@ -154,9 +169,18 @@ INGEST_STREAM = StreamSpec("PFX_INGEST", (f"{PREFIX}.ingest.*",), 1024 * MiB, 2_
 BUCKET_STREAM = StreamSpec("PFX_BUCKET", (f"{PREFIX}.bucket.*",), 1024 * MiB, 200_000)
 WORK_STREAM = StreamSpec("PFX_WORK", (f"{PREFIX}.work.*",), 1024 * MiB, 200_000)
 RESULTS_STREAM = StreamSpec("PFX_RESULTS", (f"{PREFIX}.results.*",), 1024 * MiB, 200_000)
-DEAD_STREAM = StreamSpec("PFX_DEAD", (f"{PREFIX}.dead.>",), 256 * MiB, 100_000, work_queue=False)
+DEAD_STREAM = StreamSpec("PFX_DEAD", (f"{PREFIX}.dead.>",), 256 * MiB, 100_000, work_queue=False, discard_old=True)
 """Poison messages, kept for inspection (limits retention: the oldest go first)."""
-STREAMS = (INGEST_STREAM, BUCKET_STREAM, WORK_STREAM, RESULTS_STREAM, DEAD_STREAM)
+BLOB_RETENTION = 7 * 24 * 3600.0
+"""Seconds a job's blobs are kept (its input columns, results too large for a message)."""
+BLOB_STREAM = StreamSpec(
+    "PFX_BLOBS", (f"{PREFIX}.blob.>",), 8 * 1024 * MiB, 10_000_000, max_msg_size=2 * MiB, work_queue=False,
+    max_age=BLOB_RETENTION,
+)
+"""Blobs (`shared/bus/blobs.py`): values too large for one message, and the input columns
+that never travel with the prompts, cut into pieces under the server's max_payload. Read
+by subject (direct get), never consumed; full: writers wait (discard new)."""
+STREAMS = (INGEST_STREAM, BUCKET_STREAM, WORK_STREAM, RESULTS_STREAM, DEAD_STREAM, BLOB_STREAM)
 
 # --- consumers -----------------------------------------------------------------------
 

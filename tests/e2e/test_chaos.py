@@ -35,7 +35,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import write_prefix_repetition
+from datagen.dataset import write_prefix_repetition
 from services.engine_worker.guard import descendants
 from shared.bus.connection import close, connect
 from shared.wire import messages as m

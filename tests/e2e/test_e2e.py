@@ -11,8 +11,8 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from cli.submit import Submitter
-from cli.dataset import ideal_hit_rate, write_prefix_repetition
+from client.submit import Submitter
+from datagen.dataset import ideal_hit_rate, write_prefix_repetition
 from shared.wire import messages as m
 from shared.wire import subjects
 from tests.conftest import reset_prefix_caches, run_cli, set_policy
@@ -163,7 +163,7 @@ def test_prefix_aware_routing_reaches_ideal_hit_rate(vllm_cluster, tiny_model, t
 def test_vllm_replica_killed_at_a_third_fails_over(tmp_path, tiny_model):
     """Two real vLLM replicas (their own cluster: killing an engine under honcho would
     stop honcho); r0 is SIGKILLed at about a third of the job and not restarted."""
-    from cli.local_cluster import LocalCluster, processes
+    from launch.local_cluster import LocalCluster, processes
     from services.engine_worker.guard import descendants, proc_stat
     from tests.conftest import wait_replicas_ready
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import prefix_repetition
-from cli.local_cluster import LocalCluster, processes, wait_replicas_ready
-from cli.submit import Submitter
+from datagen.dataset import prefix_repetition
+from launch.local_cluster import LocalCluster, processes, wait_replicas_ready
+from client.submit import Submitter
 from services.engine_worker.guard import descendants
 from shared.bus.connection import close, connect
 from shared.wire import messages as m

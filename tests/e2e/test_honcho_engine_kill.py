@@ -16,8 +16,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import prefix_repetition
-from cli.submit import Submitter
+from datagen.dataset import prefix_repetition
+from client.submit import Submitter
 from services.engine_worker.guard import descendants, proc_stat
 from shared.bus.connection import close, connect
 from shared.wire import messages as m

@@ -15,7 +15,7 @@ import jsonschema
 import pyarrow.parquet as pq
 import pytest
 
-from cli.make_model import _synthetic_corpus
+from datagen.make_model import _synthetic_corpus
 from services.ingestor.model import load_model
 from tests.conftest import reset_prefix_caches, run_cli
 

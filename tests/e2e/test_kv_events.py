@@ -20,7 +20,7 @@ import subprocess
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import write_prefix_repetition, write_shape
+from datagen.dataset import write_prefix_repetition, write_shape
 from tests.conftest import REPO, VENV_BIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

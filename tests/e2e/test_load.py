@@ -16,7 +16,7 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import write_prefix_repetition
+from datagen.dataset import write_prefix_repetition
 from tests.conftest import REPO, VENV_BIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

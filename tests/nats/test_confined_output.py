@@ -14,7 +14,7 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from cli.submit import Submitter
+from client.submit import Submitter
 from shared.wire import messages as m
 from shared.wire import subjects
 from tests.nats.test_sink import SinkProcess

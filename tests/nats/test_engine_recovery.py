@@ -15,9 +15,9 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import prefix_repetition
-from cli.local_cluster import LocalCluster, processes, wait_replicas_ready
-from cli.submit import Submitter
+from datagen.dataset import prefix_repetition
+from launch.local_cluster import LocalCluster, processes, wait_replicas_ready
+from client.submit import Submitter
 from services.engine_worker.engines.base import EngineDead
 from services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine
 from services.engine_worker.rebuild import GAVE_UP_EXIT_CODE, RebuildBudget

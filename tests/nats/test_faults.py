@@ -17,9 +17,9 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from cli.submit import Submitter
-from cli.local_cluster import LocalCluster, processes
-from cli.dataset import prefix_repetition
+from client.submit import Submitter
+from launch.local_cluster import LocalCluster, processes
+from datagen.dataset import prefix_repetition
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.bus.connection import close, connect
@@ -171,7 +171,7 @@ def test_resume_recomputes_only_unfinished_rows(tmp_path, tiny_model, rows):
         watch = Watch()
 
         async def resume() -> m.JobStatus:
-            from cli.submit import submit
+            from client.submit import submit
 
             await watch.start(second.url, "resume")
             data = tmp_path / "rows.parquet"

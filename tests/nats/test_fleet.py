@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import prefix_repetition
+from datagen.dataset import prefix_repetition
 from shared.bus.connection import close, connect
 from shared.wire import messages as m
 from shared.wire import subjects

@@ -24,9 +24,9 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cli.dataset import prefix_repetition
-from cli.local_cluster import LocalCluster, free_port, processes
-from cli.submit import submit
+from datagen.dataset import prefix_repetition
+from launch.local_cluster import LocalCluster, free_port, processes
+from client.submit import submit
 from shared.wire import messages as m
 from tests.conftest import VENV_BIN, run_cli, wait_replicas_ready
 

@@ -13,9 +13,9 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from cli.submit import Submitter
-from cli.local_cluster import LocalCluster, Process, processes
-from cli.dataset import write_prefix_repetition
+from client.submit import Submitter
+from launch.local_cluster import LocalCluster, Process, processes
+from datagen.dataset import write_prefix_repetition
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.bus.connection import close, connect

@@ -23,10 +23,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import write_prefix_repetition
-from cli.local_cluster import ClusterFailed, LocalCluster, processes
-from cli.submit import JobFailed, Submitter
-from cli.supervisor import RestartPolicy
+from datagen.dataset import write_prefix_repetition
+from launch.local_cluster import ClusterFailed, LocalCluster, processes
+from client.submit import JobFailed, Submitter
+from launch.supervisor import RestartPolicy
 from shared.wire import messages as m
 from shared.wire import subjects
 from tests.conftest import REPO, VENV_BIN, run_cli

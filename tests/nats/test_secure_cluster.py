@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from cli.dataset import prefix_repetition
+from datagen.dataset import prefix_repetition
 from shared.bus.connection import NatsOptions, NatsRefused, close, connect
 from shared.wire import subjects
 from shared.wire.permissions import kv_stream

@@ -16,7 +16,7 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from cli.submit import Submitter
+from client.submit import Submitter
 from shared.bus.poison import PRIOR_DELIVERIES
 from shared.prefix.tokenize import load_tokenizer
 from shared.wire import messages as m

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cli.bench import group_stats
+from bench.methods import group_stats
 from shared.wire import messages as m
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli.bench_batching import setting_args, summarize
+from bench.batching import setting_args, summarize
 
 pytestmark = pytest.mark.unit
 

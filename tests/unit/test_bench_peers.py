@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cli import bench_peers as bp
+from bench import peer_runs as bp
 
 pytestmark = pytest.mark.unit
 

@@ -29,7 +29,7 @@ PURE = [
     "services.ingestor.chat",
     "services.ingestor.row",
     "services.engine_worker.requests",
-    "cli.openai_batch",
+    "client.openai_batch",
     "services.router.block_index",
     "services.engine_worker.kv_events",
 ]
@@ -42,22 +42,125 @@ def test_pure_modules_import_no_nats_or_vllm(module):
     assert out.strip() == "[]", f"{module} pulls in {out}"
 
 
+LAYERS: dict[str, set[str]] = {
+    "shared": set(),
+    "services": {"shared"},
+    "datagen": {"shared"},
+    "report": {"shared"},
+    "client": {"shared"},
+    "launch": {"shared", "services", "client", "datagen", "report"},
+    "sim": {"shared", "services", "datagen"},
+    "bench": {"shared", "services", "client", "launch", "datagen", "report"},
+    "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench"},
+}
+"""Each package and the packages it may import (function-level imports included): the
+layers of docs/architecture.md's map. Nothing imports upward, and `tests` is imported by
+no package."""
+PACKAGES = sorted(LAYERS)
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the product's packages by dotted name (bench/peers/ holds scripts
+    that run in the peers' own virtualenv: not modules of the product)."""
+    found = {}
+    for pkg in PACKAGES:
+        for path in (REPO / pkg).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if parts[:2] == ("bench", "peers"):
+                continue
+            name = ".".join(parts).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
 def imports_of(path: Path) -> set[str]:
+    """Absolute imports of a file, anywhere in it; `from a import b` gives `a` and `a.b`."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
     return found
 
 
-@pytest.mark.parametrize(
-    "package,forbidden", [("shared", ("services", "cli", "tests")), ("services", ("cli", "tests")), ("cli", ("tests",))]
-)
-def test_nothing_imports_upward(package, forbidden):
-    bad = {
-        str(p.relative_to(REPO)): sorted(i for i in imports_of(p) if i.split(".")[0] in forbidden)
-        for p in (REPO / package).rglob("*.py")
+def test_every_package_has_a_layer():
+    on_disk = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists()} - {"tests"}
+    assert on_disk == set(LAYERS), "a new top-level package needs its place in LAYERS and in docs/architecture.md"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_nothing_imports_upward(package):
+    allowed = LAYERS[package] | {package}
+    bad = {}
+    for path in (REPO / package).rglob("*.py"):
+        wrong = sorted(i for i in imports_of(path) if i.split(".")[0] in (set(LAYERS) | {"tests"}) - allowed)
+        if wrong:
+            bad[str(path.relative_to(REPO))] = wrong
+    assert bad == {}
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = module_files()
+
+    def owner(name: str) -> str | None:  # the module an imported name lives in
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {
+        name: {o for i in imports_of(path) if (o := owner(i)) and o != name and not mods[o].name == "__init__.py"}
+        for name, path in mods.items()
     }
-    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    """No module imports, even lazily, a module that imports it back (through any chain)."""
+    assert cycles(import_graph()) == []
+
+
+def test_cli_is_thin():
+    """`cli/` defines the commands; what they do lives in the packages below it."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "cli").glob("*.py")}
+    assert sum(sizes.values()) < 600, sizes

@@ -1,4 +1,4 @@
-"""cli.make_model: deterministic, idempotent tiny Llama + tokenizer builds."""
+"""datagen.make_model: deterministic, idempotent tiny Llama + tokenizer builds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.make_model import DEFAULT_MODEL_DIR, STAMP_FILE, make_model
+from datagen.make_model import DEFAULT_MODEL_DIR, STAMP_FILE, make_model
 
 pytestmark = pytest.mark.unit
 

@@ -223,9 +223,9 @@ def test_prompt_work_tokens():
 
 def test_array_like_extra_trailing_field_is_ignored():
     t12 = tk.pack([1, 2])
-    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", "new-field"]], {"new": "batch field"}])
+    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, "new-field"]], {"new": "batch field"}])
     out = m.prompt_batch_decoder.decode(raw)
-    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64)])
+    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7)])
 
     raw = msgspec.msgpack.encode(["b1", [["j", "x", tk.pack([3])]], [9, 8], 99])
     assert m.work_batch_decoder.decode(raw) == m.WorkBatch("b1", [m.Prompt("j", "x", tk.pack([3]))], [9, 8])
@@ -234,9 +234,9 @@ def test_array_like_extra_trailing_field_is_ignored():
     assert m.route_request_decoder.decode(raw).parts == [m.RoutePart(2, 4, [1])]
 
     full = ["id7", b"c", "out", 1, 10, 5, 3, "r0", None, "b9", 1.0, 2.0]
-    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 1.5, "more"]]])
+    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 4, 9, "more"]]])
     r = m.result_batch_decoder.decode(raw).results[0]
-    assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None, "b9", 1.0, 2.0)
+    assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None, "b9", 1.0, 2.0, src=4, row=9)
     # ... and a result from before bucket / started_at / finished_at gets their defaults
     raw = msgspec.msgpack.encode(["job", [full[:9]]])
     assert m.result_batch_decoder.decode(raw).results[0] == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None)

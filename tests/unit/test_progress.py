@@ -1,10 +1,10 @@
-"""The progress line's view of the replicas (`cli/progress.py`)."""
+"""The progress line's view of the replicas (`client/progress.py`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cli.progress import RATE_SPAN, FleetProgress, progress_note
+from client.progress import RATE_SPAN, FleetProgress, progress_note
 from shared.wire import messages as m
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""cli.analysis (prefix groups, split groups, misses) and cli.report (the plots of a job's
+"""report.analysis (prefix groups, split groups, misses) and report.job_report (the plots of a job's
 output), on a synthetic job written by the sink's own writer."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from cli.analysis import engine_block_size, group_stats, group_table, prefix_groups
-from cli.report import bin_width, busy_intervals, idle_times, load, write_report
+from report.analysis import engine_block_size, group_stats, group_table, prefix_groups
+from report.job_report import bin_width, busy_intervals, idle_times, load, write_report
 from services.sink.writer import JobOutput
 from shared.prefix import tokens as tk
 from shared.wire import messages as m
@@ -55,7 +55,7 @@ def test_busy_intervals_merge_and_bins():
 def synthetic_job(tmp_path, tiny_model, *, with_start: bool, n_prefixes: int = 6, n: int = 240):
     """A job's output as the sink writes it: prefix groups mostly kept on one replica,
     one group split, r1 idle for a while in the middle."""
-    from cli.dataset import prefix_repetition
+    from datagen.dataset import prefix_repetition
 
     table = prefix_repetition(tokenizer_dir=tiny_model, num_prompts=n, prefix_len=256, suffix_len=32, num_prefixes=n_prefixes, seed=2)
     out = JobOutput("synth", tmp_path)

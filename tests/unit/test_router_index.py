@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cli.bench_router import bench_router
+from bench.router import bench_router
 from services.router.policies import MIN_HISTORY, Fleet, PrefixAware, extend_merged
 from shared.prefix.block_keys import matched_blocks
 from shared.wire import messages as m

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.cluster_config import render_permissions, render_server
+from launch.fleet_config import render_permissions, render_server
 from cli.main import build_parser
 from services.sink.writer import OutsideRoot, confine
 from shared.bus.connection import NatsOptions
@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 )
 def test_bad_job_ids_are_refused_with_the_reason(job, why):
     assert subjects.name_problem(job) == why
-    from cli.submit import submit
+    from client.submit import submit
     from shared.wire.messages import SamplingSpec
 
     with pytest.raises(SystemExit) as exc:  # before connecting to anything
@@ -177,7 +177,7 @@ def default_args(*extra: str):
 def test_committed_deploy_nats_configs_are_the_generated_ones():
     """deploy/nats is `prefixflow cluster config --nodes 3` (hosts nats-1..3) minus the
     secret files: regenerate it when subjects or the generator change."""
-    from cli.cluster_config import parse_nodes
+    from launch.fleet_config import parse_nodes
 
     args = default_args()
     nodes = parse_nodes(["nats-1", "nats-2", "nats-3"], None, args)

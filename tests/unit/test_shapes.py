@@ -1,4 +1,4 @@
-"""cli.shapes: the benchmark shapes' token ids, and their ideal hit rate by formula and by count."""
+"""datagen.shapes: the benchmark shapes' token ids, and their ideal hit rate by formula and by count."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from cli import shapes as S
+from datagen import shapes as S
 
 pytestmark = pytest.mark.unit
 
@@ -247,7 +247,7 @@ def test_bad_arguments(name, bad):
 
 
 def test_pure_module():
-    code = ("import sys, cli.shapes; print(sorted(m for m in sys.modules "
+    code = ("import sys, datagen.shapes; print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('nats', 'vllm', 'torch', 'pyarrow', 'tokenizers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"

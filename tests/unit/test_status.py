@@ -1,4 +1,4 @@
-"""cli.status: the job lines of `prefixflow status` and the screen of `prefixflow top`,
+"""client.status: the job lines of `prefixflow status` and the screen of `prefixflow top`,
 fed with messages as NATS would deliver them (tests/nats/test_observability.py runs
 both against a real cluster, `top` in tmux)."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 from rich.console import Console
 
-from cli.status import JobView, Top, fmt_duration, status_table
+from client.status import JobView, Top, fmt_duration, status_table
 from shared.wire import messages as m
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@
 
 Pure: no I/O, no tokenizer, no vLLM. Every generator takes ``words``, the token ids it may
 draw from (`prefixflow dataset` passes the tokenizer's whole-word tokens so the prompt
-text round-trips exactly: see cli/dataset.py), and returns a `Shape`: per row its token
+text round-trips exactly: see datagen/dataset.py), and returns a `Shape`: per row its token
 ids, prefix group (-1: shares nothing) and output length, plus the shape's parameters and
 the formula for its ideal hit rate.
 

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cli.analysis import GroupStat, engine_block_size, group_table, prefix_groups
+from report.analysis import GroupStat, engine_block_size, group_table, prefix_groups
 
 COLUMNS = ("id", "replica", "error", "prompt_tokens", "cached_tokens", "output_tokens", "finished_at", "started_at", "bucket")
 NICE_SECONDS = (0.25, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)

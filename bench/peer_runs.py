@@ -215,10 +215,10 @@ def ideal_hit_rate(metadata: dict[str, Any], block_size: int | None) -> float | 
 
 def dataset_ideal(path: str | Path, metadata: dict[str, Any], block_size: int | None) -> float | None:
     """`ideal_hit_rate`, or for a prefix-repetition file (whose metadata has no table of
-    ideals) cli.dataset's formula over the file."""
+    ideals) datagen.dataset's formula over the file."""
     ideal = ideal_hit_rate(metadata, block_size)
     if ideal is None and block_size and metadata.get("generator") == "prefix_repetition":
-        from cli.dataset import ideal_hit_rate as repetition_ideal
+        from datagen.dataset import ideal_hit_rate as repetition_ideal
 
         ideal = round(repetition_ideal(pq.read_table(path), block_size=block_size), 4)
     return ideal
@@ -463,7 +463,7 @@ def cmd_peers(args: argparse.Namespace) -> None:
     report = bench(args)
     print()
     print_table(report)
-    from cli.bench import write_report
+    from bench.common import write_report
 
     write_report(report, args.json, args.plot, plot)
 

@@ -11,7 +11,7 @@ caching needs. The number of prompts need not divide evenly: the remainder is sp
 over the first prefixes.
 
 The benchmark shapes (`seed`, `zipf`, `hierarchical`, `variable`, `no-sharing`) are
-generated as token ids by cli/shapes.py (pure) from the same whole-word tokens; this module
+generated as token ids by datagen/shapes.py (pure) from the same whole-word tokens; this module
 turns them into text, checks the round trip, counts their ideal hit rate over the
 re-encoded ids, writes the Parquet file and registers their subcommands. Their rows carry
 a `sampling` column (`max_tokens` = `min_tokens` = `output_len`), the per-row sampling
@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cli import shapes
+from datagen import shapes
 from shared.prefix.tokenize import load_tokenizer
 
 SCHEMA = pa.schema(
@@ -185,7 +185,7 @@ def _shared_prefix_tokens(prefix_ids: np.ndarray, encoded: list[list[int]], defa
     return default if shared is None else shared
 
 
-# --- benchmark shapes (token ids from cli/shapes.py) ---------------------------------------
+# --- benchmark shapes (token ids from datagen/shapes.py) ---------------------------------------
 
 SHAPE_SCHEMA = pa.schema(
     [
@@ -202,7 +202,7 @@ GPU_BLOCK_SIZE = 16
 
 def build_shape(name: str, *, tokenizer_dir: str | Path, block_size: int = GPU_BLOCK_SIZE, inflight: int = 16,
                 **params) -> pa.Table:
-    """Generate shape ``name`` (cli/shapes.py ``SHAPES``) with ``params`` as text rows.
+    """Generate shape ``name`` (datagen/shapes.py ``SHAPES``) with ``params`` as text rows.
 
     The schema metadata (``prefixflow.dataset``) holds the parameters, and at
     ``block_size``, 16 and 128 tokens: the ideal hit rate (``formula`` from the parameters,
@@ -330,7 +330,7 @@ def add_shape_parsers(sub) -> None:
 
 
 def cmd_shape(args) -> None:
-    from cli.make_model import make_model
+    from datagen.make_model import make_model
     from shared.process.config import DEFAULT_MODEL
 
     if args.model == DEFAULT_MODEL:

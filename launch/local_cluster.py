@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import structlog
 
-from cli.supervisor import Drop, GiveUp, RestartPolicy, Supervisor
+from launch.supervisor import Drop, GiveUp, RestartPolicy, Supervisor
 from shared.bus.connection import close, connect
 from shared.wire import messages as m
 from shared.wire import subjects
@@ -304,7 +304,7 @@ class LocalCluster:
 
     `supervise()` restarts a process that exits unexpectedly, with the same arguments and
     environment (nats-server on the same port and store), after a backoff and within a
-    restart budget (`cli.supervisor`); `supervised(coro)` runs a coroutine (the job) while
+    restart budget (`launch.supervisor`); `supervised(coro)` runs a coroutine (the job) while
     supervising. Each process runs in its own process group, so a Ctrl-C at the terminal
     reaches only `prefixflow run`, which stops them in order; `pids.json` in the workdir
     lists the current pids (for operators and tests), rewritten at every (re)start."""

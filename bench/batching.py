@@ -6,7 +6,7 @@ quiet engine, then twice what the engine runs at once) or `static-W` (`--no-adap
 --window W`: W prompts in flight from the start). Every shape's job runs on every
 setting, settings interleaved round by round. Reported per run, from the job's start
 (when it was submitted):
-- first progress: the progress line first shows work under way (`cli/progress.py`);
+- first progress: the progress line first shows work under way (`client/progress.py`);
 - first result: an engine finished the first prompt (`_summary.json`'s
   `first_result_seconds`; the row lands within the sink's flush interval);
 - throughput: output tokens per second of wall time (start-up excluded).
@@ -96,7 +96,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 async def run_shape(url: str, shape: str, rows: list[dict], out_dir: Path, output_len: int, tag: str) -> dict[str, Any]:
     """One job through the running cluster, timed as a user would see it."""
-    from cli.submit import Submitter
+    from client.submit import Submitter
 
     job = f"bench-{shape}-{tag}"
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -120,9 +120,9 @@ async def run_shape(url: str, shape: str, rows: list[dict], out_dir: Path, outpu
 
 
 def cmd_batching(args: argparse.Namespace) -> None:
-    from cli.dataset import prefix_repetition
-    from cli.local_cluster import LocalCluster, processes
-    from cli.make_model import make_model
+    from datagen.dataset import prefix_repetition
+    from launch.local_cluster import LocalCluster, processes
+    from datagen.make_model import make_model
 
     model = str(make_model(args.model) if args.model == cfgmod.DEFAULT_MODEL else Path(args.model).resolve())
     work = Path(args.work_dir)
@@ -163,7 +163,7 @@ def cmd_batching(args: argparse.Namespace) -> None:
                       f"{r['output_tokens_per_second']:7.1f} tok/s  hit {r['hit_rate']:.1%}", flush=True)
     rows = summarize(runs)
     print_table(rows)
-    from cli.bench import machine_info, write_report
+    from bench.common import machine_info, write_report
 
     write_report(dict(machine=machine_info(), shapes={s: SHAPES[s] for s in shapes}, replicas=args.replicas,
                       rows=rows, runs=runs), args.json)

@@ -48,7 +48,7 @@ class FleetProgress:
 def progress_note(st: m.JobStatus | None, fleet: FleetProgress | None = None, job: str = "") -> str:
     """The progress bar's tail: prompts under way and the fleet's tokens/s (before and
     between written rows), then the sink's rate, hit rate so far, ETA and errors."""
-    from cli.status import fmt_duration
+    from client.status import fmt_duration
 
     parts = []
     if fleet is not None and fleet.latest:

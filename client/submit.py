@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from nats.js.errors import KeyNotFoundError
 from tqdm import tqdm
 
-from cli.progress import FleetProgress, progress_note
+from client.progress import FleetProgress, progress_note
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.wire.ids import IdSet
@@ -155,7 +155,7 @@ class Submitter:
         as soon as the status says the job failed. `check()` runs each round (raise there
         to stop waiting). A NATS outage (nats-server restarting) is waited out."""
         # Rate and ETA are the sink's (rows per second over its last 30 s), as in `prefixflow status`;
-        # prompts under way and tokens/s come from the replicas' status messages (cli/progress.py).
+        # prompts under way and tokens/s come from the replicas' status messages (client/progress.py).
         bar = tqdm(total=total, desc=f"job {job}", unit="row", disable=not progress, dynamic_ncols=True,
                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -221,10 +221,10 @@ async def submit(
     if (problem := subjects.name_problem(job)) is not None:
         raise SystemExit(f"invalid job id {job!r}: {problem} (a job id is one NATS subject token: letters, digits, '-' and '_', at most 64)")
     out_dir = str(Path(out_dir).resolve())
-    from cli import openai_batch
+    from client import openai_batch
 
     batch = None
-    if openai_batch.is_batch_file(input_path):  # OpenAI Batch requests -> rows (cli/openai_batch.py)
+    if openai_batch.is_batch_file(input_path):  # OpenAI Batch requests -> rows (client/openai_batch.py)
         import tempfile
 
         batch = openai_batch.read_batch(input_path, task)

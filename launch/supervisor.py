@@ -1,6 +1,6 @@
 """When to restart a local cluster's processes: backoff and restart budget, no I/O.
 
-`prefixflow run` supervises its processes (`cli.local_cluster.LocalCluster.supervise`
+`prefixflow run` supervises its processes (`launch.local_cluster.LocalCluster.supervise`
 does the process handling); the decisions live here so they can be tested on their own.
 
 - `Backoff` is one process's history. `on_exit(now)` answers with the delay before the

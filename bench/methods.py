@@ -30,10 +30,8 @@ reports prompts per second end to end and each service's peak RSS.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
-import json
 import shutil
 import time
 from collections.abc import Callable
@@ -43,7 +41,8 @@ from typing import Any
 
 import msgspec
 
-from cli.analysis import group_stats
+from bench.common import machine_info, write_report
+from report.analysis import group_stats
 from shared.process import config as cfgmod
 from shared.wire import messages as m
 from shared.wire import subjects
@@ -197,7 +196,7 @@ async def run_direct(
 
 async def run_pipeline(nc, url: str, job: str, rows: list[dict], out_dir: Path, sampling: m.SamplingSpec) -> dict:
     """Methods 4-5: through ingestor, bucketer, router, engine-workers and sink."""
-    from cli.submit import Submitter
+    from client.submit import Submitter
 
     async with Observer(nc, job) as obs, Submitter(url) as client:
         spec = m.JobSpec(job=job, out_dir=str(out_dir), sampling=sampling, created_at=time.time())
@@ -247,9 +246,9 @@ def summarize(method: str, extra: dict, idle: dict[str, float], group_of: dict[A
 
 
 async def bench_methods_async(args) -> dict[str, Any]:
-    from cli.local_cluster import LocalCluster, processes
-    from cli.dataset import dataset_metadata, ideal_hit_rate, prefix_repetition, shape_args
-    from cli.make_model import make_model
+    from launch.local_cluster import LocalCluster, processes
+    from datagen.dataset import dataset_metadata, ideal_hit_rate, prefix_repetition, shape_args
+    from datagen.make_model import make_model
     from shared.prefix.tokenize import load_tokenizer
 
     model = str(make_model(args.model) if args.model == cfgmod.DEFAULT_MODEL else Path(args.model))
@@ -353,15 +352,6 @@ def median_run(runs: list[MethodResult]) -> MethodResult:
     return sorted(runs, key=lambda r: r.wall_seconds)[(len(runs) - 1) // 2]
 
 
-def machine_info() -> dict[str, Any]:
-    import os
-    import platform
-
-    import vllm
-
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "vllm": vllm.__version__}
-
-
 def print_methods_table(report: dict[str, Any]) -> None:
     print()
     print(
@@ -433,18 +423,7 @@ def cmd_methods(args) -> None:
     write_report(report, args.json, args.plot, plot_methods)
 
 
-def write_report(report: dict[str, Any], json_path: str | None, plot_path: str | None = None, plot=None) -> None:
-    """A benchmark's report as JSON (`--json`) and its plot (`--plot`), when asked for."""
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {json_path}")
-    if plot_path and plot is not None:
-        plot(report, plot_path)
-        print(f"wrote {plot_path}")
-
-
-def add_parsers(sub) -> None:
+def add_methods_parser(sub) -> None:
     p = sub.add_parser("methods", help="compare naive / continuous / sorted / bucketing on real vLLM replicas")
     p.add_argument("--quick", action="store_true", help="1024 prompts, 128 prefixes, 32 output tokens (minutes on a CPU)")
     p.add_argument("--replicas", type=int, default=2)
@@ -475,126 +454,3 @@ def add_parsers(sub) -> None:
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--plot", help="write a bar chart PNG here")
     p.set_defaults(fn=cmd_methods)
-    add_pipeline_parser(sub)
-    from cli.bench_router import add_router_parser
-
-    add_router_parser(sub)
-    from cli.bench_peers import add_peers_parser
-
-    add_peers_parser(sub)
-    from cli.bench_batching import add_batching_parser
-
-    add_batching_parser(sub)
-
-
-# --- pipeline throughput (echo engine) ----------------------------------------------
-
-
-def peak_rss_mib(pid: int) -> float | None:
-    """Peak resident set size (VmHWM) of a live process, MiB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        return None
-    return None
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of a live process."""
-    import os
-
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-async def bench_pipeline_once(args, num_prompts: int) -> dict[str, Any]:
-    from cli.submit import Submitter
-    from cli.local_cluster import LocalCluster, processes
-    from cli.dataset import prefix_repetition, prefix_repetition_ids, shape_args
-    from cli.make_model import make_model
-    from shared.prefix.tokenize import load_tokenizer
-
-    model = str(make_model(args.model) if args.model == cfgmod.DEFAULT_MODEL else Path(args.model))
-    t_data = time.monotonic()
-    shape = shape_args(args) | {"num_prompts": num_prompts}  # the pipeline bench has no --output-len
-    if args.pretokenized:  # the dataset's token ids, no text round trip
-        _, ids = prefix_repetition_ids(load_tokenizer(model), **shape)
-        rows = [{"id": i, "prompt_token_ids": t} for i, t in enumerate(ids.tolist())]
-    else:
-        table = prefix_repetition(tokenizer_dir=model, output_len=1, **shape)
-        rows = [{"id": r["id"], "prompt": r["prompt"]} for r in table.select(["id", "prompt"]).to_pylist()]
-    print(f"{num_prompts} prompts generated in {time.monotonic() - t_data:.1f} s", flush=True)
-    job = f"pipeline-{num_prompts}"
-    shutil.rmtree(Path(args.work_dir) / job, ignore_errors=True)  # a rerun must not resume the last run
-    cluster = LocalCluster(
-        processes(args.replicas, engine=args.engine),
-        workdir=Path(args.work_dir) / job,
-        env={"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning"},
-    )
-    cluster.start()
-    try:
-        await cluster.wait_ready([f"r{i}" for i in range(args.replicas)], timeout=600)
-        async with Submitter(cluster.url) as client:
-            spec = m.JobSpec(job=job, out_dir=str(Path(args.work_dir) / job / "out"), sampling=m.SamplingSpec(max_tokens=1))
-            await client.create(spec)
-            t0 = time.monotonic()
-            await client.publish_rows(job, rows)
-            published = time.monotonic() - t0
-            await client.create(msgspec.structs.replace(spec, total=len(rows)))
-            status = await client.wait(job, len(rows), progress=False, timeout=3600)
-            wall = time.monotonic() - t0
-        rss = {name: peak_rss_mib(p.pid) for name, p in cluster.running.items()}
-        cpu = {name: cpu_seconds(p.pid) for name, p in cluster.running.items()}
-    finally:
-        cluster.stop()
-    assert status.rows == num_prompts and status.errors == 0, status
-    return {
-        "num_prompts": num_prompts,
-        "wall_seconds": round(wall, 2),
-        "publish_seconds": round(published, 2),
-        "prompts_per_second": round(num_prompts / wall, 1),
-        "peak_rss_mib": rss,
-        "cpu_seconds": cpu,
-    }
-
-
-def cmd_pipeline(args) -> None:
-    counts = [args.num_prompts] + ([args.compare] if args.compare else [])
-    runs = [asyncio.run(bench_pipeline_once(args, n)) for n in sorted(counts)]
-    print()
-    names = list(runs[0]["peak_rss_mib"])
-    print(f"{'prompts':>9} {'wall s':>8} {'prompts/s':>10}  peak RSS MiB: " + " ".join(f"{n:>9}" for n in names))
-    for r in runs:
-        print(f"{r['num_prompts']:>9} {r['wall_seconds']:>8} {r['prompts_per_second']:>10}  {'':14}"
-              + " ".join(f"{r['peak_rss_mib'][n]!s:>9}" for n in names))
-        print(f"{'':>30}  CPU seconds:  " + " ".join(f"{r['cpu_seconds'][n]!s:>9}" for n in names))
-    report = {"config": {k: v for k, v in vars(args).items() if k != "fn"}, "machine": machine_info(), "runs": runs}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
-
-
-def add_pipeline_parser(sub) -> None:
-    p = sub.add_parser("pipeline", help="prompts/s through every service with no model, and each service's peak RSS")
-    p.add_argument("--engine", choices=("echo",), default="echo", help="echo: no model (measures orchestration only)")
-    p.add_argument("--num-prompts", type=int, default=200_000)
-    p.add_argument("--compare", type=int, default=0, help="also run this many prompts (e.g. 20000) to compare RSS")
-    p.add_argument(
-        "--pretokenized", action=argparse.BooleanOptionalAction, default=True,
-        help="send prompt_token_ids (measures orchestration; tokenization scales with ingestors) or text",
-    )
-    p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--prefix-len", type=int, default=64, help="128-token prompts by default (64 + 64)")
-    p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--num-prefixes", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=cfgmod.DEFAULT_MODEL, help="tokenizer source")
-    p.add_argument("--work-dir", default=".prefixflow/bench")
-    p.add_argument("--json", help="write the report here")
-    p.set_defaults(fn=cmd_pipeline)

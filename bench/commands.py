@@ -1,0 +1,17 @@
+"""`prefixflow bench ...`: every harness's subcommand, registered in one place."""
+
+from __future__ import annotations
+
+
+def add_parsers(sub) -> None:
+    from bench.batching import add_batching_parser
+    from bench.methods import add_methods_parser
+    from bench.peer_runs import add_peers_parser
+    from bench.pipeline import add_pipeline_parser
+    from bench.router import add_router_parser
+
+    add_methods_parser(sub)
+    add_pipeline_parser(sub)
+    add_router_parser(sub)
+    add_peers_parser(sub)
+    add_batching_parser(sub)
