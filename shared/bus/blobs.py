@@ -77,4 +77,4 @@ async def get_blob(js: JetStreamContext, job: str, key: str) -> bytes:
 
 async def purge_job_blobs(js: JetStreamContext, job: str) -> None:
     """Drop every blob of `job` (its output is complete)."""
-    await js.purge_stream(subjects.BLOB_STREAM.name, subject=subjects.job_blobs(job))
+    await js.purge_stream(subjects.BLOB_STREAM.name, subject=subjects.blob_piece(job, "*", "*"))

@@ -114,6 +114,17 @@ def kv_write(bucket: str) -> list[str]:
     return [f"$KV.{bucket}.>"]
 
 
+def blob_write() -> list[str]:
+    """Store blobs (`shared/bus/blobs.py`): publish their pieces."""
+    return [s.blob_piece(ANY, ANY, ANY)]
+
+
+def blob_read() -> list[str]:
+    """Read blobs by subject (a message get on the blob stream)."""
+    name = s.BLOB_STREAM.name
+    return [f"{JS_API}.STREAM.MSG.GET.{name}", f"{JS_API}.DIRECT.GET.{name}", f"{JS_API}.DIRECT.GET.{name}.>"]
+
+
 ALL_STREAMS = [spec.name for spec in s.STREAMS] + [kv_stream(b) for b in (s.JOBS_KV, s.JOB_STATUS_KV)]
 
 
@@ -132,6 +143,7 @@ def _ingestor():
             s.bucket(ANY),
             s.results(ANY),  # error rows
             s.dead(">"),
+            *blob_write(),  # extra fields of rows published to the ingest subject
             *kv_read(s.JOBS_KV),
             *kv_write(s.JOB_STATUS_KV),  # jobs that cannot run are marked failed
         ],
@@ -177,6 +189,7 @@ def _engine_worker():
             s.cache_events(ANY),
             s.results(ANY),
             s.dead(">"),
+            *blob_write(),  # a result too large for one message
             *kv_read(s.JOBS_KV),
         ],
         [s.engine_reset(ANY), s.engine_scheduling(ANY), s.engine_status_request(ANY)],
@@ -189,6 +202,8 @@ def _sink():
         [
             *consume(s.sink_consumer()),
             s.dead(">"),
+            *blob_read(),  # input columns, large results
+            f"{JS_API}.STREAM.PURGE.{s.BLOB_STREAM.name}",  # a done job's blobs
             *kv_read(s.JOBS_KV),
             *kv_write(s.JOB_STATUS_KV),
         ],
@@ -202,6 +217,7 @@ def _submitter():
     pub = [
         *stream_info(ALL_STREAMS),  # `provision` only checks that they exist
         s.ingest(ANY),
+        *blob_write(),  # the input columns that do not travel with the prompts
         *kv_write(s.JOBS_KV),
         *kv_read(s.JOBS_KV),
         *kv_read(s.JOB_STATUS_KV),

@@ -68,15 +68,11 @@ def bucketer_heartbeat(node: str) -> str:
     return f"{PREFIX}.hb.bucketer.{node}"
 
 
-def blob_piece(job: str, key: str, piece: int) -> str:
+def blob_piece(job: str, key: str, piece: int | str) -> str:
     """Piece `piece` of blob `key` of `job` (`shared/bus/blobs.py`); `key` is a subject
-    token the writer chose (letters, digits, '-', '_')."""
+    token the writer chose (letters, digits, '-', '_'). With `*` for key and piece: every
+    piece of the job's blobs (a purge filter)."""
     return f"{PREFIX}.blob.{job}.{key}.{piece}"
-
-
-def job_blobs(job: str) -> str:
-    """Every blob piece of `job` (to purge them)."""
-    return f"{PREFIX}.blob.{job}.>"
 
 
 def dead(original_subject: str) -> str:
