@@ -1,9 +1,11 @@
 """Submitting a job and following it: what `prefixflow submit` and `prefixflow run` do.
 
 1. Create the job spec in the jobs KV bucket (validated sampling parameters).
-2. Stream the input file (Parquet or JSONL with a `prompt` column) to `pfx.ingest.<job>`,
-   one msgpack message per row, with the id in the `Pfx-Id` header and a `Nats-Msg-Id`
-   so a re-publish inside the stream's duplicate window is dropped by the server.
+2. Stream the input file (Parquet or JSONL with a `prompt` column) in chunks
+   (`client/columns.py`): each chunk's input columns are stored once in the blob store,
+   and its model inputs go to `pfx.ingest.<job>` as msgpack arrays of rows, each with a
+   `Nats-Msg-Id` so a re-publish inside the stream's duplicate window is dropped by the
+   server.
 3. Seal the job (set `total`) and follow the sink's progress until it is done.
 """
 
@@ -11,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import nats.errors
-import pyarrow as pa
 import pyarrow.parquet as pq
 from nats.js.errors import KeyNotFoundError
 from tqdm import tqdm
 
+from client import columns
 from client.progress import FleetProgress, progress_note
+from shared.bus.blobs import put_blob
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.wire.ids import IdSet
@@ -42,50 +45,6 @@ class JobFailed(Exception):
         super().__init__(f"job {job} failed: {reason or 'no reason given'}")
         self.job = job
         self.reason = reason
-
-
-def read_rows(path: str | Path) -> Iterator[list[dict[str, Any]]]:
-    """Batches of rows of a Parquet or JSONL file; adds `id` (row number) if absent."""
-    path = Path(path)
-    if path.suffix in (".parquet", ".pq"):
-        batches = (b for b in pq.ParquetFile(path).iter_batches(batch_size=READ_BATCH))
-    elif path.suffix in (".jsonl", ".json", ".ndjson"):
-        # Python's JSON, not Arrow's: chat `messages` mix string and list-of-parts content.
-        batches = jsonl_batches(path, READ_BATCH)
-    else:
-        raise SystemExit(f"{path}: want a .parquet or .jsonl file")
-    row_number = 0
-    for batch in batches:
-        names = batch.schema.names if isinstance(batch, pa.RecordBatch) else list(dict.fromkeys(k for r in batch for k in r))
-        if not {"prompt", "prompt_token_ids", "messages"} & set(names):
-            raise SystemExit(f"{path}: no 'prompt', 'messages' or 'prompt_token_ids' column (columns: {names})")
-        rows = batch.to_pylist() if isinstance(batch, pa.RecordBatch) else batch
-        if "id" not in names:
-            for i, row in enumerate(rows):
-                row["id"] = row_number + i
-        row_number += len(rows)
-        yield rows
-
-
-def jsonl_batches(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
-    """Rows of a JSONL file in lists of `size` (a line that is not an object stops the run)."""
-    rows: list[dict[str, Any]] = []
-    with path.open("rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = msgspec.json.decode(line)
-            except msgspec.DecodeError as exc:
-                raise SystemExit(f"{path}:{n}: not JSON: {exc}") from None
-            if not isinstance(row, dict):
-                raise SystemExit(f"{path}:{n}: want a JSON object per line")
-            rows.append(row)
-            if len(rows) >= size:
-                yield rows
-                rows = []
-    if rows:
-        yield rows
 
 
 def finished_ids(out_dir: str | Path):
@@ -120,6 +79,11 @@ class Submitter:
 
     async def create(self, spec: m.JobSpec) -> None:
         await self.jobs_kv.put(spec.job, m.encode_json(spec))
+
+    async def put_columns(self, job: str, chunk: columns.Chunk) -> None:
+        """Store a chunk's input columns (before its rows are published: the sink reads them)."""
+        if chunk.kept:
+            await put_blob(self.js, self.nc, job, columns.blob_key(chunk.src), chunk.kept)
 
     async def publish_rows(self, job: str, rows: list[dict[str, Any]], *, batch: int = ROWS_PER_MESSAGE) -> list:
         """Publish rows as msgpack arrays of up to `batch` rows (about 256 KiB at most);
@@ -244,11 +208,13 @@ async def submit(
         expected = count_rows(input_path)
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
         skipped = 0
-        for rows in read_rows(input_path):
-            seen.update(r["id"] for r in rows)
+        for chunk in columns.chunks(input_path):
+            rows = chunk.rows
+            seen.update(chunk.ids)
             todo = [r for r in rows if r["id"] not in done] if len(done) else rows
             skipped += len(rows) - len(todo)
             if todo:
+                await client.put_columns(job, chunk)
                 await client.publish_rows(job, todo)
             bar.update(len(rows))
         bar.close()

@@ -30,7 +30,7 @@ from shared.bus.connection import close, connect
 from shared.bus.ledger import AckLedger
 from shared.bus.provision import provision
 from shared.bus.poison import error_rows, is_poison, quarantine
-from shared.bus.publish import PublishError, publish
+from shared.bus.publish import PublishError, message_limit, publish
 from shared.bus.pull import DurablePull, keep_in_progress
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
 
@@ -256,23 +256,33 @@ class Bucketer:
         except TimeoutError:
             return
         start = 0
+        wrap = lambda prompts: m.WorkBatch(bucket_id, prompts, bucket.key)  # noqa: E731
         for a in assignments:
             items = bucket.items[start : start + a.prompts]
             start += a.prompts
-            done = 0
-            for part in m.chunked(items, lambda it: m.prompt_size(it.payload), self.cfg.max_batch):
-                i = done
-                done += len(part)
-                work = m.WorkBatch(bucket_id, [it.payload for it in part], bucket.key)
+            # Cut by encoded size under the server's max_payload (asked of the connection).
+            limit = message_limit(self.js, subjects.WORK_STREAM.max_msg_size)
+            for batch in m.encode_batches([it.payload for it in items], wrap, limit, self.cfg.max_batch):
+                part = items[batch.start : batch.stop]
                 try:
-                    await publish(self.js, subjects.work(a.replica), m.encode(work))
-                except PublishError as exc:
+                    if batch.oversized:  # one prompt no message can carry (the ingestor lets none through)
+                        await self.too_large(part[0], len(batch.data), limit)
+                    else:
+                        await publish(self.js, subjects.work(a.replica), batch.data)
+                except PublishError as exc:  # MessageTooLarge too: the limit shrank (a reconnect), cut again
                     log.error("work publish failed: inputs handed back for redelivery", error=str(exc))
-                    await self.hand_back(bucket.items[start - a.prompts + i :])
+                    await self.hand_back(bucket.items[start - a.prompts + batch.start :])
                     return
                 await self.release(part)
         log.debug("bucket sent", bucket=bucket_id, prompts=len(bucket.items), keyed=bool(bucket.key),
                   prefix_tokens=bucket.prefix_len, to=[a.replica for a in assignments])
+
+    async def too_large(self, item: Item, size: int, limit: int) -> None:
+        """The error row of a prompt that no message can carry."""
+        p = item.payload
+        row = m.error_result(p.id, f"prompt too large for one message: {size} bytes, the server takes {limit}",
+                             prompt_tokens=p.prompt_tokens, src=p.src, row=p.row)
+        await publish(self.js, subjects.results(p.job), m.encode(m.ResultBatch(p.job, [row])))
 
     async def release(self, items: list[Item]) -> None:
         """These prompts are published: ack each source message whose last one it was."""

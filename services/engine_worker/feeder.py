@@ -4,6 +4,10 @@ A work message carries up to `--max-batch` prompts; they are held here and submi
 while the engine's window (`window.Window`) has room, so the window (one prompt during
 a probe, then what the engine can run) is kept per prompt, not per message. Everything
 held counts as this replica's load (the router's view), submitted or not.
+
+A suspect batch (`WorkBatch.strikes` set: prompts in flight when an engine died,
+`isolate.py`) runs alone: it goes in only when the engine is empty, and nothing else goes
+in until it is done, so a further death points at it alone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,15 @@ class Held(NamedTuple):
     prompt: m.Prompt
     lookup: m.JobLookup
     bucket: str
+    work: m.WorkBatch | None = None
+    """The work batch it came in (None: tests of the window only)."""
+    index: int = 0
+    """Its position in `work.prompts`."""
+
+    @property
+    def suspect(self) -> bool:
+        """From a suspect batch: runs alone in the engine."""
+        return self.work is not None and bool(self.work.strikes)
 
 
 def max_tokens(held: Held) -> int:
@@ -51,6 +64,8 @@ class Feeder:
         """Held, not yet submitted (at most one work batch past the window)."""
         self.inflight = 0
         """Submitted to the engine and not finished."""
+        self.alone: object | None = None
+        """The lease of the suspect batch running alone in the engine (None: none)."""
         self.held_tokens = 0
         """Work tokens of everything held (submitted or pending): the replica's load."""
         self.jobs: Counter[str] = Counter()
@@ -69,12 +84,22 @@ class Feeder:
             self.pending.append(held)
         self.feed()
 
+    def may_submit(self, held: Held) -> bool:
+        """Isolation: a suspect batch goes in only into an empty engine, and nothing else
+        goes in while it runs."""
+        if self.inflight == 0:
+            return True
+        if self.alone is not None:
+            return held.lease is self.alone
+        return not held.suspect
+
     def feed(self) -> None:
         """Submit pending prompts while the window has room."""
-        while self.pending and self.open and self.inflight < self.window.limit:
+        while self.pending and self.open and self.inflight < self.window.limit and self.may_submit(self.pending[0]):
             held = self.pending.popleft()
             if self.inflight == 0:
                 self.window.work_arrives(time.monotonic(), 0, max_tokens(held), self.generated())
+            self.alone = held.lease if held.suspect else None
             self.inflight += 1
             self.submit(held)
 
@@ -83,13 +108,18 @@ class Feeder:
         if submitted:
             self.inflight -= 1
             self.window.completed(time.monotonic())
+            if self.inflight == 0:
+                self.alone = None
         self.held_tokens -= prompt.work_tokens
         self.jobs[prompt.job] -= 1
         if self.jobs[prompt.job] <= 0:
             del self.jobs[prompt.job]
 
-    def drop_pending(self) -> None:
-        """The engine died: pending prompts go back with their batches (handed back)."""
-        for held in self.pending:
+    def drop_pending(self) -> list[Held]:
+        """The engine died: pending prompts are no longer held here (the worker
+        re-publishes them, untried). Returns them."""
+        dropped = list(self.pending)
+        for held in dropped:
             self.finished(held.prompt, submitted=False)
         self.pending.clear()
+        return dropped

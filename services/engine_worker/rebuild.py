@@ -20,8 +20,12 @@ class RebuildBudget:
         self.limit, self.window, self.backoff = limit, window, backoff
         self.times: deque[float] = deque()
 
-    def next_delay(self, now: float) -> float | None:
-        """Seconds to wait before an attempt made `now`; None once the budget is spent."""
+    def next_delay(self, now: float, charge: bool = True) -> float | None:
+        """Seconds to wait before an attempt made `now`; None once the budget is spent.
+        `charge=False`: an engine death the isolation of suspect prompts explains
+        (`isolate.charged`): rebuilt at once, not counted."""
+        if not charge:
+            return 0.0
         while self.times and now - self.times[0] >= self.window:
             self.times.popleft()
         if len(self.times) >= self.limit:

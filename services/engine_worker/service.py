@@ -9,11 +9,16 @@
 3. The ack ledger acks a work batch once all its results are durably published.
 4. Every `status_interval` publish an `EngineStatus` on `pfx.status.<replica>` (ready,
    load, KV cache, prefix-cache hits) for the router.
-5. When the engine dies (`EngineDead`: vLLM's engine-core process crashed or was killed),
-   publish what did finish, hand every other work batch back (nak: redelivered, nothing
-   lost, no error rows), report not ready, shut the engine down and start it again in
-   this process, then take work again. More than `max_rebuilds` rebuilds within
-   `rebuild_window` seconds exit with code 3, for the supervisor to restart the process.
+5. When the engine dies (`EngineDead`: vLLM's engine-core process crashed or was killed;
+   a failure of one request is that row's error row, never a rebuild), report not ready,
+   publish what did finish and re-publish the unfinished prompts to this replica's own
+   work subject (`isolate.py`: the untried as they were, the ones in flight as suspect
+   batches that run alone, bisected, then one prompt at a time; a prompt that killed the
+   engine alone `isolate.STRIKES` times is an error row), ack each work batch once all
+   that is published, shut the engine down, start it again in this process, check it
+   with a canary request, then take work again. More than `max_rebuilds` rebuilds within
+   `rebuild_window` seconds (deaths while only suspects ran are not counted) exit with
+   code 3, for the supervisor to restart the process.
 
 Every task (the fetch loop, status, linger flush, in-progress keeper, one per prompt) runs
 in one `asyncio.TaskGroup`: an unexpected exception in any of them hands the work back
@@ -31,7 +36,8 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from services.engine_worker.engines import Completion, EngineDead, RequestFailed, make_engine
+from services.engine_worker import isolate
+from services.engine_worker.engines import Completion, EngineDead, RequestFailed, is_engine_death, make_engine
 from services.engine_worker.feeder import Feeder, Held
 from services.engine_worker.kv_events import KeyTranslator
 from services.engine_worker.kv_subscriber import CacheEventForwarder, KvEventSubscriber, events_config, ipc_endpoint
@@ -43,8 +49,9 @@ from services.engine_worker.window import Window
 from shared.bus.connection import close, connect
 from shared.bus.jobs import JobCache
 from shared.bus.ledger import AckLedger, Lease
-from shared.bus.poison import error_rows, is_poison, quarantine
+from shared.bus.poison import dead_letter, is_poison, quarantine
 from shared.bus.provision import provision
+from shared.bus.publish import publish
 from shared.bus.pull import DurablePull, keep_in_progress
 from shared.prefix import tokens as tk
 from shared.process.config import EngineWorkerConfig
@@ -83,6 +90,11 @@ class EngineWorker:
         self.ledger = AckLedger()
         """Work messages held until all their results are published."""
         self.prompt_tasks: set[asyncio.Task] = set()
+        self.in_engine: dict[int, Held] = {}
+        """Prompts submitted to the engine and not finished, by id(held): after a death,
+        the ones it died with (the suspects, `isolate.py`)."""
+        self.untried: list[Held] = []
+        """Prompts held but not submitted when the engine died (re-published as they were)."""
         self.groups = GroupPriorities(block_size=cfg.hash_block_size, max_age=4 * cfg.window)
         self.scheduling = cfg.scheduling
         self.idle_seconds = 0.0
@@ -194,25 +206,29 @@ class EngineWorker:
         """The engine is dead (a request saw it, or it was found dead): stop feeding it
         and report not ready at once; `pump` rebuilds it."""
         if self.death is None:
-            log.error("engine died: handing its work back and rebuilding it", error=repr(exc))
+            log.error("engine died: re-publishing its work and rebuilding it", error=repr(exc))
             self.death = exc
             self.feeder.open = False
-            self.feeder.drop_pending()
+            self.untried += self.feeder.drop_pending()
             self.ready = False
             self.status_due.set()
             self.window_free.set()
 
     async def rebuild(self, stop: asyncio.Event) -> None:
-        """Hand the dead engine's work back, shut it down, start it again (with backoff).
-        Raises EngineGaveUp once the rebuild budget is spent."""
+        """Re-publish the dead engine's unfinished work, shut it down, start it again (with
+        backoff) and check it with a canary. Raises EngineGaveUp once the rebuild budget is
+        spent."""
         t0 = time.monotonic()
         # 1. Prompts still in flight died with the engine.
         for t in self.prompt_tasks:
             t.cancel()
         if self.prompt_tasks:
             await asyncio.wait(self.prompt_tasks)
-        # 2. Publish what did finish (completes some batches), hand every other batch back.
+        # 2. Publish what did finish, re-publish the rest (isolating what was in flight),
+        #    ack what is all published; anything else still held is handed back (nak).
         await self.outbox.flush_all()
+        charge = await self.retry_unfinished()
+        await self.outbox.flush_all()  # the culprits' error rows
         handed = await self.ledger.hand_back()
         await self.publish_status()
         # 3. Shut the engine down and start it again.
@@ -221,7 +237,8 @@ class EngineWorker:
         except Exception as exc:  # noqa: BLE001 - it is dead already; start anew regardless
             log.warning("shutting the dead engine down failed", error=repr(exc))
         while True:
-            delay = self.budget.next_delay(time.monotonic())
+            delay = self.budget.next_delay(time.monotonic(), charge)
+            charge = True  # a failed start always counts
             if delay is None:
                 raise EngineGaveUp(f"{self.cfg.max_rebuilds} rebuilds within {self.cfg.rebuild_window:g} s: {self.death!r}")
             log.warning("rebuilding the engine", handed_back=handed, in_seconds=delay)
@@ -232,6 +249,10 @@ class EngineWorker:
                 pass
             try:
                 await self.engine.start()
+                # NOTE: a rebuilt engine serves a canary before any suspect runs alone, so
+                # an engine that cannot serve at all counts against the budget instead of
+                # striking the prompts it is given.
+                await self.engine.canary()
                 break
             except Exception as exc:  # noqa: BLE001 - counts against the budget; try again
                 log.error("engine rebuild failed", error=repr(exc))
@@ -296,56 +317,121 @@ class EngineWorker:
         seq = msg.metadata.sequence.stream
         if seq in self.ledger:  # redelivered while we still hold it: keep the first copy
             return
-        if is_poison(msg):
-            # It keeps failing (say, a prompt that kills the engine): error rows, not a loop.
-            await quarantine(self.js, msg, "generation failed repeatedly", error_rows(work.prompts, "poison message"))
-            # Done as far as the router counts: it routed this work here.
-            self.done_work_tokens += sum(p.work_tokens for p in work.prompts)
-            return
         lease = self.ledger.hold(seq, msg, len(work.prompts))
         if not work.prompts:
             await self.ledger.done(lease, 0)  # nothing to publish: ack
             return
+        if is_poison(msg):
+            # NOTE: its holder kept dying with it (the worker process itself, not only its
+            # engine, whose deaths re-publish rather than redeliver): every prompt is a
+            # suspect, isolated like the prompts an engine died with, never all error rows.
+            await self.resplit(lease, work, list(range(len(work.prompts))), [], alone=len(work.prompts) == 1)
+            await self.outbox.flush_all()
+            return
         lookups = {job: await self.jobs.get(job) for job in {p.job for p in work.prompts}}
-        if self.death is not None:  # died meanwhile: `rebuild` hands the batch back
+        held = [Held(lease, p, lookups[p.job], work.bucket, work, i) for i, p in enumerate(work.prompts)]
+        if self.death is not None:  # died meanwhile: `rebuild` re-publishes the batch, untried
+            self.untried += held
             return
         if self.generate_batch is not None:
-            await self.run_batch(lease, work.prompts, lookups, work.bucket)
+            await self.run_batch(held)
             return
-        self.feeder.hold([Held(lease, p, lookups[p.job], work.bucket) for p in work.prompts])
+        self.feeder.hold(held)
+
+    async def retry_unfinished(self) -> bool:
+        """After an engine death: re-publish each held batch's unfinished prompts
+        (`isolate.split`: what was in flight as suspect batches, bisected or struck) and
+        ack the batches whose every output is published. Returns whether the death counts
+        against the rebuild budget (`isolate.charged`)."""
+        died = list(self.in_engine.values())
+        untried, self.untried = self.untried, []
+        self.in_engine.clear()
+        charge = isolate.charged([h.suspect for h in died])
+        alone = len(died) == 1
+        by_lease: dict[Lease, tuple[list[int], list[int], m.WorkBatch]] = {}
+        for h, kind in [(h, 0) for h in died] + [(h, 1) for h in untried]:
+            by_lease.setdefault(h.lease, ([], [], h.work))[kind].append(h.index)
+        for lease, (in_flight, waiting, work) in by_lease.items():
+            if self.ledger.active(lease):  # else handed back already: redelivered whole
+                await self.resplit(lease, work, sorted(in_flight), sorted(waiting), alone=alone)
+        if died:
+            log.warning("engine died with work in flight: re-published for isolation", in_flight=len(died),
+                        untried=len(untried), batches=len(by_lease), charged=charge)
+        return charge
+
+    async def resplit(self, lease: Lease, work: m.WorkBatch, died: list[int], untried: list[int], *, alone: bool) -> None:
+        """Re-publish the prompts `died` and `untried` of `work` to this replica's work
+        subject as `isolate.split` says, queue error rows for its culprits, and count them
+        all done on `lease` (acked once its other outputs are published too)."""
+        strikes = work.strikes or [0] * len(work.prompts)
+        plan = isolate.split(strikes, died, untried, suspect=bool(work.strikes), alone=alone)
+        for part in plan.parts:
+            sub = m.WorkBatch(work.bucket, [work.prompts[i] for i in part.indices], work.key, strikes=part.strikes)
+            # NOTE: the publish ack comes before the input's ack: nothing lost.
+            await publish(self.js, subjects.work(self.cfg.replica), m.encode(sub))
+        for i in plan.culprits:
+            p = work.prompts[i]
+            why = f"poison prompt: the engine died {isolate.STRIKES} times while it ran alone"
+            alone_batch = m.WorkBatch(work.bucket, [p], work.key, strikes=[strikes[i] + 1])
+            await dead_letter(self.js, lease.msg, why, data=m.encode(alone_batch), part=f"{p.job}:{p.id}")
+            await self.finish(lease, p, error=why, bucket=work.bucket)
+        await self.ledger.done(lease, sum(len(part.indices) for part in plan.parts))
 
     def submit(self, held: Held) -> None:
         """Start one prompt in the engine (the feeder calls this as the window allows)."""
         self._track_idle()
-        task = self.tg.create_task(self.run_prompt(held.lease, held.prompt, held.lookup.spec, held.lookup.error, held.bucket))
+        task = self.tg.create_task(self.run_prompt(held))
         self.prompt_tasks.add(task)
         task.add_done_callback(self.prompt_tasks.discard)
 
-    async def run_batch(self, lease: Lease, prompts: list[m.Prompt], lookups: dict[str, m.JobLookup], bucket: str = "") -> None:
+    async def run_batch(self, held: list[Held]) -> None:
         """A batch engine: the whole work batch in one call, no task per prompt."""
-        runnable = [(p.tokens, prompt_sampling(p, lookups[p.job].spec.sampling)) for p in prompts if lookups[p.job].spec is not None]
+        runnable, failed = [], []
+        for h in held:
+            try:
+                if h.lookup.spec is not None:
+                    runnable.append((h, prompt_sampling(h.prompt, h.lookup.spec.sampling)))
+            except msgspec.DecodeError as exc:  # a sampling field this worker cannot read
+                failed.append((h, f"bad sampling parameters: {exc}"))
         started = time.time()
+        for h, _ in runnable:
+            self.in_engine[id(h)] = h
+        completions: list[Completion] = []
         try:
-            completions = iter(await self.generate_batch(runnable))
-        except Exception as exc:  # noqa: BLE001 - the engine itself failed: hand back and rebuild
-            self.engine_died(exc)
-            return
-        for p in prompts:
-            lookup = lookups[p.job]
-            if lookup.spec is None:
-                await self.finish(lease, p, error=lookup.error or "unknown job", bucket=bucket)
+            completions = await self.generate_batch([(h.prompt.tokens, sp) for h, sp in runnable])
+        except Exception as exc:  # noqa: BLE001 - classified: only a dead engine rebuilds
+            if is_engine_death(exc, self.engine.alive()):
+                self.engine_died(exc)  # `rebuild` re-publishes the runnable prompts as suspects
             else:
-                await self.finish(lease, p, next(completions), bucket=bucket, started_at=started)
+                failed += [(h, f"{type(exc).__name__}: {exc}") for h, _ in runnable]
+                for h, _ in runnable:
+                    self.in_engine.pop(id(h), None)
+        else:
+            for h, _ in runnable:
+                self.in_engine.pop(id(h), None)
+        done = dict(zip((id(h) for h, _ in runnable), completions, strict=False))
+        errors = {id(h): why for h, why in failed}
+        for h in held:
+            if h.lookup.spec is None:
+                await self.finish(h.lease, h.prompt, error=h.lookup.error or "unknown job", bucket=h.bucket)
+            elif id(h) in errors:
+                await self.finish(h.lease, h.prompt, error=errors[id(h)], bucket=h.bucket)
+            elif id(h) in done:
+                await self.finish(h.lease, h.prompt, done[id(h)], bucket=h.bucket, started_at=started)
 
-    async def run_prompt(
-        self, lease: Lease, prompt: m.Prompt, spec: m.JobSpec | None, job_error: str | None, bucket: str = ""
-    ) -> None:
+    async def run_prompt(self, held: Held) -> None:
+        """One prompt through the engine. Its own failure (`RequestFailed`, a sampling
+        field that does not decode, an error the engine did not name while it stays alive)
+        is its error row; only a dead engine (`is_engine_death`) leaves it unfinished, for
+        `rebuild` to re-publish."""
+        prompt, spec = held.prompt, held.lookup.spec
         completion: Completion | None = None
         error = None
         started = 0.0
+        self.in_engine[id(held)] = held
         try:
             if spec is None:
-                error = job_error or "unknown job"
+                error = held.lookup.error or "unknown job"
             else:
                 request_id = f"{prompt.job}:{prompt.id}:{uuid.uuid4().hex[:8]}"
                 priority = self.groups.priority(prompt.tokens) if self.scheduling == "prefix-groups" else 0
@@ -354,17 +440,22 @@ class EngineWorker:
                     sampling = prompt_sampling(prompt, spec.sampling)  # the row's own, else the job's
                     started = time.time()
                     completion = await self.engine.generate(request_id, prompt.id, token_ids, sampling, priority)
+                except msgspec.DecodeError as exc:  # a (newer) sampling field this worker cannot read
+                    error = f"bad sampling parameters: {exc}"
                 except RequestFailed as exc:
                     error = str(exc)
-                except Exception as exc:  # noqa: BLE001 - the engine itself failed: hand back and rebuild
-                    self.engine_died(exc)
-                    return
+                except Exception as exc:  # noqa: BLE001 - classified: only a dead engine rebuilds
+                    if is_engine_death(exc, self.engine.alive()):
+                        self.engine_died(exc)
+                        return  # still in `in_engine`: it died in flight
+                    error = f"{type(exc).__name__}: {exc}"
         finally:
             self.feeder.finished(prompt)
             self._track_idle()
             self.feeder.feed()
             self.window_free.set()
-        await self.finish(lease, prompt, completion, error, bucket=bucket, started_at=started)
+        self.in_engine.pop(id(held), None)
+        await self.finish(held.lease, prompt, completion, error, bucket=held.bucket, started_at=started)
 
     async def finish(
         self, lease: Lease, prompt: m.Prompt, c: Completion | None = None, error: str | None = None, *,
@@ -374,12 +465,13 @@ class EngineWorker:
         `bucket`, `started_at`: the prompt's bucket id and when it entered the engine
         (output columns `bucket`, `started_at`, `finished_at`: `prefixflow report`)."""
         if c is None:
-            result = m.error_result(prompt.id, error or "", prompt.columns, prompt_tokens=prompt.prompt_tokens,
-                                    replica=self.cfg.replica, bucket=bucket)
+            result = m.error_result(prompt.id, error or "", prompt_tokens=prompt.prompt_tokens,
+                                    replica=self.cfg.replica, bucket=bucket, src=prompt.src, row=prompt.row)
         else:
             result = m.Result(prompt.id, prompt.columns, c.output, c.finish_reason, c.prompt_tokens,
                               c.cached_tokens, c.output_tokens, self.cfg.replica, outputs=c.outputs, logprobs=c.logprobs,
-                              embedding=c.embedding, bucket=bucket, started_at=started_at, finished_at=time.time())
+                              embedding=c.embedding, bucket=bucket, started_at=started_at, finished_at=time.time(),
+                              src=prompt.src, row=prompt.row)
             self.cached_tokens += c.cached_tokens
             self.done_prompt_tokens += c.prompt_tokens
             self.output_tokens += c.output_tokens

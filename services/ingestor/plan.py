@@ -28,6 +28,8 @@ class Incoming:
     subject: str
     data: bytes
     headers: dict[str, str] | None = None
+    seq: int = 0
+    """Its stream sequence number (names the blob of a batch's kept fields)."""
 
     @property
     def job(self) -> str:
@@ -60,6 +62,12 @@ class Plan:
     """Index of a message that cannot be processed at all -> why (dead-letter stream)."""
     failed_jobs: dict[str, str] = field(default_factory=dict)
     """Jobs that exist but cannot run -> why (their status says failed)."""
+    kept: dict[str, list[bytes]] = field(default_factory=lambda: defaultdict(list))
+    """Job -> the other fields (msgpack maps) of its rows published without a reference to
+    kept input columns, in row order: the service stores them as the job's blob
+    `in-<src>` (`src`: this batch's number) before it publishes anything that refers to them."""
+    src: int = -1
+    """This batch's blob number for `kept`."""
 
     @property
     def n_prompts(self) -> int:
@@ -79,7 +87,16 @@ def plan_batch(
     """Plan a batch. `jobs` holds the lookup of every job in it (a lookup with no spec
     means: dead-letter its messages, and fail the job if it exists); `pick_node(key)`
     chooses a bucketer node for a prompt's first-block key."""
-    plan = Plan()
+    plan = Plan(src=m.INGEST_SRC_BASE + (incoming[0].seq if incoming else 0))
+
+    def ref(job: str, rec) -> dict[str, int]:
+        """Where a row's input columns are: its own reference, or (its other fields kept
+        by this batch) the batch's blob."""
+        if rec.src >= 0 or not rec.columns:
+            return {"src": rec.src, "row": rec.row}
+        plan.kept[job].append(rec.columns)
+        return {"src": plan.src, "row": len(plan.kept[job]) - 1}
+
     # 1. Parse and validate; collect what to tokenize.
     good: list[tuple[str, Record, m.SamplingSpec, bytes]] = []
     for i, msg in enumerate(incoming):
@@ -100,12 +117,12 @@ def plan_batch(
                 if parsed.id is None:
                     plan.dead[i] = parsed.error
                 else:
-                    plan.errors[job].append(m.error_result(parsed.id, parsed.error))
+                    plan.errors[job].append(m.error_result(parsed.id, parsed.error, src=parsed.src, row=parsed.row))
                 continue
             try:  # chat rendering and the row's own sampling (`row.py`)
                 parsed, sampling, row_spec = prepare_row(parsed, lookup.spec, model.render_chat)
             except ValueError as exc:
-                plan.errors[job].append(m.error_result(parsed.id, str(exc), parsed.columns))
+                plan.errors[job].append(m.error_result(parsed.id, str(exc), **ref(job, parsed)))
                 continue
             good.append((job, parsed, sampling, row_spec))
     # 2. Tokenize in one call (chat prompts in another: no special tokens added).
@@ -128,10 +145,10 @@ def plan_batch(
         if err is None and rec.tokens is not None and (top := tk.max_id(tokens)) >= model.vocab_size:
             err = f"token id {top} outside the model's vocabulary ({model.vocab_size})"
         if err is not None:
-            plan.errors[job].append(m.error_result(rec.id, err, rec.columns, prompt_tokens=n))
+            plan.errors[job].append(m.error_result(rec.id, err, prompt_tokens=n, **ref(job, rec)))
             continue
         node = pick_node(first_block_key(tokens, model.hash_block_size))
-        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, rec.columns, budget, row_spec))
+        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, b"", budget, row_spec, **ref(job, rec)))
     return plan
 
 
@@ -141,4 +158,5 @@ def poison_rows(msg: Incoming, why: str) -> list[tuple[str, m.Result]]:
         records = parse_many(msg.data, msg.headers)
     except Exception:  # noqa: BLE001 - unparseable: dead letter only
         return []
-    return [(msg.job, m.error_result(r.id, why, getattr(r, "columns", b""))) for r in records if r.id is not None]
+    return [(msg.job, m.error_result(r.id, why, src=getattr(r, "src", -1), row=getattr(r, "row", -1)))
+            for r in records if r.id is not None]

@@ -37,7 +37,7 @@ def prepare_row(
         text = render_chat(rec.messages, spec.chat_template, spec.chat_template_kwargs)
         # Both `messages` and the rendered `prompt` are carried through to the output.
         columns.setdefault("prompt", text)
-        rec = Record(rec.id, text, _encoder.encode(columns), None, rec.messages)
+        rec = Record(rec.id, text, _encoder.encode(columns), None, rec.messages, rec.src, rec.row)
     return rec, sampling, packed
 
 

@@ -11,19 +11,23 @@ can share the work (one durable pull consumer).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
+from typing import Any
 
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 
 from services.ingestor.model import load_model
 from services.ingestor.plan import Incoming, Plan, plan_batch, poison_rows
+from shared.bus.blobs import put_blob
 from shared.bus.connection import close, connect
 from shared.bus.jobs import JobCache
-from shared.bus.poison import deliveries, is_poison, quarantine
+from shared.bus.poison import dead_payload, deliveries, is_poison, quarantine
 from shared.bus.provision import provision
-from shared.bus.publish import ack_all, publish
+from shared.bus.publish import ack_all, message_limit, publish
 from shared.bus.pull import DurablePull
 from shared.prefix.sharding import Sharder
 from shared.process import metrics
@@ -64,7 +68,7 @@ class Ingestor:
         return sorted(n for n, seen in self.bucketers.items() if now - seen < BUCKETER_LIVE_FOR) or sorted(self.bucketers)
 
     async def run(self, stop: asyncio.Event) -> None:
-        nc = await connect(self.cfg.nats_url, "ingestor")
+        nc = self.nc = await connect(self.cfg.nats_url, "ingestor")
         js = nc.jetstream()
         await provision(js)
         self.js = js
@@ -130,6 +134,7 @@ class Ingestor:
         jobs = {job: await self.lookup(job) for job in {i.job for i in batch}}
         nodes = self.live_nodes()
         plan = await asyncio.to_thread(plan_batch, batch, jobs, self.model, lambda key: self.sharder.pick(key, nodes))
+        await self.store_kept(plan)  # before anything that refers to it is published
         await self.publish(plan, msgs)
         await ack_all(msgs)
         PROMPTS_OK.inc(plan.n_prompts)
@@ -148,22 +153,43 @@ class Ingestor:
     async def publish(self, plan: Plan, msgs: list[Msg]) -> None:
         """Publish everything the plan produced and wait for every ack."""
         pubs = []
+        # Cut by encoded size under the server's max_payload (asked of the connection):
+        # a prompt too large for a message even alone becomes an error row.
+        limit = message_limit(self.js, subjects.BUCKET_STREAM.max_msg_size)
+        errors = {job: list(rows) for job, rows in plan.errors.items()}
         for node, prompts in plan.prompts.items():
-            for run in m.chunked(prompts, m.prompt_size, MAX_PROMPTS_PER_MESSAGE):
-                pubs.append(publish(self.js, subjects.bucket(node), m.encode(m.PromptBatch(run))))
-        for job, rows in plan.errors.items():
-            for run in m.chunked(rows, m.result_size, MAX_PROMPTS_PER_MESSAGE):
-                pubs.append(publish(self.js, subjects.results(job), m.encode(m.ResultBatch(job, run))))
+            fit = []
+            for p in prompts:
+                if m.prompt_fits(p, limit, self.cfg.hash_block_size):
+                    fit.append(p)
+                else:
+                    errors.setdefault(p.job, []).append(m.error_result(
+                        p.id, f"prompt too large for one message: {m.encoded_size(p)} bytes "
+                              f"({p.prompt_tokens} tokens), the server takes {limit}",
+                        prompt_tokens=p.prompt_tokens, src=p.src, row=p.row))
+            for batch in m.encode_batches(fit, m.PromptBatch, limit, MAX_PROMPTS_PER_MESSAGE):
+                pubs.append(publish(self.js, subjects.bucket(node), batch.data))
+        limit = message_limit(self.js, subjects.RESULTS_STREAM.max_msg_size)
+        for job, rows in errors.items():
+            for batch in m.encode_batches(rows, lambda run, job=job: m.ResultBatch(job, run), limit, MAX_PROMPTS_PER_MESSAGE):
+                pubs.append(publish(self.js, subjects.results(job), batch.data))
         for i, why in plan.dead.items():
             pubs.append(self.dead_letter(msgs[i], why))
         for job, why in plan.failed_jobs.items():
             pubs.append(self.fail_job(job, why))
         await asyncio.gather(*pubs)
 
+    async def store_kept(self, plan: Plan) -> None:
+        """Store the other fields of rows published without kept columns (the user's own
+        publishers) as each job's blob `in-<plan.src>`, for the sink to join."""
+        for job, maps in plan.kept.items():
+            table = await asyncio.to_thread(kept_table, maps)
+            await put_blob(self.js, self.nc, job, m.input_blob(plan.src), table)
+
     async def dead_letter(self, msg: Msg, why: str) -> None:
         log.warning("dead-lettered ingest message", subject=msg.subject, error=why)
         headers = {"Pfx-Error": why[:512], "Pfx-Subject": msg.subject}
-        await publish(self.js, subjects.dead(msg.subject), msg.data, headers=headers)
+        await publish(self.js, subjects.dead(msg.subject), dead_payload(self.js, msg.data, headers), headers=headers)
         metrics.DEAD_LETTERS.labels(metrics.stream_of(msg.subject)).inc()
 
     async def fail_job(self, job: str, why: str) -> None:
@@ -174,4 +200,36 @@ class Ingestor:
 
 
 def incoming(msg: Msg) -> Incoming:
-    return Incoming(msg.subject, msg.data, msg.headers)
+    try:
+        seq = msg.metadata.sequence.stream
+    except Exception:  # noqa: BLE001 - not a JetStream message (tests)
+        seq = 0
+    return Incoming(msg.subject, msg.data, msg.headers, seq)
+
+
+_fields = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def kept_table(maps: list[bytes]) -> bytes:
+    """Rows' other fields (msgpack maps) as an Arrow IPC file: JSON types as Arrow infers
+    them, a field Arrow cannot hold as one type as JSON text."""
+    import pyarrow as pa
+
+    rows = [_fields.decode(b) for b in maps]
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    arrays = []
+    for name in names:
+        values = [r.get(name) for r in rows]
+        try:
+            # NOTE: a field that is null in every row of this batch is typed string, not
+            # null: the job's schema is fixed by its first part, and later batches may
+            # bring values.
+            arrays.append(pa.array(values, pa.string() if all(v is None for v in values) else None))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            arrays.append(pa.array([None if v is None else v if isinstance(v, str) else json.dumps(v, default=str)
+                                    for v in values], pa.string()))
+    table = pa.Table.from_arrays(arrays, names=names)
+    out = pa.BufferOutputStream()
+    with pa.ipc.new_file(out, table.schema) as writer:
+        writer.write_table(table)
+    return out.getvalue().to_pybytes()

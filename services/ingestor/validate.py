@@ -16,9 +16,12 @@ from typing import Any
 import msgspec
 
 from shared.prefix import tokens as tk
-from shared.wire.messages import PromptId
+from shared.wire.messages import INGEST_SRC_BASE, ROW_FIELD, SRC_FIELD, PromptId
+from shared.wire.structured import ROW_FIELDS
 
 ID_HEADER = "Pfx-Id"
+PLAN_FIELDS = frozenset(("prompt", "messages", "prompt_token_ids", *ROW_FIELDS))
+"""Fields of a row the plan reads (the rest are input columns, kept aside)."""
 
 _json = msgspec.json.Decoder(dict[str, Any])
 _msgpack = msgspec.msgpack.Decoder(dict[str, Any])
@@ -39,12 +42,19 @@ class Record(msgspec.Struct):
     messages: Any = None
     """Chat input (`messages`, OpenAI shape), when the row has no `prompt`: rendered with
     the chat template and checked by the plan (`services/ingestor/chat.py`)."""
+    src: int = -1
+    """The job's blob holding this row's input columns (`SRC_FIELD`); -1: the row's other
+    fields (`columns`) are its input columns, to be kept by the ingestor."""
+    row: int = -1
 
 
 class Rejected(msgspec.Struct):
     id: PromptId | None
     """None when no id could be recovered (the message then goes to the dead-letter stream)."""
     error: str
+    src: int = -1
+    """Where the row's input columns are kept, when it said (its error row gets them)."""
+    row: int = -1
 
 
 def header_id(headers: dict[str, str] | None) -> PromptId | None:
@@ -95,22 +105,34 @@ def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
     rid = body.pop("id", hid)
     if isinstance(rid, bool) or not isinstance(rid, int | str) or (isinstance(rid, int) and rid not in INT64):
         return Rejected(hid, "missing or invalid 'id' (want a 64-bit integer or a string)")
+    src, row = body.pop(SRC_FIELD, -1), body.pop(ROW_FIELD, -1)
+    if not (type(src) is int and type(row) is int and src >= -1 and row >= -1):
+        return Rejected(rid, f"invalid {SRC_FIELD!r}/{ROW_FIELD!r} (want integers)")
+    if src >= INGEST_SRC_BASE:
+        return Rejected(rid, f"invalid {SRC_FIELD!r}: {src} is reserved")
+    if src >= 0:  # the row's input columns are kept in a blob: carry only what the plan uses
+        body = {k: v for k, v in body.items() if k in PLAN_FIELDS}
+    ref = {"src": src, "row": row}
     token_ids = body.pop("prompt_token_ids", None)
+    given = [k for k, v in (("prompt", body.get("prompt")), ("messages", body.get("messages")), ("prompt_token_ids", token_ids))
+             if v is not None]
+    if len(given) > 1:
+        return Rejected(rid, **ref, error=f"the row has both {' and '.join(repr(k) for k in given)}: give exactly one")
     if token_ids is not None:
         packed = tk.pack_checked(token_ids)
         if packed is None:
-            return Rejected(rid, "invalid 'prompt_token_ids' (want a list of token ids)")
+            return Rejected(rid, **ref, error="invalid 'prompt_token_ids' (want a list of token ids)")
         if not packed:
-            return Rejected(rid, "empty prompt")
-        return Record(rid, "", _columns_encoder.encode(body), packed)
+            return Rejected(rid, **ref, error="empty prompt")
+        return Record(rid, "", _columns_encoder.encode(body), packed, **ref)
     prompt = body.get("prompt")
-    if prompt is None and "messages" in body:
-        return Record(rid, "", _columns_encoder.encode(body), messages=body["messages"])
+    if prompt is None and body.get("messages") is not None:
+        return Record(rid, "", _columns_encoder.encode(body), messages=body["messages"], **ref)
     if not isinstance(prompt, str):
-        return Rejected(rid, "missing 'prompt' (want a string, 'messages' or 'prompt_token_ids')")
+        return Rejected(rid, **ref, error="missing 'prompt' (want a string, 'messages' or 'prompt_token_ids')")
     if not prompt.strip():
-        return Rejected(rid, "empty prompt")
-    return Record(rid, prompt, _columns_encoder.encode(body))
+        return Rejected(rid, **ref, error="empty prompt")
+    return Record(rid, prompt, _columns_encoder.encode(body), **ref)
 
 
 def _bad_utf8(data: bytes) -> bool:

@@ -17,6 +17,7 @@ results are dropped, and nothing is created or written for it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections import OrderedDict, deque
@@ -36,7 +37,10 @@ from shared.bus.connection import close, connect
 from shared.bus.provision import provision
 from shared.bus.poison import dead_letter, deliveries, is_poison, quarantine
 from shared.process import metrics
+from services.sink.inputs import InputCache
+from services.sink.large import resolve_or_hand_back
 from services.sink.writer import JobOutput, OutsideRoot, confine
+from shared.bus.blobs import purge_job_blobs
 
 log = structlog.get_logger()
 
@@ -73,6 +77,8 @@ class Sink:
         """Jobs whose out_dir is outside the root -> why (their results are dropped)."""
         self.progress: dict[str, deque[tuple[float, int]]] = {}
         """Open jobs -> (monotonic time, rows on disk) over the last RATE_WINDOW seconds."""
+        self.inputs = InputCache(cfg.inputs_cache or None)
+        """Local copies of the blobs of input columns the queued rows need."""
         metrics.SINK_PENDING_ROWS.set_function(lambda: self.pending_rows)
         metrics.SINK_OPEN_JOBS.set_function(lambda: len(self.outputs))
 
@@ -97,6 +103,7 @@ class Sink:
                 await self.check_jobs()
         await self.flush()
         await close(nc, sub)
+        self.inputs.close()
 
     async def output(self, job: str) -> JobOutput | None:
         out = self.outputs.pop(job, None)
@@ -159,6 +166,8 @@ class Sink:
                 log.warning("results for an unknown job: retried later", job=batch.job)
                 await msg.nak(delay=5.0)
             return
+        if not is_poison(msg) and (batch := await resolve_or_hand_back(self.js, batch, msg)) is None:
+            return  # a result stored by reference could not be read now: redelivered (services/sink/large.py)
         results = batch.results
         poison = is_poison(msg)
         if poison:
@@ -170,7 +179,7 @@ class Sink:
             # losing its rows, and a failed write naks it.
             await dead_letter(self.js, msg, "sink failed repeatedly")
             why = f"poison message: result could not be written after {deliveries(msg)} deliveries"
-            results = [m.error_result(r.id, why, replica=r.replica) for r in results]
+            results = [m.error_result(r.id, why, replica=r.replica, src=r.src, row=r.row) for r in results]
         try:  # when the results reached the stream: the finish time of rows that have none
             reached = msg.metadata.timestamp.timestamp()
         except Exception:  # noqa: BLE001 - not a JetStream message (tests)
@@ -188,7 +197,8 @@ class Sink:
                 continue
             try:
                 t0 = time.perf_counter()
-                written[job] = await asyncio.to_thread(out.flush)
+                await self.inputs.fetch(self.js, job, out.sources())  # the rows' input columns
+                written[job] = await asyncio.to_thread(out.flush, functools.partial(self.inputs.table, job))
                 metrics.SINK_PART_SECONDS.observe(time.perf_counter() - t0)
                 count_part(out.last_part)
             except Exception as exc:  # noqa: BLE001 - one job's bad rows must not stop the others
@@ -220,6 +230,7 @@ class Sink:
             if complete:
                 summary = await asyncio.to_thread(out.write_summary, spec)  # sets out.done
                 log.info("job complete", **{k: v for k, v in summary.items() if k != "replicas"})
+                await self.forget_inputs(job)
             if complete:
                 metrics.SINK_JOBS_DONE.inc()
             prompt, cached, output = out.tokens
@@ -234,6 +245,14 @@ class Sink:
                 await self.status_kv.put(job, m.encode_json(status))
             except Exception as exc:  # noqa: BLE001 - progress only; retried next round
                 log.warning("status update failed", job=job, error=repr(exc))
+
+    async def forget_inputs(self, job: str) -> None:
+        """A done job's input columns are in its parts: drop the cached and stored copies."""
+        self.inputs.drop(job)
+        try:
+            await purge_job_blobs(self.js, job)
+        except Exception as exc:  # noqa: BLE001 - they expire anyway (the blob stream's max_age)
+            log.warning("blob purge failed", job=job, error=repr(exc))
 
     def rate(self, job: str, rows: int) -> float:
         """Rows per second the job made over the last RATE_WINDOW seconds (0 until there

@@ -11,6 +11,10 @@ torn part. On (re)start the ids already in the parts are loaded, so a redelivere
 or a resumed job never writes a row twice.
 
 Columns of a row: `id`, every input column, then the generated columns (`OUTPUT_TYPES`).
+Input columns do not travel with the results: a result names where its row's columns are
+kept (`src`, `row`; `services/sink/inputs.py`), and the part takes them from there with
+their exact Arrow types. Every part of a job is written against one schema, fixed by its
+first part (read back from disk on a restart), so no part is ever rewritten.
 No input value is ever overwritten: an input column named like a generated column is kept
 as `input_<name>` (`output` -> `input_output`). That makes `input_output` a name the sink
 uses, so an input column already called `input_output` is kept as `input_input_output`,
@@ -24,6 +28,7 @@ import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +36,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import structlog
 
 from shared.wire.ids import IdSet
-from shared.wire.messages import JobSpec, Result, columns_decoder
+from shared.wire.messages import JobSpec, Result
+
+log = structlog.get_logger()
 
 OUTPUT_TYPES = {
     "output": pa.string(),
@@ -60,35 +68,12 @@ completion its logprob and the top alternatives (null unless asked for). `bucket
 unknown). `prefixflow report` plots the job over time from them."""
 
 
-def _stringify_mixed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    mixed = set()
-    for name in rows[0] if rows else ():
-        kinds = {type(r[name]) for r in rows if r[name] is not None}
-        if len(kinds) > 1:
-            mixed.add(name)
-        elif kinds & {list, dict}:
-            # Nested values of one Python type can still disagree inside (a chat
-            # `messages` column whose `content` is a string in one row, a list of parts
-            # in another): such a column is written as JSON text.
-            try:
-                pa.array([r[name] for r in rows])
-            except (pa.ArrowInvalid, pa.ArrowTypeError):
-                mixed.add(name)
-    return [{k: (_json_if_nested(v) if k in mixed and v is not None else v) for k, v in r.items()} for r in rows]
-
-
 def as_text(column: pa.ChunkedArray | pa.Array) -> pa.Array | pa.ChunkedArray:
-    """A column as strings: a cast where Arrow has one, else JSON text per value (nested
-    input columns whose shape changes between rows, say a per-row `sampling` object with
-    different keys, or `messages` that is sometimes not a list)."""
+    """A column as strings: a cast where Arrow has one, else JSON text per value."""
     try:
         return column.cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return pa.array([None if v is None else json.dumps(v, default=str) for v in column.to_pylist()], pa.string())
-
-
-def _json_if_nested(v: Any) -> Any:
-    return json.dumps(v, default=str) if isinstance(v, dict | list) else str(v)
 
 
 class OutsideRoot(ValueError):
@@ -130,28 +115,54 @@ def input_column(name: str) -> str:
     return INPUT_PREFIX + name if base in OUTPUT_TYPES else name
 
 
-def result_row(r: Result, finished_at: float | None = None) -> dict[str, Any]:
-    """The output row of a result; `finished_at` is used when the result has none."""
-    row: dict[str, Any] = {"id": r.id}
-    if r.columns:
-        row.update((input_column(name), value) for name, value in columns_decoder.decode(r.columns).items())
-    row.update(
-        output=None if r.error else r.output,
-        finish_reason=r.finish_reason.name.lower(),
-        prompt_tokens=r.prompt_tokens,
-        cached_tokens=r.cached_tokens,
-        output_tokens=r.output_tokens,
-        replica=r.replica or None,
-        error=r.error,
-        bucket=r.bucket or None,
-        started_at=r.started_at or None,
-        finished_at=r.finished_at or finished_at,
-    )
-    row["outputs"] = r.outputs or None
-    row["logprobs"] = r.logprobs or None
-    if r.embedding:  # embed jobs (a fixed-size float32 column; see `_to_table`)
-        row["embedding"] = r.embedding
-    return row
+def generated_columns(results: list[Result], finished: list[float | None], embed_type: pa.DataType | None) -> dict[str, pa.Array]:
+    """The generated columns of these results, typed as `OUTPUT_TYPES` declares (and
+    `embedding` as `embed_type`, in embed jobs)."""
+    cols: dict[str, list[Any]] = {
+        "output": [None if r.error else r.output for r in results],
+        "finish_reason": [r.finish_reason.name.lower() for r in results],
+        "prompt_tokens": [r.prompt_tokens for r in results],
+        "cached_tokens": [r.cached_tokens for r in results],
+        "output_tokens": [r.output_tokens for r in results],
+        "replica": [r.replica or None for r in results],
+        "error": [r.error for r in results],
+        "bucket": [r.bucket or None for r in results],
+        "started_at": [r.started_at or None for r in results],
+        "finished_at": [r.finished_at or f for r, f in zip(results, finished)],
+        "outputs": [r.outputs or None for r in results],
+        "logprobs": [r.logprobs or None for r in results],
+    }
+    out = {name: pa.array(values, OUTPUT_TYPES[name]) for name, values in cols.items()}
+    if embed_type is not None:
+        out["embedding"] = pa.array([r.embedding or None for r in results], embed_type)
+    return out
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> tuple[pa.Table, list[str]]:
+    """`table` with exactly the columns of `schema`, in its order and types: missing
+    columns null, a value that does not cast to a string column as JSON text, any other
+    that does not cast null. Returns the table and what had to give (for a log line)."""
+    arrays, notes = [], []
+    for f in schema:
+        if f.name not in table.column_names:
+            arrays.append(pa.nulls(table.num_rows, f.type))
+            continue
+        col = table.column(f.name)
+        if col.type == f.type:
+            arrays.append(col)
+            continue
+        try:
+            arrays.append(col.cast(f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            if pa.types.is_string(f.type):
+                arrays.append(as_text(col))
+            else:
+                notes.append(f"{f.name}: {col.type} does not fit {f.type} (null)")
+                arrays.append(pa.nulls(table.num_rows, f.type))
+    dropped = [n for n in table.column_names if schema.get_field_index(n) < 0]
+    if dropped:
+        notes.append(f"columns not in the job's schema dropped: {dropped}")
+    return pa.Table.from_arrays(arrays, schema=schema), notes
 
 
 @dataclass
@@ -165,20 +176,19 @@ class PartStats:
     """Replica -> [prompt, cached, output tokens] of its ok rows."""
 
     @classmethod
-    def of(cls, rows: list[dict[str, Any]]) -> PartStats:
+    def of(cls, results: list[Result]) -> PartStats:
         stats = cls()
-        for r in rows:
-            error = r["error"]
-            if error is not None:
-                stats.errors[error] = stats.errors.get(error, 0) + 1
+        for r in results:
+            if r.error is not None:
+                stats.errors[r.error] = stats.errors.get(r.error, 0) + 1
                 continue
             stats.ok += 1
-            acc = stats.replicas.get(r["replica"] or "")
+            acc = stats.replicas.get(r.replica)
             if acc is None:
-                acc = stats.replicas[r["replica"] or ""] = [0, 0, 0]
-            acc[0] += r["prompt_tokens"]
-            acc[1] += r["cached_tokens"]
-            acc[2] += r["output_tokens"]
+                acc = stats.replicas[r.replica] = [0, 0, 0]
+            acc[0] += r.prompt_tokens
+            acc[1] += r.cached_tokens
+            acc[2] += r.output_tokens
         return stats
 
 
@@ -194,12 +204,10 @@ class JobOutput:
         """Prompt, cached and output tokens of the ok rows on disk (the job's progress)."""
         self.last_part: PartStats | None = None
         """What the last part written held."""
-        self.pending: list[dict[str, Any]] = []
-        self.types: dict[str, pa.DataType | None] = {}
-        """Column -> Arrow type, stable across parts (a part where a column is all null
-        still gets its type, so the directory reads as one table)."""
-        self.part_columns: set[str] | None = None
-        """Columns every part on disk has (None: not read yet); see `_backfill`."""
+        self.pending: list[tuple[Result, float | None]] = []
+        """Results queued for the next part, with when they reached the results stream."""
+        self.schema: pa.Schema | None = None
+        """Every part's schema: fixed by the first part written (read back on a restart)."""
         self.next_part = 0
         self.done = False
         """`_summary.json` is written and no row was queued since: the job need not be
@@ -219,10 +227,8 @@ class JobOutput:
             for i, col in enumerate(("prompt_tokens", "cached_tokens", "output_tokens")):
                 self.tokens[i] += int(pc.sum(ok.column(col)).as_py() or 0)
             self.next_part = max(self.next_part, int(part.stem.split("-")[1]) + 1)
-            for f in pq.read_schema(part):
-                if self.types.get(f.name) is None and not pa.types.is_null(f.type):
-                    self.types[f.name] = f.type
-                self.types.setdefault(f.name, None)
+            if self.schema is None:
+                self.schema = pq.read_schema(part).remove_metadata()
 
     def add(self, result: Result, finished_at: float | None = None) -> bool:
         """Queue a result for the next part (`finished_at`: when it reached the results
@@ -232,26 +238,28 @@ class JobOutput:
         # job wrote as strings still recognises a redelivered int id.
         if not self.seen.add(result.id):
             return False
-        row = result_row(result, finished_at)
-        for name in row:
-            self.types.setdefault(name, OUTPUT_TYPES.get(name))
-        self.pending.append(row)
+        self.pending.append((result, finished_at))
         self.done = False
         return True
 
+    def sources(self) -> set[int]:
+        """The blobs of input columns the queued rows need (`InputCache.fetch`)."""
+        return {r.src for r, _ in self.pending if r.src >= 0}
+
     def drop_pending(self) -> None:
         """Forget queued rows that could not be written (their messages are redelivered)."""
-        for row in self.pending:
-            self.seen.discard(row["id"])
+        for r, _ in self.pending:
+            self.seen.discard(r.id)
         self.pending = []
 
-    def flush(self) -> int:
-        """Write the queued rows as one part; returns the number written."""
+    def flush(self, inputs: Callable[[int], pa.Table | None] | None = None) -> int:
+        """Write the queued rows as one part, their input columns taken from
+        `inputs(src)` (a blob's record batch, None if there is none); returns the number
+        written."""
         if not self.pending:
             return 0
-        rows = self.pending
-        table = self._to_table(rows)
-        self._backfill(table.schema)
+        results = [r for r, _ in self.pending]
+        table = self._to_table(results, [f for _, f in self.pending], inputs or (lambda src: None))
         final = self.dir / f"part-{self.next_part:06d}.parquet"
         tmp = final.with_suffix(".tmp")
         pq.write_table(table, tmp)
@@ -259,88 +267,77 @@ class JobOutput:
             os.fsync(f.fileno())
         os.replace(tmp, final)
         self.next_part += 1
-        stats = self.last_part = PartStats.of(rows)
-        self.rows += len(rows)
-        self.errors += len(rows) - stats.ok
+        stats = self.last_part = PartStats.of(results)
+        self.rows += len(results)
+        self.errors += len(results) - stats.ok
         for acc in stats.replicas.values():
             for i in range(3):
                 self.tokens[i] += acc[i]
         self.pending = []
-        return len(rows)
+        return len(results)
 
-    def _to_table(self, rows: list[dict[str, Any]]) -> pa.Table:
-        aligned = [{n: r.get(n) for n in self.types} for r in rows]
-        try:
-            inferred = pa.Table.from_pylist(aligned)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            # Mixed Python types in a column (say int and str ids in one job): write the
-            # part with those columns as strings rather than leave the rows stuck.
-            inferred = pa.Table.from_pylist(_stringify_mixed(aligned))
-        fields = []
-        for f in inferred.schema:
-            known = self.types.get(f.name)
-            if known is None:
-                known = pa.string() if pa.types.is_null(f.type) else f.type
-                if f.name == "embedding" and pa.types.is_list(f.type):  # embed jobs: fixed-size float32
-                    dim = next(len(r["embedding"]) for r in aligned if r.get("embedding"))
-                    known = pa.list_(pa.float32(), dim)
-                self.types[f.name] = known
-            fields.append(pa.field(f.name, known))
-        try:
-            return inferred.cast(pa.schema(fields))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            pass
-        # A column changed type mid-job (say int ids, then a string id): make every such
-        # column a string column, in this part and in the parts already written, so the
-        # directory still reads as one table.
-        for f in inferred.schema:
-            known = self.types.get(f.name)
-            if known is not None and known != f.type and not pa.types.is_null(f.type):
-                self._promote_to_string(f.name)
-        for i, f in enumerate(inferred.schema):
-            if self.types.get(f.name) == pa.string() and f.type != pa.string():
-                inferred = inferred.set_column(i, pa.field(f.name, pa.string()), as_text(inferred.column(f.name)))
-        fields = [pa.field(f.name, self.types.get(f.name) or f.type) for f in inferred.schema]
-        return inferred.cast(pa.schema(fields))
-
-    def _backfill(self, schema: pa.Schema) -> None:
-        """Give the parts already written every column this part adds (all null), so the
-        directory reads as one table: pyarrow takes a directory's schema from its first
-        part, and a column first seen later (chat `messages` after a part of error rows, a
-        per-row `choice`) would otherwise vanish from `read_table(OUT)`. Rare: once per new
-        column."""
-        names = set(schema.names)
-        parts = self.parts()
-        if self.part_columns is None:  # first flush of this writer: what is on disk
-            self.part_columns = set.intersection(*(set(pq.read_schema(p).names) for p in parts)) if parts else names
-        if not parts or names <= self.part_columns:
-            self.part_columns = names if not parts else self.part_columns
-            return
-        for part in parts:
-            have = pq.read_schema(part)
-            missing = [f for f in schema if have.get_field_index(f.name) < 0]
-            if not missing:
+    def _inputs(self, results: list[Result], inputs: Callable[[int], pa.Table | None]) -> pa.Table | None:
+        """The input columns of each result's row, in the results' order (None: no row
+        has any). Rows of one blob are taken together; rows with none get nulls."""
+        by_src: dict[int, list[int]] = {}
+        for i, r in enumerate(results):
+            by_src.setdefault(r.src, []).append(i)
+        pieces, order = [], []
+        names: dict[str, pa.DataType] = {}
+        for src, idx in by_src.items():
+            table = inputs(src) if src >= 0 else None
+            if table is None:
                 continue
-            table = pq.read_table(part)
-            for f in missing:
-                table = table.append_column(f, pa.nulls(table.num_rows, f.type))
-            tmp = part.with_suffix(".tmp")
-            pq.write_table(table, tmp)
-            os.replace(tmp, part)
-        self.part_columns = names  # every part now has them (each part has every known column)
+            rows = pa.array([results[i].row for i in idx], pa.int64())
+            if len(rows) and (pc.min(rows).as_py() < 0 or pc.max(rows).as_py() >= table.num_rows):
+                log.error("input row out of range: its input columns are null", job=self.job, src=src)
+                continue
+            pieces.append(table.take(rows))
+            order.extend(idx)
+            for f in table.schema:
+                names.setdefault(f.name, f.type)
+        if not pieces:
+            return None
+        schema = pa.schema(list(names.items()))
+        pieces = [conform(piece, schema)[0] for piece in pieces]
+        have = set(order)
+        missing = [i for i in range(len(results)) if i not in have]
+        if missing:
+            pieces.append(pa.Table.from_arrays([pa.nulls(len(missing), f.type) for f in schema], schema=schema))
+            order.extend(missing)
+        joined = pa.concat_tables(pieces)
+        back = pa.array(sorted(range(len(order)), key=order.__getitem__), pa.int64())
+        return joined.take(back)
 
-    def _promote_to_string(self, name: str) -> None:
-        if self.types.get(name) == pa.string():
-            return
-        self.types[name] = pa.string()
-        for part in self.parts():
-            table = pq.read_table(part)
-            if name in table.column_names and table.schema.field(name).type != pa.string():
-                i = table.column_names.index(name)
-                table = table.set_column(i, pa.field(name, pa.string()), as_text(table.column(name)))
-                tmp = part.with_suffix(".tmp")
-                pq.write_table(table, tmp)
-                os.replace(tmp, part)
+    def _to_table(self, results: list[Result], finished: list[float | None], inputs: Callable[[int], pa.Table | None]) -> pa.Table:
+        kept = self._inputs(results, inputs)
+        embed_type = None
+        if self.schema is not None and self.schema.get_field_index("embedding") >= 0:
+            embed_type = self.schema.field("embedding").type
+        elif any(r.embedding for r in results):  # embed jobs: fixed-size float32
+            embed_type = pa.list_(pa.float32(), len(next(r.embedding for r in results if r.embedding)))
+        generated = generated_columns(results, finished, embed_type)
+        ids = [r.id for r in results]
+        columns: dict[str, pa.Array | pa.ChunkedArray] = {}
+        if kept is not None and "id" in kept.column_names and all(r.src >= 0 for r in results):
+            columns["id"] = kept.column("id")  # the input's own id column, its type kept
+        elif all(isinstance(i, int) for i in ids):
+            columns["id"] = pa.array(ids, pa.int64())
+        else:
+            columns["id"] = pa.array([str(i) for i in ids], pa.string())
+        if kept is not None:
+            for name in kept.column_names:
+                if name != "id":
+                    columns[input_column(name)] = kept.column(name)
+        columns.update(generated)
+        table = pa.table(columns)
+        if self.schema is None:
+            self.schema = table.schema
+            return table
+        table, notes = conform(table, self.schema)
+        if notes:
+            log.warning("part conformed to the job's schema", job=self.job, notes=notes)
+        return table
 
     def summarize(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
         """Totals over every part, overall and per replica; written to `_summary.json`.

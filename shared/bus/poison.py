@@ -5,6 +5,12 @@ Every consumer checks a message's delivery count before working on it. Past
 (`pfx.dead.<subject>`, headers `Pfx-Error`, `Pfx-Deliveries`), the prompts it carries
 come out as error rows so the job still completes, and the message is terminated.
 
+The engine-worker counts per prompt, not per message: an engine death re-publishes the
+work it held (`services/engine_worker/isolate.py`: suspects bisected and run alone), so
+its messages gain no deliveries; a work message past `POISON_AFTER` (its holder process
+itself kept dying) is split the same way, and only a prompt that killed the engine alone
+`isolate.STRIKES` times is dead-lettered (as a one-prompt work batch) and an error row.
+
 Only real failures may cause a redelivery: a crash of the holder, a decode, engine or
 write error (nak). Backpressure never does: a full stream makes the publisher wait
 (`shared/bus/publish.py`), a message waiting for room stays leased (`in_progress`), and
@@ -22,7 +28,7 @@ from nats.js import JetStreamContext
 
 from shared.wire import messages as m
 from shared.wire import subjects
-from shared.bus.publish import publish
+from shared.bus.publish import message_limit, publish
 from shared.process import metrics
 
 log = structlog.get_logger()
@@ -58,18 +64,34 @@ def moved_headers(msg: Msg) -> dict[str, str]:
     return {PRIOR_DELIVERIES: str(max(deliveries(msg) - 1, 0))}
 
 
-async def dead_letter(js: JetStreamContext, msg: Msg, reason: str) -> None:
-    """Copy `msg` to the dead-letter stream with why (the caller ends the original)."""
+async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, *, data: bytes | None = None, part: str = "") -> None:
+    """Copy `msg` to the dead-letter stream with why (the caller ends the original).
+    `data`, `part`: dead-letter only this part of it (the engine-worker's culprit prompt,
+    as a one-prompt work batch; `part` names it), with `reason` as the whole error."""
     n = deliveries(msg)
-    log.error("poison message quarantined", subject=msg.subject, deliveries=n, reason=reason)
-    headers = {"Pfx-Error": f"poison after {n} deliveries: {reason}"[:512], "Pfx-Deliveries": str(n), "Pfx-Subject": msg.subject}
+    log.error("poison message quarantined", subject=msg.subject, deliveries=n, reason=reason, part=part or None)
+    error = reason if part else f"poison after {n} deliveries: {reason}"
+    headers = {"Pfx-Error": error[:512], "Pfx-Deliveries": str(n), "Pfx-Subject": msg.subject}
     try:  # the same message dead-lettered again (its holder crashed before ending it): one copy
         meta = msg.metadata
-        headers["Nats-Msg-Id"] = f"dead:{meta.stream}:{meta.sequence.stream}"
+        headers["Nats-Msg-Id"] = f"dead:{meta.stream}:{meta.sequence.stream}" + (f":{part}" if part else "")
     except Exception:  # noqa: BLE001 - not a JetStream message
         pass
-    await publish(js, subjects.dead(msg.subject), msg.data, headers=headers)
+    data = dead_payload(js, msg.data if data is None else data, headers)
+    await publish(js, subjects.dead(msg.subject), data, headers=headers)
     metrics.DEAD_LETTERS.labels(metrics.stream_of(msg.subject)).inc()
+
+
+def dead_payload(js: JetStreamContext, data: bytes | None, headers: dict[str, str]) -> bytes:
+    """`data` for the dead-letter stream, cut to what fits a message beside our headers: a
+    foreign message may have used the whole `max_payload` (header `Pfx-Truncated`: its
+    original size)."""
+    data = data or b""
+    limit = message_limit(js, subjects.DEAD_STREAM.max_msg_size)
+    if len(data) > limit:
+        headers["Pfx-Truncated"] = str(len(data))
+        data = data[:limit]
+    return data
 
 
 async def quarantine(js: JetStreamContext, msg: Msg, reason: str, rows: list[tuple[str, m.Result]] = ()) -> None:
@@ -78,12 +100,13 @@ async def quarantine(js: JetStreamContext, msg: Msg, reason: str, rows: list[tup
     by_job: dict[str, list[m.Result]] = defaultdict(list)
     for job, row in rows:
         by_job[job].append(row)
+    limit = message_limit(js, subjects.RESULTS_STREAM.max_msg_size)
     for job, results in by_job.items():
-        for run in m.chunked(results, m.result_size, 512):
-            await publish(js, subjects.results(job), m.encode(m.ResultBatch(job, run)))
+        for batch in m.encode_batches(results, lambda run, job=job: m.ResultBatch(job, run), limit, 512):
+            await publish(js, subjects.results(job), batch.data)
     await msg.term()
 
 
 def error_rows(prompts: list[m.Prompt], why: str) -> list[tuple[str, m.Result]]:
     """Error rows for the prompts of a quarantined message."""
-    return [(p.job, m.error_result(p.id, why, p.columns, prompt_tokens=p.prompt_tokens)) for p in prompts]
+    return [(p.job, m.error_result(p.id, why, prompt_tokens=p.prompt_tokens, src=p.src, row=p.row)) for p in prompts]

@@ -212,6 +212,11 @@ class SinkConfig(CommonConfig, kw_only=True):
         _d("the only directory jobs may write under: a job whose out_dir resolves outside it (.., "
            "another absolute path, a symlink out) fails (default: the working directory)"),
     ] = ""
+    inputs_cache: Annotated[
+        str,
+        _d("local directory for the input columns the sink joins to the results (a job's files are removed "
+           "when it is done; default: a new temporary directory)"),
+    ] = ""
 
 
 def _check_name(what: str, name: str) -> None:

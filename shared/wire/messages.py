@@ -13,7 +13,8 @@ High-volume structs are `array_like` (positional, no field names on the wire) an
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 from msgspec import Meta
@@ -160,6 +161,22 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
 PromptId = int | str
 """A prompt's id as the user gave it (`id` column); the sink dedupes on (job, id)."""
 
+SRC_FIELD = "_pfx_src"
+"""Ingest-message field: the job's blob (`in-<src>`) that holds the row's input columns
+(`client/columns.py` writes it; rows published without one keep their extra fields in a
+blob the ingestor writes)."""
+ROW_FIELD = "_pfx_row"
+"""Ingest-message field: the row's index in that blob's record batch."""
+INGEST_SRC_BASE = 1 << 48
+"""Blob numbers the ingestor uses for the extra fields of rows published without a
+reference (this plus the stream sequence of a batch's first message): never a client's
+chunk number."""
+
+
+def input_blob(src: int) -> str:
+    """Blob key of the input columns of chunk `src` of a job."""
+    return f"in-{src}"
+
 
 class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """One validated, tokenized prompt on its way to an engine."""
@@ -207,6 +224,11 @@ class WorkBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     prompts: list[Prompt]
     key: list[int] = msgspec.field(default_factory=list)
     """Block-hash chain of the bucket's common token prefix (empty: mixed batch)."""
+    strikes: list[int] = msgspec.field(default_factory=list)
+    """Set on a suspect batch (prompts that were in flight when an engine died, re-published
+    by the engine-worker to its own work subject: `services/engine_worker/isolate.py`): per
+    prompt, how often the engine died while that prompt ran alone in it. A suspect batch
+    runs alone in its engine. Empty: an ordinary batch."""
 
 
 class FinishReason(enum.IntEnum):
@@ -246,14 +268,21 @@ class Result(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """The prompt's `Prompt.src`: the blob holding its input columns (-1: none)."""
     row: int = -1
     """The prompt's `Prompt.row` in that blob."""
+    blob: str = ""
+    """Set on a stand-in for a result too large for one message: the key of the job's
+    blob (`shared/bus/blobs.py`) holding the whole `Result`, msgpack (the engine-worker's
+    outbox writes it, the sink reads it back: `services/sink/large.py`). Empty: this is
+    the result."""
 
 
 def error_result(
-    id: PromptId, error: str, columns: bytes = b"", *, prompt_tokens: int = 0, replica: str = "", bucket: str = ""
+    id: PromptId, error: str, *, prompt_tokens: int = 0, replica: str = "", bucket: str = "", src: int = -1, row: int = -1
 ) -> Result:
-    """The error row of a prompt (the one way every stage builds one)."""
+    """The error row of a prompt (the one way every stage builds one); `src`, `row`: where
+    its input columns are kept (the sink joins them to the row)."""
     return Result(
-        id, columns, error=error, finish_reason=FinishReason.ERROR, prompt_tokens=prompt_tokens, replica=replica, bucket=bucket
+        id, error=error, finish_reason=FinishReason.ERROR, prompt_tokens=prompt_tokens, replica=replica, bucket=bucket,
+        src=src, row=row,
     )
 
 
@@ -396,33 +425,92 @@ class CacheEvents(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
 # --- batching -----------------------------------------------------------------------
 
 MAX_MESSAGE_BYTES = 512 * 1024
-"""Batches are cut to stay well under nats-server's default 1 MiB max payload."""
+"""Byte budget of a batch where no connection is at hand to ask (`client/submit.py`'s
+ingest messages). Services cut by the server's own limit instead
+(`shared.bus.publish.message_limit`: `nc.max_payload` less headroom)."""
+
+ARRAY_HEADER_GROWTH = 4
+"""Bytes an empty msgpack array's header (fixarray, 1 byte) can grow by once it holds
+items (array32, 5 bytes)."""
+
+
+def encoded_size(msg: Any) -> int:
+    """Bytes of `msg` as msgpack (what goes on the wire)."""
+    return len(msgpack_encoder.encode(msg))
 
 
 def prompt_size(p: Prompt) -> int:
-    return len(p.tokens) + len(p.columns) + 48
+    """Exact msgpack bytes of a prompt inside a batch."""
+    return encoded_size(p)
 
 
 def result_size(r: Result) -> int:
-    extra = 10 * len(r.embedding) + sum(len(o) for o in r.outputs) * 2 + 96 * sum(1 + len(t.get("top") or ()) for t in r.logprobs)
-    return len(r.columns) + len(r.output.encode()) * 2 + len(r.error or "") + 64 + extra
+    """Exact msgpack bytes of a result inside a batch."""
+    return encoded_size(r)
+
+
+def prompt_fits(p: Prompt, max_bytes: int, hash_block_size: int) -> bool:
+    """Whether `p` alone fits a message of `max_bytes` everywhere it travels: in a
+    `PromptBatch`, and in a `WorkBatch` with a bucket id and the longest key its bucket
+    can have (a 64-bit hash per full block of it). An upper bound, without encoding."""
+    ident = len(p.id.encode()) if isinstance(p.id, str) else 0
+    own = len(p.job.encode()) + ident + len(p.tokens) + len(p.columns) + len(p.sampling) + 64
+    key = 9 * (p.prompt_tokens // hash_block_size)
+    return own + key + 64 <= max_bytes
+
+
+def envelope_size(wrap: Callable[[list], msgspec.Struct]) -> int:
+    """Most bytes `wrap(items)` adds around its items' own encodings (job, bucket id,
+    key, the list's header), whatever their number."""
+    return encoded_size(wrap([])) + ARRAY_HEADER_GROWTH
+
+
+def runs_by_size(sizes: Sequence[int], budget: int, max_items: int) -> list[range]:
+    """Consecutive index runs, in order, covering every item: each of at most `max_items`
+    items whose sizes sum to at most `budget`. An item over `budget` on its own gets a run
+    to itself (the caller decides what to do with it: `Batch.oversized`)."""
+    out: list[range] = []
+    start = used = 0
+    for i, size in enumerate(sizes):
+        if i > start and (i - start >= max_items or used + size > budget):
+            out.append(range(start, i))
+            start, used = i, 0
+        used += size
+    if start < len(sizes):
+        out.append(range(start, len(sizes)))
+    return out
+
+
+class Batch(NamedTuple):
+    """One message of `encode_batches`: items `[start, stop)` and their encoded batch."""
+
+    start: int
+    stop: int
+    data: bytes
+    oversized: bool
+    """A single item that does not fit `max_bytes` even alone (`data` is over it)."""
+
+
+def encode_batches(
+    items: Sequence[Any], wrap: Callable[[list], msgspec.Struct], max_bytes: int, max_items: int
+) -> list[Batch]:
+    """`items` as batch messages `wrap(run)`, each at most `max_items` items and
+    `max_bytes` bytes of msgpack (exactly: every item is encoded once, its real size
+    counted, and its bytes spliced into the batch as `msgspec.Raw`). An item too large on
+    its own comes alone, `oversized`."""
+    encoded = [msgpack_encoder.encode(item) for item in items]
+    envelope = envelope_size(wrap)
+    out = []
+    for run in runs_by_size([len(e) for e in encoded], max_bytes - envelope, max_items):
+        data = msgpack_encoder.encode(wrap([msgspec.Raw(e) for e in encoded[run.start : run.stop]]))
+        out.append(Batch(run.start, run.stop, data, len(data) > max_bytes))
+    return out
 
 
 def chunked(items: list, size_of, max_items: int, max_bytes: int = MAX_MESSAGE_BYTES) -> list[list]:
-    """Split `items` into runs of at most `max_items` and about `max_bytes` each."""
-    out: list[list] = []
-    run: list = []
-    run_bytes = 0
-    for item in items:
-        size = size_of(item)
-        if run and (len(run) >= max_items or run_bytes + size > max_bytes):
-            out.append(run)
-            run, run_bytes = [], 0
-        run.append(item)
-        run_bytes += size
-    if run:
-        out.append(run)
-    return out
+    """Split `items` into runs of at most `max_items` and at most `max_bytes` by
+    `size_of` each (an item over `max_bytes` alone in its run)."""
+    return [items[r.start : r.stop] for r in runs_by_size([size_of(i) for i in items], max_bytes, max_items)]
 
 
 # --- codecs --------------------------------------------------------------------------

@@ -185,6 +185,7 @@ def _engine_worker():
     return _service(
         [
             *consume(s.engine_consumer(ANY)),
+            s.work(ANY),  # suspect batches after an engine death (`services/engine_worker/isolate.py`)
             s.status(ANY),
             s.cache_events(ANY),
             s.results(ANY),

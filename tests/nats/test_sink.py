@@ -12,11 +12,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import msgspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from client import columns
 from client.submit import Submitter
+from shared.bus.blobs import put_blob
 from shared.bus.poison import PRIOR_DELIVERIES
 from shared.prefix.tokenize import load_tokenizer
 from shared.wire import messages as m
@@ -53,8 +55,10 @@ def test_poison_results_rows_survive_a_sink_crash_before_their_part_is_written(t
     its error rows are on disk: a SIGKILL in between then redelivers it (the old sink had
     terminated it already, so its rows were lost and the job never completed)."""
     job, out = "poison-sink", tmp_path / "out"
-    poison = [m.Result(i, msgspec.msgpack.encode({"prompt": f"p{i}"}), output=f"o{i}", replica="r1") for i in range(5)]
-    normal = [m.Result(i, msgspec.msgpack.encode({"prompt": f"p{i}"}), output=f"o{i}", replica="r0") for i in range(5, 8)]
+    # The rows' input columns are kept in a blob (as the client keeps them); results refer to it.
+    poison = [m.Result(i, output=f"o{i}", replica="r1", src=0, row=i) for i in range(5)]
+    normal = [m.Result(i, output=f"o{i}", replica="r0", src=0, row=i) for i in range(5, 8)]
+    kept = columns.ipc_bytes(pa.table({"prompt": [f"p{i}" for i in range(8)]}))
     log = tmp_path / "sink.log"
     # The first sink never writes a part on its own: the crash lands between take and flush.
     first = SinkProcess(nats_server.url, log, PFX_FLUSH_SECONDS="600", PFX_FLUSH_ROWS="100000")
@@ -66,6 +70,7 @@ def test_poison_results_rows_survive_a_sink_crash_before_their_part_is_written(t
         async with Submitter(nats_server.url) as client:
             js = client.js
             await client.create(m.JobSpec(job=job, out_dir=str(out), total=len(poison) + len(normal)))
+            await put_blob(js, client.nc, job, m.input_blob(0), kept)
             # Failed (say) 10 times before: poison on its first delivery here.
             await js.publish(subjects.results(job), m.encode(m.ResultBatch(job, poison)), headers={PRIOR_DELIVERIES: "10"})
             await js.publish(subjects.results(job), m.encode(m.ResultBatch(job, normal)))

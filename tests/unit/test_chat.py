@@ -106,7 +106,7 @@ def test_messages_and_rendered_prompt_are_carried_through(ingestor_model):
     batch = [Incoming("pfx.ingest.j", json.dumps({"id": 7, "messages": conv, "label": "x"}).encode())]
     plan = plan_batch(batch, {"j": m.JobLookup(spec)}, ingestor_model, lambda key: "node0")
     (prompt,) = plan.prompts["node0"]
-    columns = msgspec.msgpack.decode(prompt.columns)
+    columns = msgspec.msgpack.decode(plan.kept["j"][prompt.row])  # kept by the ingestor (no reference)
     assert columns["messages"] == conv and columns["label"] == "x"
     assert columns["prompt"].startswith("<|im_start|>system\n" + SYSTEM) and columns["prompt"].endswith("<|im_start|>assistant\n")
 
@@ -117,7 +117,7 @@ def test_job_chat_template_override_and_kwargs(ingestor_model):
     batch = [Incoming("pfx.ingest.j", json.dumps({"id": 1, "messages": CONVERSATIONS[0]}).encode())]
     plan = plan_batch(batch, {"j": m.JobLookup(spec)}, ingestor_model, lambda key: "node0")
     (prompt,) = plan.prompts["node0"]
-    assert msgspec.msgpack.decode(prompt.columns)["prompt"] == "[user|hey] What is NATS JetStream?\n"
+    assert msgspec.msgpack.decode(plan.kept["j"][prompt.row])["prompt"] == "[user|hey] What is NATS JetStream?\n"
 
 
 BAD = {

@@ -52,7 +52,9 @@ def test_plan_sorts_every_row_into_prompts_errors_or_dead():
     plan = plan_batch(batch, jobs, MODEL, lambda key: "n0")
     [prompt] = plan.prompts["n0"]
     assert (prompt.id, tk.unpack(prompt.tokens), prompt.max_tokens) == (1, encode_chars(["hello world"])[0], 8)
-    assert msgspec.msgpack.decode(prompt.columns) == {"prompt": "hello world", "gold": "x"}
+    # Only model inputs travel: the row's other fields are kept in the batch's blob.
+    assert prompt.columns == b"" and prompt.src == plan.src >= m.INGEST_SRC_BASE
+    assert msgspec.msgpack.decode(plan.kept["j"][prompt.row]) == {"prompt": "hello world", "gold": "x"}
     errors = {r.id: r.error for r in plan.errors["j"]}
     assert set(errors) == {2, 3, 4}
     assert "empty" in errors[2] and "too long" in errors[3] and "vocabulary" in errors[4]
@@ -107,13 +109,18 @@ def test_ingestor_tokenizes_off_the_event_loop(monkeypatch):
     async def publish(js, subject, payload, **kw):
         published.append(subject)
 
+    async def put_blob(js, nc, job, key, data):
+        published.append(f"blob {job}/{key}")
+
     monkeypatch.setattr(ing, "lookup", lookup)
     monkeypatch.setattr("services.ingestor.service.publish", publish)
-    ing.js = None
+    monkeypatch.setattr("services.ingestor.service.put_blob", put_blob)
+    ing.js = ing.nc = None
     msgs = [FakeMsg("pfx.ingest.j", json.dumps({"id": i, "prompt": "abc"}).encode()) for i in range(3)]
     asyncio.run(ing.handle(msgs))
     assert threads == [False], "tokenized once, in a worker thread"
-    assert published == ["pfx.bucket.node0"] and all(x.acked for x in msgs)
+    # The rows' other fields (their `prompt`) are stored before the prompts that refer to them.
+    assert published == [f"blob j/in-{m.INGEST_SRC_BASE}", "pfx.bucket.node0"] and all(x.acked for x in msgs)
 
 
 def test_prompts_go_only_to_nodes_a_bucketer_reported():

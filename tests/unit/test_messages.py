@@ -227,16 +227,16 @@ def test_array_like_extra_trailing_field_is_ignored():
     out = m.prompt_batch_decoder.decode(raw)
     assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7)])
 
-    raw = msgspec.msgpack.encode(["b1", [["j", "x", tk.pack([3])]], [9, 8], 99])
-    assert m.work_batch_decoder.decode(raw) == m.WorkBatch("b1", [m.Prompt("j", "x", tk.pack([3]))], [9, 8])
+    raw = msgspec.msgpack.encode(["b1", [["j", "x", tk.pack([3])]], [9, 8], [1], 99])
+    assert m.work_batch_decoder.decode(raw) == m.WorkBatch("b1", [m.Prompt("j", "x", tk.pack([3]))], [9, 8], [1])
 
     raw = msgspec.msgpack.encode({"bucketer": "b", "prompts": 2, "tokens": 4, "parts": [[2, 4, [1], "extra"]]})
     assert m.route_request_decoder.decode(raw).parts == [m.RoutePart(2, 4, [1])]
 
     full = ["id7", b"c", "out", 1, 10, 5, 3, "r0", None, "b9", 1.0, 2.0]
-    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 4, 9, "more"]]])
+    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 4, 9, "res-1", "more"]]])
     r = m.result_batch_decoder.decode(raw).results[0]
-    assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None, "b9", 1.0, 2.0, src=4, row=9)
+    assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None, "b9", 1.0, 2.0, src=4, row=9, blob="res-1")
     # ... and a result from before bucket / started_at / finished_at gets their defaults
     raw = msgspec.msgpack.encode(["job", [full[:9]]])
     assert m.result_batch_decoder.decode(raw).results[0] == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None)

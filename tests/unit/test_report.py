@@ -59,6 +59,7 @@ def synthetic_job(tmp_path, tiny_model, *, with_start: bool, n_prefixes: int = 6
 
     table = prefix_repetition(tokenizer_dir=tiny_model, num_prompts=n, prefix_len=256, suffix_len=32, num_prefixes=n_prefixes, seed=2)
     out = JobOutput("synth", tmp_path)
+    kept = table.select(["prompt"])  # the input column the client keeps aside, joined by the sink
     rnd = random.Random(0)
     t0 = 1_700_000_000.0
     clock = {"r0": t0 + 0.5, "r1": t0 + 0.7}
@@ -71,13 +72,13 @@ def synthetic_job(tmp_path, tiny_model, *, with_start: bool, n_prefixes: int = 6
         clock[rep] = start + dur / 3
         cached = 256 if (rep, g) in warm else 0
         warm.add((rep, g))
-        out.add(m.Result(r["id"], msgspec.msgpack.encode({"prompt": r["prompt"]}), "o", m.FinishReason.LENGTH,
+        out.add(m.Result(r["id"], b"", "o", m.FinishReason.LENGTH,
                          int(r["prompt_len"]), cached, 16, rep, None, f"b{g}-{k // 25}",
-                         start if with_start else 0.0, start + dur))
+                         start if with_start else 0.0, start + dur, src=0, row=k))
         if k % 50 == 49:
-            out.flush()
-    out.add(m.error_result("bad", "empty prompt"), finished_at=t0 + 1.0)
-    out.flush()
+            out.flush(lambda src: kept)
+    out.add(m.error_result(n, "empty prompt"), finished_at=t0 + 1.0)
+    out.flush(lambda src: kept)
     out.write_summary(m.JobSpec("synth", str(tmp_path), created_at=t0, total=n + 1, model=str(tiny_model)),
                       finished_at=max(clock.values()) + 0.3)
     return table

@@ -9,13 +9,14 @@ import json
 from types import SimpleNamespace
 
 import msgspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from services.sink import service as sink_service
-from services.sink.writer import OUTPUT_TYPES, JobOutput, input_column, result_row
+from services.sink.writer import OUTPUT_TYPES, JobOutput, input_column
 from shared.bus.jobs import JobLookup
 from shared.bus.poison import PRIOR_DELIVERIES
 from shared.process.config import SinkConfig
@@ -28,146 +29,50 @@ OUTPUT_COLUMNS = tuple(OUTPUT_TYPES)
 pytestmark = pytest.mark.unit
 
 
-def cols(**kw) -> bytes:
-    return msgspec.msgpack.encode(kw)
+KEPT: dict[int, pa.Table] = {}
+"""Input columns kept aside (as the client keeps them in blobs), by blob number."""
+
+
+def keep(**columns) -> dict[str, int]:
+    """Keep one row's input columns; the (src, row) reference a result carries."""
+    src = len(KEPT)
+    KEPT[src] = pa.Table.from_pylist([columns])
+    return {"src": src, "row": 0}
 
 
 def ok(rid, prompt_tokens=10, cached=0, output=5, replica="r0", **columns):
     return Result(
         rid,
-        cols(prompt=f"p{rid}", **columns),
         output=f"out{rid}",
         finish_reason=FinishReason.LENGTH,
         prompt_tokens=prompt_tokens,
         cached_tokens=cached,
         output_tokens=output,
         replica=replica,
+        **keep(prompt=f"p{rid}", **columns),
     )
 
 
 def ok_with(rid, inputs: dict) -> Result:
     """`ok(rid)` with these input columns (any names, also those of ok's own arguments)."""
-    return msgspec.structs.replace(ok(rid), columns=cols(prompt=f"p{rid}", **inputs))
+    return msgspec.structs.replace(ok(rid), **keep(prompt=f"p{rid}", **inputs))
 
 
 def err(rid, msg="boom", replica="", prompt_tokens=0, cached=0):
     return Result(
         rid,
-        cols(prompt=f"p{rid}"),
         output="partial",
         finish_reason=FinishReason.ERROR,
         prompt_tokens=prompt_tokens,
         cached_tokens=cached,
         replica=replica,
         error=msg,
+        **keep(prompt=f"p{rid}"),
     )
 
 
 def read_dir(path):
     return pq.read_table(path).to_pylist()
-
-
-# --- result_row -------------------------------------------------------------------------
-
-
-def test_result_row_carries_input_and_output_columns():
-    row = result_row(ok(7, lang="en", n=3))
-    assert row == {
-        "id": 7,
-        "prompt": "p7",
-        "lang": "en",
-        "n": 3,
-        "output": "out7",
-        "finish_reason": "length",
-        "prompt_tokens": 10,
-        "cached_tokens": 0,
-        "output_tokens": 5,
-        "replica": "r0",
-        "error": None,
-        "bucket": None,
-        "started_at": None,
-        "finished_at": None,
-        "outputs": None,
-        "logprobs": None,
-    }
-    assert list(row)[0] == "id" and set(OUTPUT_COLUMNS) <= row.keys()
-
-
-def test_result_row_error_and_bare():
-    row = result_row(err("x", "too long"))
-    assert row["output"] is None and row["error"] == "too long" and row["finish_reason"] == "error"
-    assert row["replica"] is None and row["prompt"] == "px"
-    bare = result_row(Result(3))
-    assert bare == {
-        "id": 3,
-        "output": "",
-        "finish_reason": "stop",
-        "prompt_tokens": 0,
-        "cached_tokens": 0,
-        "output_tokens": 0,
-        "replica": None,
-        "error": None,
-        "bucket": None,
-        "started_at": None,
-        "finished_at": None,
-        "outputs": None,
-        "logprobs": None,
-    }
-
-
-def test_input_columns_named_like_generated_ones_are_kept_under_input_names():
-    # An instruction dataset's reference `output` (and any other generated name) must not
-    # be overwritten by the generated value; `input_output` is then the renamed column's
-    # place, so an input column already called that moves one prefix further.
-    inputs = {
-        "output": "reference answer",
-        "error": "input error text",
-        "replica": "input replica",
-        "finish_reason": "input reason",
-        "prompt_tokens": "many",
-        "cached_tokens": -1,
-        "output_tokens": [1, 2],
-        "input_output": "already prefixed",
-        "input_input_output": "twice prefixed",
-        "input_prompt": "not a generated name",
-        "input_": "edge",
-        "lang": "en",
-    }
-    row = result_row(ok_with(7, inputs))
-    assert row == {
-        "id": 7,
-        "prompt": "p7",
-        "input_output": "reference answer",
-        "input_error": "input error text",
-        "input_replica": "input replica",
-        "input_finish_reason": "input reason",
-        "input_prompt_tokens": "many",
-        "input_cached_tokens": -1,
-        "input_output_tokens": [1, 2],
-        "input_input_output": "already prefixed",
-        "input_input_input_output": "twice prefixed",
-        "input_prompt": "not a generated name",
-        "input_": "edge",
-        "lang": "en",
-        # the generated columns are the engine's
-        "output": "out7",
-        "finish_reason": "length",
-        "prompt_tokens": 10,
-        "cached_tokens": 0,
-        "output_tokens": 5,
-        "replica": "r0",
-        "error": None,
-        "bucket": None,
-        "started_at": None,
-        "finished_at": None,
-        "outputs": None,
-        "logprobs": None,
-    }
-    # every input value is in the row, under its output name
-    assert all(row[input_column(k)] == v for k, v in inputs.items())
-    # and an error row keeps them too
-    bad = result_row(Result(8, cols(output="ref", error="e0"), error="too long", finish_reason=FinishReason.ERROR))
-    assert (bad["input_output"], bad["input_error"], bad["output"], bad["error"]) == ("ref", "e0", None, "too long")
 
 
 @given(st.lists(st.sampled_from(["input_", "x", "_", "in"]), max_size=4), st.sampled_from([*OUTPUT_TYPES, "id", "prompt", "foo"]))
@@ -184,10 +89,10 @@ def test_renamed_input_columns_written_with_their_own_types(tmp_path):
     out = JobOutput("j", tmp_path)
     out.add(ok_with(1, {"output": "ref1", "prompt_tokens": "lots", "input_output": "io1"}))
     out.add(ok_with(2, {"input_output": "io2"}))
-    out.flush()
+    out.flush(KEPT.get)
     again = JobOutput("j", tmp_path)
     again.add(ok_with(3, {"output": "ref3", "prompt_tokens": "few"}))
-    again.flush()
+    again.flush(KEPT.get)
     rows = {r["id"]: r for r in read_dir(tmp_path)}
     assert [rows[i]["input_output"] for i in (1, 2, 3)] == ["ref1", None, "ref3"]
     assert [rows[i]["input_input_output"] for i in (1, 2, 3)] == ["io1", "io2", None]
@@ -209,8 +114,8 @@ def test_duplicates_dropped_and_flush_writes_part(tmp_path):
     assert out.add(ok(1)) is False
     assert out.add(err(2)) is False
     assert len(out.pending) == 2
-    assert out.flush() == 2
-    assert out.flush() == 0  # nothing pending: no empty part
+    assert out.flush(KEPT.get) == 2
+    assert out.flush(KEPT.get) == 0  # nothing pending: no empty part
     assert [p.name for p in out.parts()] == ["part-000000.parquet"]
     assert not list((tmp_path / "o").glob("*.tmp"))
     rows = read_dir(tmp_path / "o")
@@ -234,7 +139,7 @@ def test_rows_have_input_and_output_columns(tmp_path):
     out.add(ok(1, lang="en"))
     out.add(ok(2, topic="x"))
     out.add(err(3, "nope", replica="r1"))
-    assert out.flush() == 3
+    assert out.flush(KEPT.get) == 3
     rows = {r["id"]: r for r in read_dir(tmp_path)}
     assert rows[1]["lang"] == "en" and rows[1]["topic"] is None and rows[1]["prompt"] == "p1"
     assert rows[2]["topic"] == "x" and rows[2]["lang"] is None
@@ -251,10 +156,10 @@ def test_restart_loads_seen_rows_errors_and_continues_numbering(tmp_path):
     for i in range(1, 4):
         a.add(ok(i))
     a.add(err(4, replica="r0"))
-    assert a.flush() == 4
+    assert a.flush(KEPT.get) == 4
     a.add(ok(5))
     a.add(err(6, replica="r1"))
-    assert a.flush() == 2
+    assert a.flush(KEPT.get) == 2
     a.add(ok(7))  # pending when the sink dies: never written
     del a
 
@@ -266,7 +171,7 @@ def test_restart_loads_seen_rows_errors_and_continues_numbering(tmp_path):
     assert b.add(err(6)) is False
     assert b.add(ok(7)) is True
     assert b.add(err(8, replica="r2")) is True
-    assert b.flush() == 2
+    assert b.flush(KEPT.get) == 2
     assert [p.name for p in b.parts()] == ["part-000000.parquet", "part-000001.parquet", "part-000002.parquet"]
     assert (b.rows, b.errors) == (8, 3)
     # the restarted writer keeps the established column order
@@ -281,12 +186,12 @@ def test_restart_loads_seen_rows_errors_and_continues_numbering(tmp_path):
 def test_numbering_continues_after_gap(tmp_path):
     a = JobOutput("j", tmp_path)
     a.add(ok(1))
-    a.flush()
+    a.flush(KEPT.get)
     (tmp_path / "part-000000.parquet").rename(tmp_path / "part-000041.parquet")
     b = JobOutput("j", tmp_path)
     assert b.next_part == 42
     b.add(ok(2))
-    b.flush()
+    b.flush(KEPT.get)
     assert (tmp_path / "part-000042.parquet").exists()
 
 
@@ -296,11 +201,11 @@ def test_summary_totals(tmp_path):
     o.add(ok(1, prompt_tokens=100, cached=50, output=10, replica="r0"))
     o.add(ok(2, prompt_tokens=200, cached=0, output=20, replica="r1"))
     o.add(err(4, "too long", replica="", prompt_tokens=300))
-    o.flush()
+    o.flush(KEPT.get)
     o.add(ok(3, prompt_tokens=100, cached=100, output=5, replica="r0"))
     o.add(err(5, "engine died", replica="r1", prompt_tokens=40, cached=40))
     o.add(ok(1, prompt_tokens=9999, cached=9999, output=9999, replica="r9"))  # duplicate: dropped
-    o.flush()
+    o.flush(KEPT.get)
 
     spec = JobSpec("j", str(d), created_at=1000.0)
     s = o.write_summary(spec, finished_at=1010.0)
@@ -336,7 +241,7 @@ def test_summary_empty_and_without_created_at(tmp_path):
     assert (s["rows"], s["errors"], s["prompt_tokens"], s["prefix_cache_hit_rate"]) == (0, 0, 0, 0.0)
     assert s["replicas"] == {} and s["wall_seconds"] is None
     o.add(err(1))
-    o.flush()
+    o.flush(KEPT.get)
     s = o.summarize(JobSpec("j", str(tmp_path)))
     assert (s["rows"], s["errors"], s["prompt_tokens"], s["prefix_cache_hit_rate"]) == (1, 1, 0, 0.0)
     assert "output_tokens_per_second" not in s and s["replicas"] == {}
@@ -351,7 +256,7 @@ def test_read_dir_every_id_once_many_parts(tmp_path):
             o.add(ok(i) if i % 3 else err(i, replica="r0"))
             o.add(ok(i))  # duplicate
             expected.append(i)
-        o.flush()
+        o.flush(KEPT.get)
     assert len(o.parts()) == 5
     ids = [r["id"] for r in read_dir(tmp_path)]
     assert sorted(ids) == expected
@@ -363,9 +268,9 @@ def test_read_dir_when_errors_only_in_a_later_part(tmp_path):
     # every part still carries the real column types, so the directory reads as one table
     o = JobOutput("j", tmp_path)
     o.add(ok(1))
-    o.flush()
+    o.flush(KEPT.get)
     o.add(err(2))
-    o.flush()
+    o.flush(KEPT.get)
     for part in o.parts():
         schema = pq.read_schema(part)
         for name, typ in OUTPUT_TYPES.items():
@@ -375,15 +280,19 @@ def test_read_dir_when_errors_only_in_a_later_part(tmp_path):
     assert rows[2]["output"] is None and rows[2]["error"] == "boom"
 
 
-def test_null_only_input_column_then_values_after_restart(tmp_path):
+def test_schema_fixed_by_the_first_part_also_after_restart(tmp_path):
+    """Every part has the first part's schema (no part is rewritten): an input column
+    the input declared null stays null, a later value that fits a column is cast to it."""
     o = JobOutput("j", tmp_path)
-    o.add(ok(1, note=None))
-    o.flush()
-    o2 = JobOutput("j", tmp_path)  # restart: types reloaded from the part
-    o2.add(ok(2, note="hello"))
-    o2.flush()
+    o.add(ok(1, note=None, score=1))
+    o.flush(KEPT.get)
+    o2 = JobOutput("j", tmp_path)  # restart: the schema is read back from the part
+    o2.add(ok(2, note="hello", score=2.0))
+    o2.flush(KEPT.get)
+    assert pq.read_schema(o2.parts()[0]) == pq.read_schema(o2.parts()[1])
     rows = {r["id"]: r for r in read_dir(tmp_path)}
-    assert rows[1]["note"] is None and rows[2]["note"] == "hello"
+    assert rows[1]["note"] is None and rows[2]["note"] is None
+    assert (rows[1]["score"], rows[2]["score"]) == (1, 2)
 
 
 def test_mixed_int_and_str_ids_in_one_job(tmp_path):
@@ -391,7 +300,7 @@ def test_mixed_int_and_str_ids_in_one_job(tmp_path):
     # written with that column as strings.
     o = JobOutput("j", tmp_path)
     assert o.add(ok(1)) and o.add(ok("a"))
-    assert o.flush() == 2 and not o.pending
+    assert o.flush(KEPT.get) == 2 and not o.pending
     assert {r["id"] for r in read_dir(tmp_path)} == {"1", "a"}
 
 
@@ -399,19 +308,19 @@ def test_mixed_ids_still_deduped_after_restart(tmp_path):
     o = JobOutput("j", tmp_path)
     o.add(ok(1))
     o.add(ok("a"))
-    o.flush()
+    o.flush(KEPT.get)
     o2 = JobOutput("j", tmp_path)  # sink restart
     assert o2.add(ok(1)) is False  # redelivered: already written
-    o2.flush()
+    o2.flush(KEPT.get)
     assert len(read_dir(tmp_path)) == 2
 
 
 def test_read_dir_when_id_type_changes_between_parts(tmp_path):
     o = JobOutput("j", tmp_path)
     o.add(ok(1))
-    o.flush()
+    o.flush(KEPT.get)
     o.add(ok("a"))
-    o.flush()
+    o.flush(KEPT.get)
     assert len(read_dir(tmp_path)) == 2
 
 
@@ -419,7 +328,7 @@ def test_done_until_a_new_row_is_queued(tmp_path):
     o = JobOutput("j", tmp_path)
     assert o.done is False
     o.add(ok(1))
-    o.flush()
+    o.flush(KEPT.get)
     o.write_summary(JobSpec("j", str(tmp_path), total=1))
     assert o.done is True
     assert o.add(ok(1)) is False and o.done is True  # a duplicate changes nothing
@@ -493,7 +402,21 @@ def fake_sink(specs: dict[str, JobSpec]) -> sink_service.Sink:
     # Output is confined to out_root: here, the root of every spec's out_dir.
     sink = sink_service.Sink(SinkConfig(out_root="/"))
     sink.js, sink.jobs, sink.status_kv = FakeJS(), FakeJobs(specs), FakeKV()
+    sink.inputs = FakeInputs()
     return sink
+
+
+class FakeInputs:
+    """The sink's input-column cache over the test's kept columns (no blob store)."""
+
+    async def fetch(self, js, job, srcs) -> None:
+        pass
+
+    def table(self, job, src):
+        return KEPT.get(src)
+
+    def drop(self, job) -> None:
+        pass
 
 
 def test_sink_terms_a_poison_message_only_once_its_error_rows_are_on_disk(tmp_path):

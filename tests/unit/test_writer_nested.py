@@ -8,39 +8,50 @@ from __future__ import annotations
 
 import json
 
-import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from client import columns
 from services.sink.writer import JobOutput
 from shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 
 
-def result(i, columns, **kw):
-    return m.Result(i, msgspec.msgpack.encode(columns), "out", **kw)
+def run_jsonl(tmp_path, rows: list[dict], parts: list[list[int]], extra: dict | None = None) -> dict:
+    """Rows through the client's split (`client/columns.py`) and the sink's join, written
+    in `parts` (lists of row indexes); returns the output rows by id."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (chunk,) = list(columns.chunks(path))
+    kept = columns.read_ipc(chunk.kept)
+    o = JobOutput("j", tmp_path / "out")
+    for part in parts:
+        for i in part:
+            r = chunk.rows[i]
+            o.add(m.Result(r["id"], b"", "out", src=r[columns.SRC_KEY], row=r[columns.ROW_KEY], **(extra or {}).get(i, {})))
+        o.flush(lambda src: kept)
+    return {r["id"]: r for r in pq.read_table(tmp_path / "out").to_pylist()}
 
 
 def test_shape_changes_between_rows_and_parts(tmp_path):
-    o = JobOutput("j", tmp_path)
-    o.add(result(1, {"messages": [{"role": "user", "content": "a"}], "sampling": {"temperature": 1}}))
-    o.flush()  # part 0: messages list<struct<..., content: string>>, sampling struct<temperature>
-    o.add(result(2, {"messages": [{"role": "user", "content": [{"type": "text", "text": "b"}]}], "sampling": {"n": 2}}))
-    o.add(result(3, {"messages": "not a list", "sampling": {"max_tokens": 3, "stop": ["x"]}}))
-    o.flush()
-    o.add(result(4, {"prompt": "p"}, outputs=["x", "y"], logprobs=[{"token": "x", "logprob": -0.5, "top": [{"token": "x", "logprob": -0.5}]}]))
-    o.flush()
-    rows = {r["id"]: r for r in pq.read_table(tmp_path).to_pylist()}
-    assert len(rows) == 4
+    rows = [
+        {"id": 1, "messages": [{"role": "user", "content": "a"}], "sampling": {"temperature": 1}},
+        {"id": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "b"}]}], "sampling": {"n": 2}},
+        {"id": 3, "messages": "not a list", "sampling": {"max_tokens": 3, "stop": ["x"]}},
+        {"id": 4, "prompt": "p"},
+    ]
+    logprobs = [{"token": "x", "logprob": -0.5, "top": [{"token": "x", "logprob": -0.5}]}]
+    out = run_jsonl(tmp_path, rows, [[0], [1, 2], [3]], {3: {"outputs": ["x", "y"], "logprobs": logprobs}})
+    assert len(out) == 4
     msgs = {i: r["messages"] if isinstance(r["messages"], list) or r["messages"] is None else json.loads(r["messages"])
-            if r["messages"].startswith("[") else r["messages"] for i, r in rows.items()}
+            if r["messages"].startswith("[") else r["messages"] for i, r in out.items()}
     assert msgs[1] == [{"role": "user", "content": "a"}]
     assert msgs[2] == [{"role": "user", "content": [{"type": "text", "text": "b"}]}]
     assert msgs[3] == "not a list"
-    assert rows[4]["outputs"] == ["x", "y"] and rows[4]["logprobs"][0]["logprob"] == -0.5
-    assert rows[1]["outputs"] is None and rows[1]["logprobs"] is None
+    assert out[4]["outputs"] == ["x", "y"] and out[4]["logprobs"][0]["logprob"] == -0.5
+    assert out[1]["outputs"] is None and out[1]["logprobs"] is None
 
 
 def test_embedding_column_is_fixed_size_float32(tmp_path):
@@ -54,13 +65,10 @@ def test_embedding_column_is_fixed_size_float32(tmp_path):
 
 
 def test_a_column_first_seen_in_a_later_part_reads_back(tmp_path):
-    o = JobOutput("j", tmp_path)
-    o.add(m.error_result(1, "bad sampling", msgspec.msgpack.encode({"prompt": "x"})))
-    o.flush()  # a part of error rows first (the ingestor's), no `messages`
-    o.add(result(2, {"messages": [{"role": "user", "content": "hi"}], "choice": ["a", "b"]}))
-    o.flush()
-    o.add(result(3, {"prompt": "y"}))
-    o.flush()
-    rows = {r["id"]: r for r in pq.read_table(tmp_path).to_pylist()}
-    assert rows[2]["messages"] == [{"role": "user", "content": "hi"}] and rows[2]["choice"] == ["a", "b"]
-    assert rows[1]["messages"] is None and rows[3]["choice"] is None
+    """A JSONL file's schema covers every line (the client's first pass), so a column only
+    later rows have is in the first part too."""
+    rows = [{"id": 1, "prompt": "x"}, {"id": 2, "messages": [{"role": "user", "content": "hi"}], "choice": ["a", "b"]},
+            {"id": 3, "prompt": "y"}]
+    out = run_jsonl(tmp_path, rows, [[0], [1], [2]])
+    assert out[2]["messages"] == [{"role": "user", "content": "hi"}] and out[2]["choice"] == ["a", "b"]
+    assert out[1]["messages"] is None and out[3]["choice"] is None

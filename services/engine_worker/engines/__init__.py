@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import os
 
-from services.engine_worker.engines.base import BatchEngine, Completion, Engine, EngineDead, EngineStats, RequestFailed
+from services.engine_worker.engines.base import (
+    BatchEngine,
+    Completion,
+    Engine,
+    EngineDead,
+    EngineStats,
+    RequestFailed,
+    is_engine_death,
+)
 
-__all__ = ["BatchEngine", "Completion", "Engine", "EngineDead", "EngineStats", "RequestFailed", "make_engine"]
+__all__ = [
+    "BatchEngine", "Completion", "Engine", "EngineDead", "EngineStats", "RequestFailed", "is_engine_death", "make_engine",
+]
 
 
 def make_engine(cfg) -> Engine:

@@ -1,10 +1,11 @@
 """What the engine-worker needs from an engine: the `Engine` protocol and its data types.
 
 An engine turns one tokenized prompt into one `Completion`. Failures of a single request
-raise `RequestFailed` (the worker writes an error row). `EngineDead` (or anything else
-escaping from `generate`) means the engine itself is broken: the worker hands its
-unfinished work back, calls `shutdown()` and `start()` again (the same object), and
-carries on. `start()` must therefore work again after `shutdown()`.
+raise `RequestFailed` (the worker writes that row's error row). Only `EngineDead` means
+the engine itself is gone (vLLM's `EngineDeadError`): the worker re-publishes its
+unfinished work (`isolate.py`), calls `shutdown()`, `start()` again (the same object) and
+`canary()`, and carries on. `start()` must therefore work again after `shutdown()`. Any
+other exception is classified by `is_engine_death`.
 """
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ class EngineDead(Exception):
     or was killed). Every request in flight is lost; the engine must be rebuilt."""
 
 
+def is_engine_death(exc: BaseException, alive: bool) -> bool:
+    """Whether a request's failure `exc` means the engine is gone (rebuild it) rather than
+    that this request failed (its error row). `alive`: the engine's `alive()` after the
+    failure.
+
+    NOTE: only `EngineDead`, or an engine that no longer reports itself alive (vLLM's
+    output handler died: every later request would fail), rebuilds; an error the adapter
+    did not name (vLLM's `EngineGenerateError`, a bad sampling field) is that request's
+    alone. Rebuilding on every unknown error hands all work back and reloads the model."""
+    return isinstance(exc, EngineDead) or not alive
+
+
 @dataclass
 class EngineStats:
     running: int = 0
@@ -71,6 +84,10 @@ class Engine(Protocol):
 
     def alive(self) -> bool:
         """False once the engine is known dead (even with no request in flight)."""
+
+    async def canary(self) -> None:
+        """One tiny request after a (re)start: raises `EngineDead` if the engine cannot
+        serve (the worker then counts a failed rebuild, not a strike against a prompt)."""
 
     def snapshot(self) -> EngineStats: ...
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 
 import structlog
 
@@ -108,7 +109,6 @@ class VllmEngine:
     ) -> Completion:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError
 
         if self.task == "embed":
             return await self.embed(request_id, tokens, priority)
@@ -123,10 +123,8 @@ class VllmEngine:
             prompt = TokensPrompt(prompt_token_ids=tokens)
             async for out in self.llm.generate(prompt, params, request_id, priority=priority):
                 final = out
-        except EngineDeadError as exc:
-            raise EngineDead(str(exc)) from exc
-        except (ValueError, TypeError, VLLMValidationError) as exc:  # vLLM's input validation
-            raise RequestFailed(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - classified: the engine is dead, or this request failed
+            raise self.failure(exc) from exc
         if final is None or not final.outputs:
             raise RequestFailed("engine returned no output")
         choice = final.outputs[0]
@@ -143,9 +141,7 @@ class VllmEngine:
     async def embed(self, request_id: str, tokens: list[int], priority: int = 0) -> Completion:
         """The prompt's embedding (vLLM's pooler, task embed)."""
         from vllm import PoolingParams
-        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
-        from vllm.v1.engine.exceptions import EngineDeadError
 
         if self.llm is None:
             raise EngineDead("engine is not running")
@@ -154,10 +150,8 @@ class VllmEngine:
             prompt = TokensPrompt(prompt_token_ids=tokens)
             async for out in self.llm.encode(prompt, PoolingParams(task="embed"), request_id, priority=priority):
                 final = out
-        except EngineDeadError as exc:
-            raise EngineDead(str(exc)) from exc
-        except (ValueError, TypeError, VLLMValidationError) as exc:
-            raise RequestFailed(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - classified: the engine is dead, or this request failed
+            raise self.failure(exc) from exc
         if final is None:
             raise RequestFailed("engine returned no output")
         vector = final.outputs.data.float().tolist()
@@ -176,6 +170,28 @@ class VllmEngine:
         # `errored`: vLLM's monitor thread saw the engine-core process exit, or the output
         # handler task ended; both are final.
         return self.llm is not None and not self.llm.errored
+
+    def failure(self, exc: Exception) -> EngineDead | RequestFailed:
+        """vLLM's exception for one request as ours (vLLM's `AsyncLLM.generate` names three
+        cases). `EngineDeadError` (the engine core is gone), or an engine no longer alive
+        afterwards (its output handler died): `EngineDead`, rebuild. Everything else is
+        this request's failure, its error row: `EngineGenerateError` ("recoverable": the
+        request's own processing failed; the cause is chained), vLLM's validation
+        (`VLLMValidationError`, `ValueError`, `TypeError`), admission refusals."""
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        if isinstance(exc, (EngineDeadError, EngineDead)) or not self.alive():
+            return EngineDead(str(exc) or type(exc).__name__)
+        cause = exc.__cause__ if isinstance(exc, EngineGenerateError) and exc.__cause__ is not None else exc
+        return RequestFailed(f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__)
+
+    async def canary(self) -> None:
+        """One token from a one-token prompt: the rebuilt engine serves."""
+        sampling = SamplingSpec(max_tokens=1)
+        try:
+            await self.generate(f"canary-{id(self)}-{time.monotonic_ns()}", 0, [0], sampling)
+        except RequestFailed:  # refused, but served: the engine is up
+            pass
 
     def snapshot(self) -> EngineStats:
         return self.stats
