@@ -27,9 +27,10 @@ from shared.wire import subjects
 from shared.process import metrics
 from shared.process.config import BucketerConfig
 from shared.bus.connection import close, connect
-from shared.bus.ledger import AckLedger
+from shared.bus.consume import quarantine_held, receive
+from shared.bus.ledger import AckLedger, Lease
 from shared.bus.provision import provision
-from shared.bus.poison import error_rows, is_poison, quarantine
+from shared.bus.poison import error_rows
 from shared.bus.publish import PublishError, message_limit, publish
 from shared.bus.pull import DurablePull, keep_in_progress
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
@@ -120,25 +121,19 @@ class Bucketer:
                 self.last_input = now
             self.wake.set()
 
+    async def poisoned(self, batch: m.PromptBatch, lease: Lease) -> None:
+        await quarantine_held(self.js, self.ledger, lease, "bucketing failed repeatedly",
+                              error_rows(batch.prompts, "poison message"))
+
     async def take(self, msg: Msg, now: float) -> None:
-        try:
-            batch = m.prompt_batch_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            await quarantine(self.js, msg, f"undecodable prompt batch: {exc}")
+        got = await receive(self.js, msg, m.prompt_batch_decoder, "prompt batch", ledger=self.ledger,
+                            count=lambda batch: len(batch.prompts), on_poison=self.poisoned)
+        if got is None:
             return
-        seq = msg.metadata.sequence.stream
-        if seq in self.ledger:  # redelivered while we still hold it: keep the first copy
-            return
-        if is_poison(msg):
-            await quarantine(self.js, msg, "bucketing failed repeatedly", error_rows(batch.prompts, "poison message"))
-            return
-        if not batch.prompts:
-            await msg.ack()
-            return
+        batch, lease = got.body, got.lease
         # Held until its last prompt is published, which may take a while (prompts of one
         # message go to many buckets): keep only what acking needs, not the raw payload.
         msg.data = b""
-        lease = self.ledger.hold(seq, msg, len(batch.prompts))
         self.prompts_in.inc(len(batch.prompts))
         for p in batch.prompts:
             self.buffer.insert(Item(p.tokens, now, p, lease, p.work_tokens))

@@ -48,8 +48,9 @@ from services.engine_worker.rebuild import GAVE_UP_EXIT_CODE, EngineGaveUp, Rebu
 from services.engine_worker.window import Window
 from shared.bus.connection import close, connect
 from shared.bus.jobs import JobCache
+from shared.bus.consume import receive
 from shared.bus.ledger import AckLedger, Lease
-from shared.bus.poison import dead_letter, is_poison, quarantine
+from shared.bus.poison import dead_letter
 from shared.bus.provision import provision
 from shared.bus.publish import publish
 from shared.bus.pull import DurablePull, keep_in_progress
@@ -309,25 +310,11 @@ class EngineWorker:
             self.idle_since = None
 
     async def start_batch(self, msg: Msg) -> None:
-        try:
-            work = m.work_batch_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            await quarantine(self.js, msg, f"undecodable work batch: {exc}")
+        got = await receive(self.js, msg, m.work_batch_decoder, "work batch", ledger=self.ledger,
+                            count=lambda work: len(work.prompts), on_poison=self.isolate_all)
+        if got is None:
             return
-        seq = msg.metadata.sequence.stream
-        if seq in self.ledger:  # redelivered while we still hold it: keep the first copy
-            return
-        lease = self.ledger.hold(seq, msg, len(work.prompts))
-        if not work.prompts:
-            await self.ledger.done(lease, 0)  # nothing to publish: ack
-            return
-        if is_poison(msg):
-            # NOTE: its holder kept dying with it (the worker process itself, not only its
-            # engine, whose deaths re-publish rather than redeliver): every prompt is a
-            # suspect, isolated like the prompts an engine died with, never all error rows.
-            await self.resplit(lease, work, list(range(len(work.prompts))), [], alone=len(work.prompts) == 1)
-            await self.outbox.flush_all()
-            return
+        work, lease = got.body, got.lease
         lookups = {job: await self.jobs.get(job) for job in {p.job for p in work.prompts}}
         held = [Held(lease, p, lookups[p.job], work.bucket, work, i) for i, p in enumerate(work.prompts)]
         if self.death is not None:  # died meanwhile: `rebuild` re-publishes the batch, untried
@@ -337,6 +324,14 @@ class EngineWorker:
             await self.run_batch(held)
             return
         self.feeder.hold(held)
+
+    async def isolate_all(self, work: m.WorkBatch, lease: Lease) -> None:
+        """A work message past the poison limit: its holder kept dying with it (the worker
+        process itself, not only its engine, whose deaths re-publish rather than
+        redeliver). Every prompt is a suspect, isolated like the prompts an engine died
+        with, never all error rows."""
+        await self.resplit(lease, work, list(range(len(work.prompts))), [], alone=len(work.prompts) == 1)
+        await self.outbox.flush_all()
 
     async def retry_unfinished(self) -> bool:
         """After an engine death: re-publish each held batch's unfinished prompts

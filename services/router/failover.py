@@ -9,8 +9,9 @@ it. Prompts that were in flight may run twice; the sink keeps one.
 Backpressure is not failure: a batch is pulled only while some live replica has room,
 and one pulled when the caps filled up meanwhile is kept (leased with `in_progress`)
 until it can be placed, never nak'ed. The failed deliveries so far travel in a header,
-so a batch that kills every engine it reaches is still quarantined after a bounded
-number of tries. When the replica reports again, the rescue stops and the worker
+so the replica that gets a batch which killed every engine it reached isolates its prompts
+(`services/engine_worker/isolate.py`, strikes travel with them): only a prompt that kills
+an engine alone becomes an error row, after a bounded number of tries. When the replica reports again, the rescue stops and the worker
 (re-)binds its consumer.
 """
 
@@ -24,7 +25,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from services.router.policies import Assignments, Fleet
-from shared.bus.poison import error_rows, is_poison, moved_headers, quarantine
+from shared.bus.consume import decode_or_quarantine
+from shared.bus.poison import moved_headers
 from shared.bus.provision import ensure_consumer
 from shared.bus.publish import publish
 from shared.bus.pull import DurablePull
@@ -114,21 +116,20 @@ class Failover:
     async def move(self, msg: Msg) -> bool:
         """Route `msg` to live replicas and ack it; False when none has room."""
         assert self.js is not None
-        try:
-            work = m.work_batch_decoder.decode(msg.data)
-        except Exception as exc:  # noqa: BLE001 - undecodable: dead letter
-            await quarantine(self.js, msg, f"undecodable work batch: {exc}")
+        if (work := await decode_or_quarantine(self.js, msg, m.work_batch_decoder, "work batch")) is None:
             return True
-        if is_poison(msg):
-            await quarantine(self.js, msg, "generation failed repeatedly", error_rows(work.prompts, "poison message"))
-            return True
+        # NOTE: a message past POISON_AFTER deliveries is moved like any other: its
+        # deliveries travel in its headers, and the replica that gets it isolates its
+        # prompts (services/engine_worker/isolate.py), so only a prompt that kills an
+        # engine by itself becomes an error row.
         chosen = self.place(len(work.prompts), sum(p.work_tokens for p in work.prompts), work.key)
         if not chosen:
             return False
         headers = moved_headers(msg)
         start = 0
         for replica, n in chosen:
-            part = m.WorkBatch(work.bucket, work.prompts[start : start + n], work.key)
+            strikes = work.strikes[start : start + n] if work.strikes else []
+            part = m.WorkBatch(work.bucket, work.prompts[start : start + n], work.key, strikes=strikes)
             start += n
             await publish(self.js, subjects.work(replica.name), m.encode(part), headers=headers)
         await msg.ack()

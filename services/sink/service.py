@@ -24,7 +24,6 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import NamedTuple
 
-import msgspec
 import structlog
 from nats.aio.msg import Msg
 
@@ -35,6 +34,7 @@ from shared.bus.jobs import JobCache
 from shared.bus.pull import DurablePull
 from shared.bus.connection import close, connect
 from shared.bus.provision import provision
+from shared.bus.consume import decode_or_quarantine
 from shared.bus.poison import dead_letter, deliveries, is_poison, quarantine
 from shared.process import metrics
 from services.sink.inputs import InputCache
@@ -147,11 +147,9 @@ class Sink:
             self.progress.pop(job, None)
 
     async def take(self, msg: Msg) -> None:
-        try:
-            batch = m.result_batch_decoder.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            log.error("undecodable result batch: terminated", error=str(exc))
-            await msg.term()
+        # The consume protocol (shared/bus/consume.py) without its ledger: the sink holds
+        # results per job until they are written (`held`, settled in `flush`).
+        if (batch := await decode_or_quarantine(self.js, msg, m.result_batch_decoder, "result batch")) is None:
             return
         out = None if batch.job in self.refused else await self.output(batch.job)  # may refuse it
         if batch.job in self.refused:

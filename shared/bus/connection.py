@@ -29,7 +29,7 @@ log = structlog.get_logger()
 @dataclass(frozen=True)
 class NatsOptions:
     """How this process authenticates to NATS and how many replicas its streams get
-    (the `nats_*` and `stream_replicas` fields of `CommonConfig`)."""
+    (the `nats_*`, `stream_replicas` and `job_retention` fields of `CommonConfig`)."""
 
     nats_user: str = ""
     nats_password: str = ""
@@ -38,6 +38,8 @@ class NatsOptions:
     nats_tls_key: str = ""
     stream_replicas: int = 0
     """0: automatic (`provision.replicas_for`)."""
+    job_retention: float = 0.0
+    """Seconds job specs, statuses and dead letters are kept (0: `subjects.JOB_RETENTION`)."""
 
     @classmethod
     def from_config(cls, cfg: object) -> NatsOptions:
@@ -48,6 +50,7 @@ class NatsOptions:
         environ = os.environ if environ is None else environ
         raw = {f.name: environ.get("PFX_" + f.name.upper(), "") for f in fields(cls)}
         raw["stream_replicas"] = int(raw["stream_replicas"] or 0)
+        raw["job_retention"] = float(raw["job_retention"] or 0)
         return cls(**raw)
 
     def tls_context(self) -> ssl.SSLContext | None:

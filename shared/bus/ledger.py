@@ -77,6 +77,12 @@ class AckLedger:
                 log.warning("nak failed", error=repr(exc))
         return len(todo)
 
+    def release(self, lease: Lease) -> None:
+        """Forget `lease` without acking or naking it (its message was ended otherwise:
+        terminated by a quarantine)."""
+        if self.active(lease):
+            del self._held[lease.key]
+
     def messages(self) -> list[Msg]:
         """The messages held (to keep them leased with `in_progress()`)."""
         return [lease.msg for lease in self._held.values()]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import nats
 import structlog
 from nats.js import JetStreamContext
@@ -67,7 +68,7 @@ def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
         max_msg_size=spec.max_msg_size,
         max_age=spec.max_age or None,
         # Publishers set Nats-Msg-Id; the server drops a re-publish inside this window.
-        duplicate_window=120.0,
+        duplicate_window=min(120.0, spec.max_age) if spec.max_age else 120.0,  # within max_age
         num_replicas=replicas,
     )
 
@@ -129,19 +130,36 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
         await js.add_consumer(spec.stream, config)
 
 
-async def ensure_kv(js: JetStreamContext, bucket: str, replicas: tuple[int, bool] = (1, True)):
+def job_retention(setting: float | None = None) -> float:
+    """Seconds job specs, statuses and dead letters are kept: the setting, else the process's
+    `job_retention` (`PFX_JOB_RETENTION`), else `subjects.JOB_RETENTION`."""
+    setting = current_options().job_retention if setting is None else setting
+    return setting or subjects.JOB_RETENTION
+
+
+async def ensure_kv(js: JetStreamContext, bucket: str, replicas: tuple[int, bool] = (1, True), ttl: float = 0.0):
+    """A key-value bucket whose keys expire `ttl` seconds after their last write (0: never)."""
     n, explicit = replicas
     try:
         have = (await js.stream_info(f"KV_{bucket}")).config
     except NotFoundError:
         return await js.create_key_value(
-            bucket=bucket, history=1, storage=js_api.StorageType.FILE, max_bytes=256 * 1024 * 1024, replicas=n
+            bucket=bucket, history=1, storage=js_api.StorageType.FILE, max_bytes=256 * 1024 * 1024, replicas=n,
+            ttl=ttl or None,
         )
     current = have.num_replicas or 1
+    changed = []
     if current != n and (explicit or n > current):
         have.num_replicas = n
+        changed.append(f"replicas {current} -> {n}")
+    if (have.max_age or 0) != (ttl or 0):
+        changed.append(f"ttl {have.max_age or 0} -> {ttl or 0}")
+        have.max_age = ttl or None
+        if ttl and (have.duplicate_window or 0) > ttl:  # the server wants it within max_age
+            have.duplicate_window = ttl
+    if changed:
         await js.update_stream(have)
-        log.info("bucket replicas changed", bucket=bucket, replicas=n, were=current)
+        log.info("bucket updated", bucket=bucket, changed=changed)
     return await js.key_value(bucket)
 
 
@@ -151,10 +169,13 @@ async def provision(js: JetStreamContext, replicas: int | None = None) -> None:
     for attempt in range(60):
         try:
             n = replicas_for(js, replicas)
+            keep = job_retention()
             for spec in subjects.STREAMS:
+                if spec is subjects.DEAD_STREAM:  # dead letters are kept as long as their jobs
+                    spec = msgspec.structs.replace(spec, max_age=keep)
                 await ensure_stream(js, spec, n)
-            await ensure_kv(js, subjects.JOBS_KV, n)
-            await ensure_kv(js, subjects.JOB_STATUS_KV, n)
+            await ensure_kv(js, subjects.JOBS_KV, n, ttl=keep)
+            await ensure_kv(js, subjects.JOB_STATUS_KV, n, ttl=keep)
             return
         except (asyncio.TimeoutError, nats.errors.NoRespondersError, NotFoundError, ServiceUnavailableError) as exc:
             # JetStream not ready yet (server just started, or reconnecting; a cluster

@@ -52,6 +52,10 @@ class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_replicas: Annotated[
         int, _d("JetStream replicas of streams and buckets (0: 3 on a cluster of 3+ servers, else 1)", ge=0, le=5)
     ] = 0
+    job_retention: Annotated[
+        float, _d("seconds job specs, statuses and dead letters are kept after their last write "
+                  "(0: 7 days); output files stay", ge=0)
+    ] = 0.0
 
     def check_connection(self) -> None:
         """Credentials and TLS files that cannot work fail at start-up (`load` calls
@@ -179,7 +183,8 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
         int, _d("echo engine: dies like a dead vLLM engine core once, after this many prompts (fault tests; 0: off)", ge=0)
     ] = 0
     max_rebuilds: Annotated[
-        int, _d("engine rebuilds allowed within --rebuild-window; one more engine death exits with code 3", ge=0)
+        int, _d("engine rebuilds charged within --rebuild-window (a death while isolating a suspect prompt is "
+                "not charged); one more charged death exits with code 3", ge=0)
     ] = 3
     rebuild_window: Annotated[float, _d("seconds over which engine rebuilds are counted", gt=0)] = 600.0
     rebuild_backoff: Annotated[

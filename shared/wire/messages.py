@@ -101,6 +101,24 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     """Extra variables for the chat template (as vLLM's `chat_template_kwargs`)."""
     task: str = "generate"
     """generate (text) or embed (vectors); a cluster runs one task and fails jobs of the other."""
+    overwrite: bool = False
+    """`out_dir` may be bound to another job (its manifest `_job.json`): the sink deletes
+    that job's output and binds the directory to this one. Without it, such a job fails."""
+
+
+class DoneQuery(msgspec.Struct):
+    """Which of these ids of a job are on disk already? (`subjects.done_query(job)`, asked
+    of the sink by a client that resumes a job: it sends only the missing rows)."""
+
+    ids: list[int | str]
+
+
+class DoneReply(msgspec.Struct, omit_defaults=True):
+    """The sink's answer to a `DoneQuery`: `done[i]` for `ids[i]`; `error` when the sink
+    cannot tell (then the client sends every row; the sink drops duplicates)."""
+
+    done: list[bool] = msgspec.field(default_factory=list)
+    error: str | None = None
 
 
 class JobLookup(msgspec.Struct):
@@ -140,6 +158,9 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     """Prefix-cache hit tokens of the ok rows written so far."""
     output_tokens: int = 0
     """Generated tokens of the ok rows written so far."""
+    expires_at: float = 0.0
+    """Unix time after which the job's spec and status are gone from the cluster (the
+    buckets' retention; 0: unknown). Its output files stay."""
 
     @property
     def hit_rate(self) -> float:

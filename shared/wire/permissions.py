@@ -125,6 +125,15 @@ def blob_read() -> list[str]:
     return [f"{JS_API}.STREAM.MSG.GET.{name}", f"{JS_API}.DIRECT.GET.{name}", f"{JS_API}.DIRECT.GET.{name}.>"]
 
 
+def kv_watch(bucket: str) -> list[str]:
+    """Watch a key-value bucket (an ordered, ephemeral consumer delivering to the user's
+    inbox, with flow control)."""
+    stream = kv_stream(bucket)
+    api = f"{JS_API}.CONSUMER"
+    return [f"{api}.CREATE.{stream}", f"{api}.CREATE.{stream}.>", f"{api}.DELETE.{stream}.>",
+            f"{api}.INFO.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
 ALL_STREAMS = [spec.name for spec in s.STREAMS] + [kv_stream(b) for b in (s.JOBS_KV, s.JOB_STATUS_KV)]
 
 
@@ -206,9 +215,12 @@ def _sink():
             *blob_read(),  # input columns, large results
             f"{JS_API}.STREAM.PURGE.{s.BLOB_STREAM.name}",  # a done job's blobs
             *kv_read(s.JOBS_KV),
+            *kv_watch(s.JOBS_KV),  # sealed jobs to reconcile (services/sink/service.py)
+            *kv_read(s.JOB_STATUS_KV),
             *kv_write(s.JOB_STATUS_KV),
         ],
-        [],
+        [s.ALL_DONE_QUERIES],
+        responds=True,
     )
 
 
@@ -218,6 +230,7 @@ def _submitter():
     pub = [
         *stream_info(ALL_STREAMS),  # `provision` only checks that they exist
         s.ingest(ANY),
+        s.done_query(ANY),  # which rows of a resumed job are done (the sink answers)
         *blob_write(),  # the input columns that do not travel with the prompts
         *kv_write(s.JOBS_KV),
         *kv_read(s.JOBS_KV),

@@ -75,6 +75,12 @@ def blob_piece(job: str, key: str, piece: int | str) -> str:
     return f"{PREFIX}.blob.{job}.{key}.{piece}"
 
 
+def done_query(job: str) -> str:
+    """Request/reply (the sink): which of these ids of `job` are on disk already
+    (`messages.DoneQuery` -> `messages.DoneReply`). A resuming client sends only the rest."""
+    return f"{PREFIX}.sink.done.{job}"
+
+
 def dead(original_subject: str) -> str:
     """Dead-letter subject for a message that can never be processed."""
     return f"{PREFIX}.dead.{original_subject}"
@@ -97,6 +103,7 @@ ROUTER_POLICY = f"{PREFIX}.router.policy"
 ALL_STATUS = f"{PREFIX}.status.*"
 ALL_CACHE_EVENTS = f"{PREFIX}.cache.*"
 ALL_BUCKETER_HEARTBEATS = f"{PREFIX}.hb.bucketer.*"
+ALL_DONE_QUERIES = f"{PREFIX}.sink.done.*"
 
 # Job ids and node/replica names become subject tokens: keep them to a safe alphabet.
 NAME_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
@@ -228,3 +235,17 @@ JOBS_KV = "PFX_JOBS"
 """Job specs (`messages.JobSpec`, JSON) by job id: written by the client, read by all."""
 JOB_STATUS_KV = "PFX_JOB_STATUS"
 """Job progress (`messages.JobStatus`, JSON) by job id: written by the sink."""
+JOB_RETENTION = 7 * 24 * 3600.0
+"""Default seconds a job's spec, status and dead letters are kept after their last write
+(`--job-retention` / `PFX_JOB_RETENTION`); output files are the user's and stay."""
+DIR_KEY_PREFIX = "dir."
+"""Keys of `JOBS_KV` that bind an output directory to a job (`dir_key`); a job id never
+contains '.', so they never meet a job's key."""
+
+
+def dir_key(out_dir: str) -> str:
+    """The `JOBS_KV` key that holds which job owns `out_dir` (an absolute path as the
+    client resolved it), its value the job id."""
+    import hashlib
+
+    return DIR_KEY_PREFIX + hashlib.sha256(out_dir.encode()).hexdigest()[:40]

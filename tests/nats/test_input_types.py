@@ -3,7 +3,8 @@ only model inputs travel the pipeline, the rest is kept once by the client and j
 the sink. One Parquet input with a column of each kind users bring (unsigned 64-bit values
 >= 2^63, decimals, timestamps with a time zone, dates, binary, large strings, dictionary,
 nested lists and structs, all-null, a name that collides with a generated column) and one
-row with a 3 MiB document beside its prompt. The echo engine: only the data path matters.
+row with a 3 MiB document beside its prompt. On real vLLM (the local model, one replica: the
+join does not depend on the engine) and on the echo engine over two replicas.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 
 from tests.conftest import run_cli
 
-pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(500)]
 
 N = 300
 
@@ -46,12 +47,18 @@ def input_table() -> pa.Table:
     })
 
 
-def test_every_input_type_comes_out_as_it_went_in(tmp_path):
+@pytest.mark.parametrize("engine", ["vllm", "echo"])
+def test_every_input_type_comes_out_as_it_went_in(engine, request, tmp_path):
     data, out, workdir = tmp_path / "in.parquet", tmp_path / "out", tmp_path / "cluster"
     table = input_table()
     pq.write_table(table, data, row_group_size=128)
-    res = run_cli("run", str(data), "--out", str(out), "--engine", "echo", "--replicas", "2", "--workdir", str(workdir),
-                  "--job", "types", "--no-progress", "--timeout", "200", "--max-tokens", "4", timeout=280)
+    if engine == "vllm":
+        model = request.getfixturevalue("tiny_model")
+        how = ["--engine", "vllm", "--model", str(model), "--replicas", "1"]
+    else:
+        how = ["--engine", "echo", "--replicas", "2"]
+    res = run_cli("run", str(data), "--out", str(out), *how, "--workdir", str(workdir),
+                  "--job", "types", "--no-progress", "--timeout", "400", "--max-tokens", "4", timeout=480)
     assert res.returncode == 0, res.stdout + res.stderr
     restarts = {n: p["restarts"] for n, p in json.loads((workdir / "pids.json").read_text())["processes"].items()}
     assert all(n == 0 for n in restarts.values()), restarts

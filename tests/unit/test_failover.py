@@ -126,3 +126,27 @@ def test_a_replica_not_ready_for_dead_after_is_rescued_like_a_silent_one(monkeyp
         fleet.observe("r1", t, ready=True, outstanding=0, done_tokens=0)
         asyncio.run(failover.tick())
     assert rescued == ["r0", "r0"], "rescued from dead_after on, not before"
+
+
+def test_a_batch_past_the_poison_limit_is_moved_with_its_strikes_not_error_rowed(monkeypatch):
+    """The replica that gets it isolates its prompts (its strikes travel with them): the
+    router never turns a whole moved batch into error rows."""
+    published: list[tuple[str, bytes, dict]] = []
+
+    async def publish(js, subject, payload, headers=None):
+        published.append((subject, payload, headers))
+
+    monkeypatch.setattr("services.router.failover.publish", publish)
+    place = lambda prompts, tokens, key: [(Replica("r1"), 2), (Replica("r2"), prompts - 2)]  # noqa: E731
+    failover = Failover(Fleet(), place)
+    failover.js = object()
+    batch = m.WorkBatch("b1", [m.Prompt("j", i, b"\x00\x00\x00\x01" * 8, max_tokens=4) for i in range(5)], [7],
+                        strikes=[0, 1, 2, 0, 1])
+    msg = FakeMsg(m.encode(batch), delivered=7)
+    assert asyncio.run(failover.move(msg))
+    assert msg.calls == ["ack"]
+    parts = [(subject, m.work_batch_decoder.decode(data), headers) for subject, data, headers in published]
+    assert [s for s, _, _ in parts] == ["pfx.work.r1", "pfx.work.r2"]
+    assert [[p.id for p in w.prompts] for _, w, _ in parts] == [[0, 1], [2, 3, 4]]
+    assert [w.strikes for _, w, _ in parts] == [[0, 1], [2, 0, 1]]
+    assert all(h == {PRIOR_DELIVERIES: "6"} for _, _, h in parts)
