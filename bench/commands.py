@@ -9,9 +9,11 @@ def add_parsers(sub) -> None:
     from bench.peer_runs import add_peers_parser
     from bench.pipeline import add_pipeline_parser
     from bench.router import add_router_parser
+    from bench.soak import add_soak_parser
 
     add_methods_parser(sub)
     add_pipeline_parser(sub)
     add_router_parser(sub)
     add_peers_parser(sub)
     add_batching_parser(sub)
+    add_soak_parser(sub)

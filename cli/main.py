@@ -86,10 +86,21 @@ def chat_from(args: argparse.Namespace) -> dict[str, Any]:
     return {"chat_template": load_template(args.chat_template), "chat_template_kwargs": kwargs, "task": args.task}
 
 
-def add_job_args(p: argparse.ArgumentParser) -> None:
+JOB_HELP = {
+    "run": "job id (default: the job whose output OUT holds, per OUT/_job.json: resumed if unfinished, its "
+           "summary printed if done; else a new id from INPUT's name and the time)",
+    "submit": "job id; submitting the same id again resumes it (only the rows the cluster has not written are "
+              "sent) or, if done, prints its summary (default: a new id from INPUT's name and the time)",
+}
+
+
+def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("input", help="Parquet or JSONL file with a 'prompt' column (and optionally 'id')")
-    p.add_argument("--out", required=True, help="output directory (part-*.parquet, _summary.json)")
-    p.add_argument("--job", default=None, help="job id; re-submitting the same id resumes it (default: new id)")
+    p.add_argument("--out", required=True, help="output directory (part-*.parquet, _summary.json, _job.json); "
+                   "bound to one job: another job into it fails (exit code 2) unless --overwrite")
+    p.add_argument("--job", default=None, help=JOB_HELP[command])
+    p.add_argument("--overwrite", action="store_true",
+                   help="OUT holds another job's output: delete it and write this job there instead of failing")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--task", choices=("generate", "embed"), default="generate",
@@ -145,12 +156,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     from launch.run import run_local
 
-    args.job = args.job or default_job_id(args.input)
-    run_local(args, sampling=sampling_from(args), chat=chat_from(args), print_summary=print_summary)
+    run_local(args, sampling=sampling_from(args), chat=chat_from(args), print_summary=print_summary,
+              new_job=default_job_id(args.input))
 
 
 def cmd_submit(args: argparse.Namespace) -> None:
-    from client.submit import JobFailed, submit
+    from client.submit import AlreadyDone, DirTaken, JobFailed, submit
 
     job = args.job or default_job_id(args.input)
     try:
@@ -163,11 +174,20 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 sampling=sampling_from(args),
                 progress=not args.no_progress,
                 timeout=args.timeout,
+                overwrite=args.overwrite,
                 **chat_from(args),
             )
         )
     except JobFailed as exc:
         raise SystemExit(str(exc)) from None  # "job X failed: <reason>", exit code 1
+    except DirTaken as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except AlreadyDone as done:
+        print(f"{done} in {args.out}: nothing to send")
+        if done.status.summary:
+            print_summary(done.status.summary)
+        return
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     if status.summary:
         print_summary(status.summary)
@@ -219,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the run gives up if none is ready within 300 s), write the output and its report, print the "
         "summary, stop.",
     )
-    add_job_args(p)
+    add_job_args(p, "run")
     p.add_argument("--model", default=os.environ.get("PFX_MODEL", cfgmod.DEFAULT_MODEL), help="model directory or hub id")
     p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
     p.add_argument("--engine", choices=cfgmod.ENGINES, default="vllm", help="engine (default vllm)")
@@ -249,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_parsers(p.add_subparsers(dest="cluster", required=True))
 
     p = sub.add_parser("submit", help="submit INPUT to a running cluster and wait for it")
-    add_job_args(p)
+    add_job_args(p, "submit")
     p.add_argument("--nats", default=os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
     p.set_defaults(fn=cmd_submit)
 

@@ -64,20 +64,23 @@ class JobView:
     eta: float | None = None
     updated_at: float = 0.0
     error: str | None = None
+    expires_at: float = 0.0
+    """When the cluster forgets the job's spec and status (0: unknown); the output stays."""
 
     @classmethod
     def of(cls, job: str, status: m.JobStatus | None, spec: m.JobSpec | None) -> JobView:
         if status is None:
             return cls(job, "queued", total=spec.total if spec else None, updated_at=spec.created_at if spec else 0.0)
         if status.failed:
-            return cls(job, "failed", status.rows, status.total, status.errors, updated_at=status.updated_at, error=status.error)
+            return cls(job, "failed", status.rows, status.total, status.errors, updated_at=status.updated_at,
+                       error=status.error, expires_at=status.expires_at)
         rate = status.rate
         if status.done and status.summary and status.summary.get("wall_seconds"):
             rate = status.rows / status.summary["wall_seconds"]
         hit = status.hit_rate if status.prompt_tokens else (status.summary or {}).get("prefix_cache_hit_rate")
         return cls(
             job, "done" if status.done else "running", status.rows, status.total, status.errors, rate,
-            hit, status.eta_seconds(), status.updated_at,
+            hit, status.eta_seconds(), status.updated_at, expires_at=status.expires_at,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -100,6 +103,7 @@ async def read_jobs(nc, job: str | None = None) -> list[JobView]:
     except NotFoundError:  # no service has provisioned the buckets yet: no job ever ran
         return []
     names = [job] if job else sorted(set(await _all_keys(status_kv)) | set(await _all_keys(jobs_kv)))
+    names = [n for n in names if not n.startswith(subjects.DIR_KEY_PREFIX)]  # output directories' owners
 
     async def one(name: str) -> JobView | None:
         status = spec = None
@@ -124,7 +128,8 @@ def status_table(views: list[JobView]):
 
     t = Table(box=None, header_style="bold", pad_edge=False)
     for name, justify in (("job", "left"), ("state", "left"), ("rows", "right"), ("total", "right"), ("errors", "right"),
-                          ("rows/s", "right"), ("hit rate", "right"), ("ETA", "right"), ("updated", "right")):
+                          ("rows/s", "right"), ("hit rate", "right"), ("ETA", "right"), ("updated", "right"),
+                          ("expires", "right")):
         t.add_column(name, justify=justify)
     now = time.time()
     colors = {"done": "green", "running": "cyan", "failed": "red", "queued": "yellow"}
@@ -139,6 +144,7 @@ def status_table(views: list[JobView]):
             "-" if v.hit_rate is None else f"{v.hit_rate:.1%}",
             "-" if v.state in ("done", "failed") else fmt_duration(v.eta),
             f"{fmt_duration(now - v.updated_at)} ago" if v.updated_at else "-",
+            f"in {fmt_duration(max(v.expires_at - now, 0))}" if v.expires_at else "-",
         )
     return t
 

@@ -7,6 +7,12 @@
    `Nats-Msg-Id` so a re-publish inside the stream's duplicate window is dropped by the
    server.
 3. Seal the job (set `total`) and follow the sink's progress until it is done.
+
+Re-runs: the output directory is claimed for the job in the jobs bucket
+(`subjects.dir_key`): another job's directory is refused (`DirTaken`) unless the job
+overwrites it (`JobSpec.overwrite`); a job already done is not run again (`AlreadyDone`);
+a job resumed (its spec already existed, or its status shows rows) asks the sink which
+ids of each input chunk are on disk (`DoneQuery`) and publishes only the others.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import msgspec
 import nats.errors
 import pyarrow.parquet as pq
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from tqdm import tqdm
 
 from client import columns
@@ -31,11 +37,18 @@ from shared.wire import subjects
 from shared.wire.ids import IdSet
 from shared.bus.connection import close, connect
 from shared.bus.provision import provision
-from shared.bus.publish import publish
+from shared.bus.publish import message_limit, publish
 
 READ_BATCH = 4096
 PUBLISH_CONCURRENCY = 256
 ROWS_PER_MESSAGE = 64
+DONE_QUERY_TIMEOUT = 5.0
+"""Seconds a done query waits for the sink's answer (then the chunk's rows are sent)."""
+DONE_QUERY_FAILURES = 2
+"""Consecutive unanswered done queries after which a resume stops asking (a sink that
+does not answer them): every remaining row is sent, and the sink drops duplicates."""
+EMPTY_JOB_WAIT = 60.0
+"""Seconds to wait for the sink to complete a job of no rows before giving up."""
 
 
 class JobFailed(Exception):
@@ -47,12 +60,64 @@ class JobFailed(Exception):
         self.reason = reason
 
 
-def finished_ids(out_dir: str | Path):
-    """Ids already written to `out_dir` by an earlier run of the job (resume)."""
-    done = IdSet()
-    for part in sorted(Path(out_dir).glob("part-*.parquet")):
-        done.update(pq.read_table(part, columns=["id"]).column("id").to_pylist())
-    return done
+class DirTaken(Exception):
+    """The output directory is bound to another job (`prefixflow` exits with code 2)."""
+
+    def __init__(self, out_dir: str, owner: str, job: str) -> None:
+        super().__init__(
+            f"{out_dir} holds the output of job {owner}: pass --job {owner} to resume that job, "
+            f"--overwrite to replace its output with job {job}'s, or another --out"
+        )
+        self.out_dir, self.owner, self.job = out_dir, owner, job
+
+
+class AlreadyDone(Exception):
+    """The job is done already (every row written, `status.summary` its summary): nothing
+    was published."""
+
+    def __init__(self, status: m.JobStatus) -> None:
+        super().__init__(f"job {status.job} is already done: {status.rows} rows ({status.errors} errors)")
+        self.status = status
+
+
+done_reply_decoder = msgspec.msgpack.Decoder(m.DoneReply)
+
+
+class DoneQueries:
+    """Resume: which rows of a chunk the sink has written already (`DoneQuery` on
+    `subjects.done_query(job)`). A query not answered (timeout, no sink listening, an
+    error reply) sends the chunk's rows as they are (the sink drops duplicates); after
+    `DONE_QUERY_FAILURES` in a row it stops asking."""
+
+    def __init__(self, nc, job: str, *, timeout: float = DONE_QUERY_TIMEOUT) -> None:
+        self.nc, self.job, self.timeout = nc, job, timeout
+        self.failures = 0
+        self.problem: str | None = None
+        """Why the last query went unanswered."""
+
+    async def missing(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.failures >= DONE_QUERY_FAILURES or not rows:
+            return rows
+        try:
+            done = await self._ask([r["id"] for r in rows])
+        except (nats.errors.Error, asyncio.TimeoutError, msgspec.DecodeError, ValueError) as exc:
+            self.failures += 1
+            self.problem = str(exc) or type(exc).__name__
+            return rows
+        self.failures = 0
+        return [r for r, d in zip(rows, done) if not d]
+
+    async def _ask(self, ids: list[Any]) -> list[bool]:
+        data = m.encode(m.DoneQuery(ids))
+        if len(data) > message_limit(self.nc) and len(ids) > 1:  # long string ids: ask in halves
+            half = len(ids) // 2
+            return await self._ask(ids[:half]) + await self._ask(ids[half:])
+        reply = done_reply_decoder.decode((await self.nc.request(subjects.done_query(self.job), data, timeout=self.timeout)).data)
+        if reply.error is not None:
+            raise ValueError(f"the sink cannot tell: {reply.error}")
+        if len(reply.done) != len(ids):
+            raise ValueError(f"the sink answered {len(reply.done)} of {len(ids)} ids")
+        return reply.done
 
 
 def count_rows(path: str | Path) -> int | None:
@@ -86,24 +151,55 @@ class Submitter:
             await put_blob(self.js, self.nc, job, columns.blob_key(chunk.src), chunk.kept)
 
     async def publish_rows(self, job: str, rows: list[dict[str, Any]], *, batch: int = ROWS_PER_MESSAGE) -> list:
-        """Publish rows as msgpack arrays of up to `batch` rows (about 256 KiB at most);
-        `batch=1` sends one map per row with its id in the `Pfx-Id` header."""
-        encoder = msgspec.msgpack.Encoder()
+        """Publish rows as msgpack arrays of up to `batch` rows, cut by their encoded size
+        under the server's limit (`message_limit`); `batch=1` sends one map per row with
+        its id in the `Pfx-Id` header."""
         subject = subjects.ingest(job)
         ids = [row["id"] for row in rows]
         coros = []
         if batch == 1:
             for row in rows:
                 rid = msgspec.json.encode(row["id"]).decode()
-                coros.append(publish(self.js, subject, encoder.encode(row), headers={"Pfx-Id": rid, "Nats-Msg-Id": f"{job}:{rid}"}))
+                coros.append(publish(self.js, subject, m.msgpack_encoder.encode(row), headers={"Pfx-Id": rid, "Nats-Msg-Id": f"{job}:{rid}"}))
         else:
-            size = lambda row: len(str(row.get("prompt", ""))) + len(str(row.get("messages", ""))) + 5 * len(row.get("prompt_token_ids") or ()) + 64  # noqa: E731
-            for run in m.chunked(rows, size, batch, max_bytes=256 * 1024):
-                msg_id = f"{job}:{run[0]['id']}:{run[-1]['id']}:{len(run)}"
-                coros.append(publish(self.js, subject, encoder.encode(run), headers={"Nats-Msg-Id": msg_id}))
+            # NOTE: a single row over the limit goes alone and the server refuses it
+            # (`MessageTooLarge`): a prompt that large cannot be a model input anyway.
+            for b in m.encode_batches(rows, list, message_limit(self.js), batch):
+                msg_id = f"{job}:{rows[b.start]['id']}:{rows[b.stop - 1]['id']}:{b.stop - b.start}"
+                coros.append(publish(self.js, subject, b.data, headers={"Nats-Msg-Id": msg_id}))
         for i in range(0, len(coros), PUBLISH_CONCURRENCY):
             await asyncio.gather(*coros[i : i + PUBLISH_CONCURRENCY])
         return ids
+
+    async def spec(self, job: str) -> m.JobSpec | None:
+        """The job's spec in the jobs bucket (None: never created, or expired)."""
+        try:
+            entry = await self.jobs_kv.get(job)
+        except KeyNotFoundError:
+            return None
+        try:
+            return m.job_spec_decoder.decode(entry.value)
+        except msgspec.DecodeError:
+            return None
+
+    async def claim_dir(self, out_dir: str, job: str, *, overwrite: bool = False) -> str | None:
+        """Bind `out_dir` to `job` in the jobs bucket (`subjects.dir_key`). Bound to
+        another job: `DirTaken`, or with `overwrite` rebound (returns the other job)."""
+        key = subjects.dir_key(out_dir)
+        try:
+            await self.jobs_kv.create(key, job.encode())
+            return None
+        except KeyWrongLastSequenceError:
+            pass  # bound already: to whom?
+        try:
+            owner = (await self.jobs_kv.get(key)).value.decode()
+        except KeyNotFoundError:  # expired or deleted meanwhile
+            owner = job
+        if owner != job:
+            if not overwrite:
+                raise DirTaken(out_dir, owner, job)
+        await self.jobs_kv.put(key, job.encode())
+        return owner if owner != job else None
 
     async def status(self, job: str) -> m.JobStatus | None:
         try:
@@ -116,13 +212,15 @@ class Submitter:
         self, job: str, total: int, *, progress: bool = True, timeout: float | None = None, check: Callable[[], None] | None = None
     ) -> m.JobStatus:
         """Follow the sink's progress until `total` rows are written; raise `JobFailed`
-        as soon as the status says the job failed. `check()` runs each round (raise there
+        as soon as the status says the job failed (and `TimeoutError` when a job of no
+        rows is not completed within `EMPTY_JOB_WAIT`). `check()` runs each round (raise there
         to stop waiting). A NATS outage (nats-server restarting) is waited out."""
         # Rate and ETA are the sink's (rows per second over its last 30 s), as in `prefixflow status`;
         # prompts under way and tokens/s come from the replicas' status messages (client/progress.py).
         bar = tqdm(total=total, desc=f"job {job}", unit="row", disable=not progress, dynamic_ncols=True,
                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         fleet = FleetProgress()
         self.first_progress: float | None = None
         """When the line first showed work under way (`prefixflow bench batching` reads it)."""
@@ -155,6 +253,9 @@ class Submitter:
                     return st
                 if check is not None:
                     check()
+                if total == 0 and time.monotonic() - started > EMPTY_JOB_WAIT:
+                    raise TimeoutError(f"job {job} has no rows and the cluster did not complete it within "
+                                       f"{EMPTY_JOB_WAIT:.0f} s (status: {st})")
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"job {job} not done after {timeout} s (status: {st})")
                 await asyncio.sleep(0.5)
@@ -180,8 +281,15 @@ async def submit(
     chat_template: str = "",
     chat_template_kwargs: dict[str, Any] | None = None,
     task: str = "generate",
+    overwrite: bool = False,
+    resume: bool = False,
 ) -> m.JobStatus:
-    """Submit `input_path` as `job` and wait until the sink has every row."""
+    """Submit `input_path` as `job` and wait until the sink has every row.
+
+    Raises `DirTaken` when `out_dir` belongs to another job (unless `overwrite`: the sink
+    then replaces that job's output), `AlreadyDone` when the job has every row already,
+    `JobFailed` when the cluster marks it failed. A resumed job (`resume`, or one the
+    cluster knows) publishes only the rows the sink does not have."""
     if (problem := subjects.name_problem(job)) is not None:
         raise SystemExit(f"invalid job id {job!r}: {problem} (a job id is one NATS subject token: letters, digits, '-' and '_', at most 64)")
     out_dir = str(Path(out_dir).resolve())
@@ -193,33 +301,43 @@ async def submit(
 
         batch = openai_batch.read_batch(input_path, task)
         input_path = openai_batch.write_rows(batch, Path(tempfile.mkdtemp(prefix="pfx-batch-")) / "rows.jsonl")
+    expected = count_rows(input_path)
     async with Submitter(nats_url) as client:
         # A job the cluster already marked failed would only fail again: say so now,
         # before publishing anything.
         before = await client.status(job)
         if before is not None and before.failed:
             raise JobFailed(job, f"{before.error} (earlier run; submit under a new --job id)")
+        replaced = await client.claim_dir(out_dir, job, overwrite=overwrite)
+        if replaced is not None:
+            print(f"{out_dir} held job {replaced}'s output: job {job} replaces it (--overwrite)", flush=True)
+        earlier = await client.spec(job)
+        same_dir = earlier is None or earlier.out_dir == out_dir
+        if (replaced is None and same_dir and before is not None and before.done and before.total is not None
+                and (expected is None or before.total >= expected)):
+            raise AlreadyDone(before)
+        resume = resume or (before is not None and before.rows > 0) or earlier is not None
         spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=time.time(),
-                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task)
+                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
+                         overwrite=overwrite)
         await client.create(spec)
         seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
-        # Resume: rows an earlier run of this job already wrote are not sent again.
-        done = finished_ids(out_dir)
-        expected = count_rows(input_path)
+        # Resume: rows the sink has written already are not sent again (asked per chunk).
+        queries = DoneQueries(client.nc, job) if resume else None
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
         skipped = 0
         for chunk in columns.chunks(input_path):
-            rows = chunk.rows
             seen.update(chunk.ids)
-            todo = [r for r in rows if r["id"] not in done] if len(done) else rows
-            skipped += len(rows) - len(todo)
+            todo = await queries.missing(chunk.rows) if queries is not None else chunk.rows
+            skipped += len(chunk.rows) - len(todo)
             if todo:
                 await client.put_columns(job, chunk)
                 await client.publish_rows(job, todo)
-            bar.update(len(rows))
+            bar.update(len(chunk.rows))
         bar.close()
-        if skipped:
-            print(f"resuming job {job}: {skipped} rows already done, {len(seen) - skipped} sent", flush=True)
+        if queries is not None:
+            note = f" (the sink did not answer: {queries.problem}; it drops the duplicates)" if queries.problem else ""
+            print(f"resuming job {job}: {skipped} rows already done, {len(seen) - skipped} sent{note}", flush=True)
         sealed = msgspec.structs.replace(spec, total=len(seen))
         await client.create(sealed)
         status = await client.wait(job, len(seen), progress=progress, timeout=timeout, check=check)

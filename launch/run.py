@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from shared.process import config as cfgmod
 from shared.wire import messages as m
@@ -49,10 +49,63 @@ async def alongside(main: Awaitable[T], side: Awaitable[None]) -> T:
         await asyncio.gather(main_task, side_task, return_exceptions=True)
 
 
+class Plan(NamedTuple):
+    """What `run` does with OUT, decided from its manifest before anything starts."""
+
+    job: str
+    resume: bool
+    """OUT holds this job's unfinished output: only the rows not written are sent."""
+    done: dict[str, Any] | None = None
+    """OUT holds this job's finished output (its summary): nothing to run."""
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def plan(out: str | Path, input_path: str | Path, job: str | None, new_job: str, *, overwrite: bool = False) -> Plan:
+    """The job `run` runs into `out` (a local directory): the one its manifest
+    (`_job.json`, written by the sink) names, resumed, or reported if `_summary.json`
+    shows it has every row (against INPUT's row count when the file says it cheaply:
+    Parquet; else the summary is trusted). `--job` naming another job: exit code 2,
+    unless `overwrite`. No manifest: `job` or `new_job`."""
+    from client.submit import count_rows
+
+    out = Path(out).resolve()
+    owner = (read_json(out / "_job.json") or {}).get("job")
+    if not isinstance(owner, str) or not owner:
+        return Plan(job or new_job, False)
+    if job is not None and job != owner:
+        if overwrite:
+            return Plan(job, False)
+        print(f"error: {out} holds the output of job {owner}: pass --job {owner} (or no --job) to resume that job, "
+              f"--overwrite to replace its output with job {job}'s, or another --out", file=sys.stderr, flush=True)
+        sys.exit(2)
+    summary = read_json(out / "_summary.json")
+    if summary is not None and summary.get("job") == owner:
+        expected = count_rows(input_path) if Path(input_path).exists() else None
+        if expected is None or int(summary.get("rows") or 0) >= expected:
+            return Plan(owner, False, summary)
+    return Plan(owner, True)
+
+
 def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[str, Any],
-              print_summary: Callable[[dict[str, Any]], None]) -> None:
+              print_summary: Callable[[dict[str, Any]], None], new_job: str) -> None:
     """`prefixflow run`: start the local cluster, submit INPUT while the engines load,
-    supervise, print the summary and write the report, stop; exit codes as the README says."""
+    supervise, print the summary and write the report, stop; exit codes as the README says.
+    OUT holding this job's finished output: print its summary, start nothing."""
+    todo = plan(args.out, args.input, args.job, new_job, overwrite=args.overwrite)
+    if todo.done is not None:
+        print(f"job {todo.job} is already done: {todo.done.get('rows')} rows ({todo.done.get('errors')} errors) "
+              f"in {args.out}; nothing to run (another --out runs it again)", flush=True)
+        print_summary(todo.done)
+        return
+    if todo.resume:
+        print(f"{args.out} holds job {todo.job}'s unfinished output: resuming it", flush=True)
     from tqdm import tqdm
 
     from launch.local_cluster import (
@@ -65,7 +118,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         wait_replicas_ready,
     )
     from datagen.make_model import make_model
-    from client.submit import JobFailed, submit
+    from client.submit import AlreadyDone, DirTaken, JobFailed, submit
 
     if args.model == cfgmod.DEFAULT_MODEL:
         make_model(args.model)
@@ -94,7 +147,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     env = {"PFX_MODEL": model, "PFX_POLICY": args.policy, "PFX_OUT_ROOT": str(Path(args.out).resolve()),
            "PFX_TASK": args.task}
     cluster = LocalCluster(procs, workdir=args.workdir, env=env, on_event=event)
-    job = args.job
+    job = todo.job
     replicas = [f"r{i}" for i in range(args.replicas)]
 
     async def replicas_ready(submitted: float) -> None:
@@ -125,6 +178,8 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
                     model=model,
                     progress=not args.no_progress,
                     timeout=args.timeout,
+                    overwrite=args.overwrite,
+                    resume=todo.resume,
                     **chat,
                 ),
                 replicas_ready(submitted),
@@ -149,6 +204,10 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         status = asyncio.run(run_job())
     except JobFailed as exc:
         error, code = str(exc), 1
+    except DirTaken as exc:  # a --workdir whose cluster bound OUT to another job
+        error, code = f"error: {exc}", 2
+    except AlreadyDone as done:  # a --workdir whose cluster finished the job
+        status = done.status
     except ClusterFailed as exc:
         error, code = f"giving up: {exc}", 1
     except ProcessExited as exc:  # a process died during start-up (check_alive)
@@ -173,9 +232,11 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         print(error, file=sys.stderr, flush=True)
         sys.exit(code)
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
-    if status.summary:
-        print_summary(status.summary)
-        print(json.dumps(status.summary, indent=2))
+    # The summary on disk has the per-replica totals (the status keeps only the overall ones).
+    summary = read_json(Path(args.out) / "_summary.json") or status.summary
+    if summary:
+        print_summary(summary)
+        print(json.dumps(summary, indent=2))
     from report.job_report import auto_report
 
     auto_report(args.out, status.rows, model)

@@ -12,7 +12,8 @@ with `_`):
 - `index.html`       all of it on one page, with the summary and the worst groups.
 
 Data: the output rows (`finished_at`, `started_at`, `bucket`, `replica`, token counts,
-`prompt`) and `_summary.json`. Prefix groups are the prompts sharing their first
+`prompt`; above `--sample-rows`, 20,000 by default, a seeded uniform sample of them, said
+in the report: `report/rows.py`) and `_summary.json`. Prefix groups are the prompts sharing their first
 128-token block (the key that shards them over bucketers), found by tokenizing `prompt`
 with the job's model (`--model`; default the summary's, else PFX_MODEL, else the local
 tiny model). Rows without `started_at` (written by engine-workers that do not record it)
@@ -23,7 +24,6 @@ the bucket plot shows prefix-group sizes instead. The figures say so when that h
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -33,79 +33,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from report.analysis import GroupStat, engine_block_size, group_table, prefix_groups
+from report.rows import COLUMNS, SAMPLE_ROWS, JobRows, bucket_sizes, load  # noqa: F401 - `load` for callers
 
-COLUMNS = ("id", "replica", "error", "prompt_tokens", "cached_tokens", "output_tokens", "finished_at", "started_at", "bucket")
 NICE_SECONDS = (0.25, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 MAX_LINES = 10
 STYLES = ("-", "--", "-.", ":")
 """Line styles by replica (with the colours): equal series stay visible."""
 """Replicas drawn as lines; more are drawn as a heat map."""
-
-
-@dataclass
-class JobRows:
-    """A job's output, as the report needs it."""
-
-    out_dir: Path
-    table: pa.Table
-    summary: dict[str, Any] | None
-    t0: float
-    """Job start (Unix time): the summary's `created_at`, else the earliest row time."""
-    t1: float
-    """Job end: the summary's `finished_at`, else the latest finish."""
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def job(self) -> str:
-        return (self.summary or {}).get("job") or self.out_dir.name
-
-    @property
-    def wall(self) -> float:
-        return max(self.t1 - self.t0, 1e-6)
-
-    def replicas(self) -> list[str]:
-        names = pc.unique(self.table.column("replica")).to_pylist()
-        return sorted(n for n in names if n)
-
-    def ok(self) -> pa.Table:
-        return self.table.filter(pc.is_null(self.table.column("error")))
-
-
-def _read_parts(out_dir: Path, columns: tuple[str, ...]) -> pa.Table:
-    tables = []
-    for part in sorted(out_dir.glob("part-*.parquet")):
-        names = set(pq.read_schema(part).names)
-        t = pq.read_table(part, columns=[c for c in columns if c in names])
-        for c in columns:
-            if c not in names:
-                typ = pa.float64() if c.endswith("_at") else pa.int64() if c.endswith("_tokens") else pa.string()
-                t = t.append_column(c, pa.nulls(t.num_rows, typ))
-        tables.append(t.select(list(columns)))
-    if not tables:
-        raise SystemExit(f"{out_dir}: no part-*.parquet files (is this a job's output directory?)")
-    return pa.concat_tables(tables, promote_options="permissive")
-
-
-def load(out_dir: str | Path, *, with_prompts: bool = True) -> JobRows:
-    out_dir = Path(out_dir)
-    columns = COLUMNS
-    if with_prompts and any("prompt" in pq.read_schema(p).names for p in out_dir.glob("part-*.parquet")):
-        columns = (*COLUMNS, "prompt")
-    table = _read_parts(out_dir, columns)
-    summary_path = out_dir / "_summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    notes = [] if summary else ["the job has no _summary.json yet (not finished): the report covers the rows written so far"]
-    fin = table.column("finished_at")
-    start = table.column("started_at")
-    firsts = [x for x in (pc.min(fin).as_py(), pc.min(start).as_py()) if x is not None]
-    t0 = (summary or {}).get("created_at") or (min(firsts) if firsts else 0.0)
-    t1 = (summary or {}).get("finished_at") or pc.max(fin).as_py() or t0 + 1.0
-    if fin.null_count == len(fin):
-        notes.append("no row has finished_at (output written before it was recorded): no time plots")
-    return JobRows(out_dir, table, summary, float(t0), float(t1), notes)
 
 
 # --- time series ------------------------------------------------------------------------
@@ -226,7 +162,7 @@ def plot_throughput(job: JobRows, path: Path) -> None:
     for name in names:
         rows = ok.filter(pc.equal(ok.column("replica"), name))
         fin = _np(rows, "finished_at")
-        weights = _np(rows, "output_tokens") if use_tokens else np.ones(rows.num_rows)
+        weights = (_np(rows, "output_tokens") if use_tokens else np.ones(rows.num_rows)) * job.scale
         series[name] = binned(fin, weights, job.t0, width, n) / width
         order = np.argsort(fin)
         done[name] = ((fin[order] - job.t0) / unit, np.cumsum(weights[order]))
@@ -344,11 +280,14 @@ def plot_idle(job: JobRows, idle: list[Idle], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_bucket_sizes(sizes: list[int], path: Path, *, title: str, job: JobRows, noun: str = "buckets") -> None:
+def plot_bucket_sizes(sizes: list[int], path: Path, *, title: str, job: JobRows, noun: str = "buckets",
+                      weights: list[float] | None = None) -> None:
     """Bars: how many `noun` had 1, 2-3, 4-7, ... prompts; above each, the share of all
-    prompts they held (a few large buckets can hold most prompts)."""
+    prompts they held (a few large buckets can hold most prompts). `weights`: how many
+    `noun` each size stands for (a sample's estimate; default one each)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(10, 4.5))
+    w = np.ones(len(sizes)) if weights is None else np.asarray(weights, dtype=float)
     if sizes:
         top = max(sizes)
         edges = [2 ** int(math.log2(min(sizes)))]
@@ -359,19 +298,23 @@ def plot_bucket_sizes(sizes: list[int], path: Path, *, title: str, job: JobRows,
                 edges.insert(0, edges[0] // 2)
             else:
                 edges.append(edges[-1] * 2)
-        counts, _ = np.histogram(sizes, bins=edges)
-        prompts, _ = np.histogram(sizes, bins=edges, weights=sizes)
+        counts, _ = np.histogram(sizes, bins=edges, weights=w)
+        prompts, _ = np.histogram(sizes, bins=edges, weights=w * np.asarray(sizes, dtype=float))
+        counts = np.rint(counts).astype(int)
         labels = [f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(edges, edges[1:])]
         bars = ax.bar(range(len(counts)), counts, color="#4477aa", width=0.7)
         for bar, k in zip(bars, prompts):
             if k:
-                ax.annotate(f"{100 * k / sum(sizes):.0f}% of prompts", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ax.annotate(f"{100 * k / prompts.sum():.0f}% of prompts", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             xytext=(0, 3), textcoords="offset points", ha="center", fontsize=9)
         ax.set_xticks(range(len(counts)), labels)
         ax.set_ylabel(noun)
         ax.set_ylim(0, max(counts) * 1.15)
         ax.set_xlabel(f"prompts per {noun[:-1]}")
-        ax.set_title(f"{title}: {len(sizes)} {noun}, median {np.median(sizes):g} prompts, largest {top}\n{_subtitle(job)}")
+        order = np.argsort(sizes)
+        median = np.asarray(sizes)[order][np.searchsorted(np.cumsum(w[order]), w.sum() / 2)]
+        about = "about " if weights is not None else ""
+        ax.set_title(f"{title}: {about}{round(w.sum())} {noun}, median {median:g} prompts, largest {top}\n{_subtitle(job)}")
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(f"{title}\n{_subtitle(job)}")
@@ -408,7 +351,8 @@ def find_groups(job: JobRows, model: str | None) -> Groups | None:
     except Exception as exc:  # noqa: BLE001 - no tokenizer: the rest of the report stands
         job.notes.append(f"no prefix groups: cannot load the tokenizer of {model!r} ({exc}); pass --model")
         return None
-    texts = [p or "" for p in t.column("prompt").to_pylist()]
+    t = t.filter(pc.is_valid(t.column("prompt")))  # a sampled report reads some rows' prompts only
+    texts = t.column("prompt").to_pylist()
     packed = [tk.pack(e.ids) for e in tokenizer.encode_batch_fast(texts)]
     groups, shared = prefix_groups(packed)
     ids = t.column("id").to_pylist()
@@ -459,10 +403,11 @@ def write_groups_csv(groups: dict[Any, GroupStat], first_id: dict[Any, Any], pat
 # --- the report -----------------------------------------------------------------------
 
 
-def write_report(out_dir: str | Path, dest: str | Path | None = None, *, model: str | None = None, groups: bool = True) -> Path:
+def write_report(out_dir: str | Path, dest: str | Path | None = None, *, model: str | None = None, groups: bool = True,
+                 sample: int = SAMPLE_ROWS) -> Path:
     """Write the report of the job in `out_dir` into `dest` (default `out_dir/_report`);
-    returns the path of its index.html."""
-    job = load(out_dir, with_prompts=groups)
+    returns the path of its index.html. Above `sample` rows it reads a sample (`load`)."""
+    job = load(out_dir, with_prompts=groups, sample=sample)
     dest = Path(dest) if dest else Path(out_dir) / "_report"
     dest.mkdir(parents=True, exist_ok=True)
     images: list[tuple[str, str]] = []
@@ -481,8 +426,9 @@ def write_report(out_dir: str | Path, dest: str | Path | None = None, *, model: 
     group_stats: dict[Any, GroupStat] = found.stats if found else {}
     buckets = job.table.filter(pc.is_valid(job.table.column("bucket")))
     if buckets.num_rows:
-        sizes = pc.value_counts(buckets.column("bucket")).field("counts").to_pylist()
-        plot_bucket_sizes(sizes, dest / "bucket_sizes.png", title="Released buckets", job=job)
+        sizes, weights = bucket_sizes(job)
+        plot_bucket_sizes(sizes, dest / "bucket_sizes.png", title="Released buckets", job=job,
+                          weights=weights if job.sampled else None)
     else:
         job.notes.append("rows have no bucket ids (the engine-workers do not record them): "
                          "bucket_sizes.png shows prefix-group sizes instead")
@@ -540,28 +486,25 @@ def _html(job: JobRows, images: list[tuple[str, str]], groups: dict[Any, GroupSt
     return "\n".join(lines) + "\n"
 
 
-AUTO_GROUPS_MAX_ROWS = 200_000
-"""Above this many rows the report written at job end skips the prefix-group analysis (it
-tokenizes every prompt); `prefixflow report OUTDIR` does it on demand."""
-
-
 def auto_report(out_dir: str | Path, rows: int, model: str | None = None) -> None:
-    """The report `run` and `submit` write when a job ends (`OUT/_report/index.html`).
-    A report that cannot be written is a warning, never a failed job."""
+    """The report `run` and `submit` write when a job ends (`OUT/_report/index.html`),
+    from at most `SAMPLE_ROWS` rows (seconds and bounded memory at any job size). A
+    report that cannot be written is a warning, never a failed job."""
     if not (Path(out_dir) / "_summary.json").exists():
         return  # the output is on another machine (the sink's)
-    groups = rows <= AUTO_GROUPS_MAX_ROWS
+    if rows == 0:
+        return  # nothing to plot
     try:
-        index = write_report(out_dir, model=model, groups=groups)
+        index = write_report(out_dir, model=model)
     except Exception as exc:  # noqa: BLE001 - the job's rows are written; only the plots failed
         print(f"note: no report ({exc!r}); try `prefixflow report {out_dir}`", flush=True)
         return
-    more = "" if groups else f" (no prefix groups above {AUTO_GROUPS_MAX_ROWS:,} rows: `prefixflow report {out_dir}`)"
+    more = f" (from a sample of {SAMPLE_ROWS:,} of {rows:,} rows)" if rows > SAMPLE_ROWS else ""
     print(f"report: {index}{more}", flush=True)
 
 
 def cmd_report(args) -> None:
-    index = write_report(args.out_dir, args.dest, model=args.model, groups=not args.no_groups)
+    index = write_report(args.out_dir, args.dest, model=args.model, groups=not args.no_groups, sample=args.sample_rows)
     print(f"report: {index}")
     for p in sorted(index.parent.iterdir()):
         if p.name != index.name:
@@ -573,5 +516,9 @@ def add_parser(sub) -> None:
     p.add_argument("out_dir", help="the job's output directory (part-*.parquet, _summary.json)")
     p.add_argument("--dest", default=None, help="where to write the report (default OUT_DIR/_report)")
     p.add_argument("--model", default=None, help="tokenizer for the prefix groups (default: the job's model, else PFX_MODEL, else the local tiny model)")
-    p.add_argument("--no-groups", action="store_true", help="skip the prefix-group analysis (it tokenizes every prompt)")
+    p.add_argument("--no-groups", action="store_true", help="skip the prefix-group analysis (it tokenizes the prompts it reads)")
+    p.add_argument("--sample-rows", type=int, default=SAMPLE_ROWS,
+                   help=f"read at most this many rows, a seeded uniform sample, for the plots (the prefix groups: "
+                        f"those of them in random row groups holding about 64 MiB of prompts) (0: every row) "
+                        f"(default {SAMPLE_ROWS:,})")
     p.set_defaults(fn=cmd_report)

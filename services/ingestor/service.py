@@ -6,6 +6,9 @@ tokenize, shard: `services/ingestor/plan.py`) -> publish prompt batches to
 -> ack the inputs. A message with no recoverable id goes to the dead-letter stream; a
 job whose spec cannot run is marked failed in the job-status bucket. Several ingestors
 can share the work (one durable pull consumer).
+
+Beside it runs the mover (`services/ingestor/mover.py`): the prompts of a bucketer node
+gone for good (no heartbeat for `--bucketer-gone-after` seconds) are moved to live nodes.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from services.ingestor.model import load_model
+from services.ingestor.mover import Mover
 from services.ingestor.plan import Incoming, Plan, plan_batch, poison_rows
 from shared.bus.blobs import put_blob
 from shared.bus.connection import close, connect
@@ -58,6 +62,7 @@ class Ingestor:
         self.model = load_model(cfg.model, cfg.max_model_len, cfg.hash_block_size)
         self.bucketers: dict[str, float] = {}  # node -> last heartbeat (monotonic)
         self.sharder = Sharder(epsilon=cfg.shard_epsilon)
+        self.mover = Mover(self.bucketers, cfg.bucketer_gone_after, BUCKETER_LIVE_FOR, cfg.hash_block_size)
 
     def live_nodes(self) -> list[str]:
         """Bucketer nodes heard from within BUCKETER_LIVE_FOR; when none is (heartbeats
@@ -68,7 +73,7 @@ class Ingestor:
         return sorted(n for n, seen in self.bucketers.items() if now - seen < BUCKETER_LIVE_FOR) or sorted(self.bucketers)
 
     async def run(self, stop: asyncio.Event) -> None:
-        nc = self.nc = await connect(self.cfg.nats_url, "ingestor")
+        nc = self.nc = await connect(self.cfg.nats_url, "ingestor", on_reconnect=self.mover.on_reconnect)
         js = nc.jetstream()
         await provision(js)
         self.js = js
@@ -86,6 +91,18 @@ class Ingestor:
 
         await nc.subscribe(subjects.ALL_BUCKETER_HEARTBEATS, cb=on_heartbeat)
         log.info("ingestor ready", max_model_len=self.model.max_model_len)
+        # Both loops under one TaskGroup: a task that dies takes the process down (its
+        # supervisor restarts it, JetStream redelivers what it held).
+        async with asyncio.TaskGroup() as tg:
+            mover = tg.create_task(self.mover.run(js, stop))
+            await self.ingest(sub, stop)
+            try:  # a move waiting on a full stream: its message is redelivered (same ids)
+                await asyncio.wait_for(asyncio.shield(mover), self.cfg.drain_timeout)
+            except asyncio.TimeoutError:
+                mover.cancel()
+        await close(nc, sub)
+
+    async def ingest(self, sub: DurablePull, stop: asyncio.Event) -> None:
         while not stop.is_set():
             if not self.bucketers:  # no bucketer has reported yet: its prompts would have nowhere to go
                 await asyncio.sleep(0.1)
@@ -98,7 +115,6 @@ class Ingestor:
             fresh = [msg for msg in msgs if deliveries(msg) == 1]
             for group in ([fresh] if fresh else []) + [[msg] for msg in msgs if deliveries(msg) > 1]:
                 await self.handle_safely(group)
-        await close(nc, sub)
 
     async def handle_safely(self, msgs: list[Msg]) -> None:
         if len(msgs) == 1 and is_poison(msgs[0]):

@@ -5,6 +5,13 @@ per job -> every `flush_seconds` (or `flush_rows`) write a part per job, then ac
 messages whose rows are now on disk -> update the job's status in the status KV bucket ->
 a sealed job whose row count reached its total gets `_summary.json` and `done`.
 
+A job owns its output directory (`services/sink/binding.py`): it is bound (`_job.json`)
+before anything is written, and a job whose `out_dir` another job owns fails unless its
+spec says `overwrite`. Completion is durable (`services/sink/lifecycle.py`): a job is done
+once its done status is stored, retried every round until then, and every sealed job not
+yet done is checked again after a restart or an eviction (a watch on the jobs bucket). Done
+queries (`services/sink/queries.py`) tell a resuming client which ids are on disk.
+
 A poison results message (written and failed too often) is copied to the dead-letter
 stream at once, its rows queued as error rows, and it is terminated only once those rows
 are on disk, like an ack: a crash in between redelivers it instead of losing the rows.
@@ -33,10 +40,12 @@ from shared.process.config import SinkConfig
 from shared.bus.jobs import JobCache
 from shared.bus.pull import DurablePull
 from shared.bus.connection import close, connect
-from shared.bus.provision import provision
+from shared.bus.provision import job_retention, provision
 from shared.bus.consume import decode_or_quarantine
 from shared.bus.poison import dead_letter, deliveries, is_poison, quarantine
 from shared.process import metrics
+from services.sink import lifecycle, queries
+from services.sink.binding import Action, open_bound
 from services.sink.inputs import InputCache
 from services.sink.large import resolve_or_hand_back
 from services.sink.writer import JobOutput, OutsideRoot, confine
@@ -65,8 +74,9 @@ class Sink:
     def __init__(self, cfg: SinkConfig) -> None:
         self.cfg = cfg
         self.outputs: dict[str, JobOutput] = {}
-        """Open jobs. A done job (`JobOutput.done`) is not checked again; done ones are
-        forgotten first, so nothing here grows with the number of jobs ever run."""
+        """Open jobs. A done job (`JobOutput.done`, its done status stored) is not checked
+        again; done ones are forgotten first, so nothing here grows with the number of jobs
+        ever run."""
         self.held: dict[str, list[Held]] = {}
         """Messages whose rows are queued, by job: settled once their job's part is on disk."""
         self.pending_rows = 0
@@ -74,24 +84,51 @@ class Sink:
         self.root = Path(os.path.realpath(cfg.out_root or os.getcwd()))
         """Every job writes under this directory (`--out-root`, default the working directory)."""
         self.refused: OrderedDict[str, str] = OrderedDict()
-        """Jobs whose out_dir is outside the root -> why (their results are dropped)."""
+        """Jobs whose out_dir is outside the root or bound to another job -> why (their
+        results are dropped). A new spec of the job clears its entry (checked again)."""
         self.progress: dict[str, deque[tuple[float, int]]] = {}
         """Open jobs -> (monotonic time, rows on disk) over the last RATE_WINDOW seconds."""
         self.inputs = InputCache(cfg.inputs_cache or None)
         """Local copies of the blobs of input columns the queued rows need."""
+        self.unannounced: dict[str, dict] = {}
+        """Open jobs whose `_summary.json` is written but whose done status is not stored
+        yet -> their summary: the put is retried every round (never evicted meanwhile)."""
+        self.reconciler = lifecycle.Reconciler()
+        """Sealed jobs not known done or failed: checked (opened from disk) when due."""
+        self.disk = asyncio.Lock()
+        """Held while a job's directory is bound and opened, while parts are written and
+        while a job is finished: a done query opening a job (and perhaps replacing another
+        job's output) never interleaves with writes."""
+        self.faults = lifecycle.Faults(cfg.fail_done_puts, cfg.exit_before_done)
         metrics.SINK_PENDING_ROWS.set_function(lambda: self.pending_rows)
         metrics.SINK_OPEN_JOBS.set_function(lambda: len(self.outputs))
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, "sink")
-        self.js = nc.jetstream()
+        self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)
-        self.jobs = JobCache(await self.js.key_value(subjects.JOBS_KV), ttl=1.0)
+        jobs_kv = await self.js.key_value(subjects.JOBS_KV)
+        self.jobs = JobCache(jobs_kv, ttl=1.0)
         self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
         sub = DurablePull(self.js, subjects.sink_consumer())
+        done_queries = await nc.subscribe(subjects.ALL_DONE_QUERIES)
+        await nc.flush()  # subscribed at the server before "ready"
         log.info("sink ready", out_root=str(self.root))
+        # Every loop under one TaskGroup: a task that dies ends the process (its
+        # supervisor restarts it, JetStream redelivers what it held).
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self.reconciler.watch(jobs_kv, stop, self.spec_written))
+            tg.create_task(queries.answer(self, done_queries, stop))
+            await self.consume(sub, stop)
+        await self.flush()
+        await close(nc, sub, done_queries)
+        self.inputs.close()
+
+    async def consume(self, sub: DurablePull, stop: asyncio.Event) -> None:
         last_check = 0.0
         while not stop.is_set():
+            if len(self.outputs) > MAX_OPEN_JOBS:  # done queries open jobs without evicting
+                self.evict()
             msgs = await sub.fetch(self.cfg.fetch_batch, timeout=0.2)
             for msg in msgs:
                 await self.take(msg)
@@ -101,38 +138,76 @@ class Sink:
             if now - last_check >= 1.0:
                 last_check = now
                 await self.check_jobs()
-        await self.flush()
-        await close(nc, sub)
-        self.inputs.close()
+                await self.reconcile()
 
-    async def output(self, job: str) -> JobOutput | None:
+    def spec_written(self, job: str) -> None:
+        """A spec of `job` was written (the jobs watch): a refusal is decided again."""
+        self.refused.pop(job, None)
+
+    async def output(self, job: str, *, evict: bool = True) -> JobOutput | None:
+        """The job's open output, opened (bound, read back from disk) if need be; None
+        for an unknown job or one refused (out_dir outside the root, or another job's).
+        `evict=False`: never forget other jobs to make room (callers outside the main
+        loop, which may hold an output it is about to fill)."""
         out = self.outputs.pop(job, None)
         if out is not None:
             self.outputs[job] = out  # most recently used last
             return out
-        lookup = await self.jobs.get(job, fresh=True)
-        if lookup.spec is None:
-            return None
-        try:
-            out_dir = confine(self.root, lookup.spec.out_dir)
-        except OutsideRoot as exc:
-            await self.refuse(job, str(exc))
-            return None
-        if len(self.outputs) >= MAX_OPEN_JOBS:
-            self.evict()
-        out = self.outputs[job] = await asyncio.to_thread(JobOutput, job, out_dir)
-        log.info("job opened", job=job, out_dir=str(out_dir), rows_on_disk=out.rows)
+        async with self.disk:
+            if (out := self.outputs.get(job)) is not None:
+                return out  # opened by another caller meanwhile
+            if job in self.refused:
+                return None
+            lookup = await self.jobs.get(job, fresh=True)
+            spec = lookup.spec
+            if spec is None:
+                return None
+            try:
+                out_dir = confine(self.root, spec.out_dir)
+            except OutsideRoot as exc:
+                await self.refuse(job, str(exc))
+                return None
+            if evict and len(self.outputs) >= MAX_OPEN_JOBS:
+                self.evict()
+            decision, out = await asyncio.to_thread(open_bound, job, out_dir, spec)
+            if out is None:
+                await self.refuse(job, decision.error or "out_dir is bound to another job")
+                return None
+            if decision.action is Action.REPLACE and decision.previous:
+                await self.release(decision.previous, job, spec.out_dir)
+            self.outputs[job] = out
+        log.info("job opened", job=job, out_dir=str(out_dir), rows_on_disk=out.rows, binding=decision.action.value,
+                 previous_job=decision.previous)
         return out
 
+    async def release(self, previous: str, job: str, out_dir: str) -> None:
+        """`job` took over `previous`'s directory (overwrite): if `previous` is open here,
+        forget it, and drop its queued rows (their messages acked, as for a refused job)."""
+        old = self.outputs.pop(previous, None)
+        if old is None:
+            return
+        self.unannounced.pop(previous, None)
+        self.progress.pop(previous, None)
+        self.pending_rows = max(self.pending_rows - len(old.pending), 0)
+        old.drop_pending()
+        held = self.held.pop(previous, [])
+        await asyncio.gather(*(h.msg.ack() for h in held), return_exceptions=True)
+        if not old.done:
+            await self.refuse(previous, f"out_dir {out_dir} was taken over by job {job} (--overwrite): "
+                                        "this job's output there is gone")
+
     async def refuse(self, job: str, why: str) -> None:
-        """Mark `job` failed (its out_dir escapes the root); its results get dropped."""
+        """Mark `job` failed (its out_dir escapes the root, or another job owns it); its
+        results get dropped."""
         log.error("job refused", job=job, error=why)
-        status = m.JobStatus(job, updated_at=time.time(), failed=True, error=why)
+        now = time.time()
+        status = m.JobStatus(job, updated_at=now, failed=True, error=why, expires_at=now + job_retention())
         try:
             await self.status_kv.put(job, m.encode_json(status))
         except Exception as exc:  # noqa: BLE001 - not remembered: the next result tries again
             log.warning("status update failed", job=job, error=repr(exc))
             return
+        self.reconciler.forget(job)
         self.refused[job] = why
         while len(self.refused) > MAX_REFUSED_JOBS:
             self.refused.popitem(last=False)
@@ -140,8 +215,9 @@ class Sink:
     def evict(self) -> None:
         """Forget half the open outputs: finished jobs first, then the least recently
         used ones with nothing queued (an unfinished job is reopened from its parts on
-        disk when its next row arrives, so abandoned jobs cannot pile up)."""
-        idle = [j for j, o in self.outputs.items() if not o.pending and j not in self.held]
+        disk when its next row arrives, or by the reconciler if it is sealed, so abandoned
+        jobs cannot pile up). A job whose done status is not stored yet stays."""
+        idle = [j for j, o in self.outputs.items() if not o.pending and j not in self.held and j not in self.unannounced]
         for job in sorted(idle, key=lambda j: not self.outputs[j].done)[: max(len(self.outputs) // 2, 1)]:
             del self.outputs[job]
             self.progress.pop(job, None)
@@ -153,8 +229,8 @@ class Sink:
             return
         out = None if batch.job in self.refused else await self.output(batch.job)  # may refuse it
         if batch.job in self.refused:
-            # Its out_dir escapes the output root: the results are dropped (acked, so
-            # they are not redelivered), nothing is written for the job.
+            # Its out_dir escapes the output root or is another job's: the results are
+            # dropped (acked, so they are not redelivered), nothing is written for the job.
             await msg.ack()
             return
         if out is None:
@@ -190,59 +266,114 @@ class Sink:
 
     async def flush(self) -> None:
         written = {}
-        for job, out in list(self.outputs.items()):
-            if not out.pending:
-                continue
-            try:
-                t0 = time.perf_counter()
-                await self.inputs.fetch(self.js, job, out.sources())  # the rows' input columns
-                written[job] = await asyncio.to_thread(out.flush, functools.partial(self.inputs.table, job))
-                metrics.SINK_PART_SECONDS.observe(time.perf_counter() - t0)
-                count_part(out.last_part)
-            except Exception as exc:  # noqa: BLE001 - one job's bad rows must not stop the others
-                log.error("part write failed; its messages will be redelivered", job=job, error=repr(exc))
-                out.drop_pending()
-                await asyncio.gather(*(h.msg.nak(delay=1.0) for h in self.held.pop(job, [])), return_exceptions=True)
+        async with self.disk:
+            for job, out in list(self.outputs.items()):
+                if not out.pending:
+                    continue
+                try:
+                    t0 = time.perf_counter()
+                    await self.inputs.fetch(self.js, job, out.sources())  # the rows' input columns
+                    written[job] = await asyncio.to_thread(out.flush, functools.partial(self.inputs.table, job))
+                    metrics.SINK_PART_SECONDS.observe(time.perf_counter() - t0)
+                    count_part(out.last_part)
+                except Exception as exc:  # noqa: BLE001 - one job's bad rows must not stop the others
+                    log.error("part write failed; its messages will be redelivered", job=job, error=repr(exc))
+                    out.drop_pending()
+                    await asyncio.gather(*(h.msg.nak(delay=1.0) for h in self.held.pop(job, [])), return_exceptions=True)
         # Every message still held has its rows on disk now (or had only duplicates).
         settle = [h.msg.term() if h.poison else h.msg.ack() for held in self.held.values() for h in held]
         await asyncio.gather(*settle, return_exceptions=True)
         self.held, self.pending_rows, self.last_flush = {}, 0, time.monotonic()
         for job, n in written.items():
-            out = self.outputs[job]
-            log.info("part written", job=job, rows=n, total_rows=out.rows, errors=out.errors)
+            if (out := self.outputs.get(job)) is not None:
+                log.info("part written", job=job, rows=n, total_rows=out.rows, errors=out.errors)
         if written:
             await self.check_jobs(list(written))
 
     async def check_jobs(self, jobs: list[str] | None = None) -> None:
-        """Publish progress; finish sealed jobs whose every row is on disk."""
+        """Publish progress; finish sealed jobs whose every row is on disk. A job is done
+        once its done status is stored: until that put succeeds it is tried every round."""
         for job in jobs if jobs is not None else list(self.outputs):
-            out = self.outputs[job]
-            if out.done:
+            out = self.outputs.get(job)
+            if out is None or (out.done and job not in self.unannounced):
                 continue
             lookup = await self.jobs.get(job)
             spec = lookup.spec
             if spec is None:
                 continue
             complete = spec.total is not None and out.rows >= spec.total and not out.pending
-            summary = None
-            if complete:
-                summary = await asyncio.to_thread(out.write_summary, spec)  # sets out.done
-                log.info("job complete", **{k: v for k, v in summary.items() if k != "replicas"})
-                await self.forget_inputs(job)
-            if complete:
-                metrics.SINK_JOBS_DONE.inc()
-            prompt, cached, output = out.tokens
-            status = m.JobStatus(
-                job, out.rows, out.errors, spec.total, complete, time.time(), summary,
-                created_at=spec.created_at, rate=0.0 if complete else self.rate(job, out.rows),
-                prompt_tokens=prompt, cached_tokens=cached, output_tokens=output,
-            )
-            if complete:
+            if complete and not out.done:
+                self.unannounced[job] = await self.finish(job, out, spec)  # sets out.done
+            elif not complete:
+                self.unannounced.pop(job, None)  # rows came after its summary: finished again later
+            summary = self.unannounced.get(job) if complete else None
+            if await self.put_status(job, self.status_of(job, out, spec, summary), done=complete) and complete:
+                self.unannounced.pop(job, None)
+                self.reconciler.forget(job)
                 self.progress.pop(job, None)
+                metrics.SINK_JOBS_DONE.inc()
+                log.info("job complete", **lifecycle.status_summary(summary))
+                await self.forget_inputs(job)
+
+    async def finish(self, job: str, out: JobOutput, spec: m.JobSpec) -> dict:
+        """Every row of `job` is on disk: write `_summary.json` (and, for a job of no rows,
+        an empty part, so its directory reads as an empty table). Returns the summary."""
+        if self.faults.exit_before_done and out.rows > 0 and await asyncio.to_thread(lifecycle.claim_exit, self.root):
             try:
-                await self.status_kv.put(job, m.encode_json(status))
-            except Exception as exc:  # noqa: BLE001 - progress only; retried next round
-                log.warning("status update failed", job=job, error=repr(exc))
+                await self.nc.flush(timeout=2)  # the acks of its last part reach the server first
+            finally:
+                lifecycle.exit_now(job)
+        async with self.disk:
+            if not out.parts():
+                name = f"part-{out.next_part:06d}.parquet"  # the writer's name of its next part
+                await asyncio.to_thread(lifecycle.write_empty_part, out.dir, out.schema, name)
+                out.next_part += 1
+            return await asyncio.to_thread(out.write_summary, spec)
+
+    def status_of(self, job: str, out: JobOutput, spec: m.JobSpec, summary: dict | None) -> m.JobStatus:
+        """The job's status: progress, or done with its summary (no per-replica totals)."""
+        now = time.time()
+        done = summary is not None
+        prompt, cached, output = out.tokens
+        return m.JobStatus(
+            job, out.rows, out.errors, spec.total, done, now, lifecycle.status_summary(summary),
+            created_at=spec.created_at, rate=0.0 if done else self.rate(job, out.rows),
+            prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, expires_at=now + job_retention(),
+        )
+
+    async def put_status(self, job: str, status: m.JobStatus, *, done: bool) -> bool:
+        """Store a job's status; False (logged) if the put failed: retried next round."""
+        try:
+            if done:
+                self.faults.before_done_put(job)
+            await self.status_kv.put(job, m.encode_json(status))
+            return True
+        except Exception as exc:  # noqa: BLE001 - transport or server errors alike; retried next round
+            log.warning("status update failed", job=job, done=done, error=repr(exc))
+            return False
+
+    async def reconcile(self) -> None:
+        """Check the sealed jobs that are due (`lifecycle.Reconciler`): a job not done or
+        failed and not open here is opened from disk and checked, so it completes even if
+        the sink crashed before its done status or forgot it (eviction)."""
+        for job in self.reconciler.take_due(time.monotonic()):
+            if job in self.outputs:
+                continue  # open: check_jobs sees it every round
+            try:
+                known = await lifecycle.read_status(self.status_kv, job)
+            except lifecycle.StatusUnreadable as exc:
+                log.warning("reconcile: status unreadable, checked again later", job=job, error=repr(exc.__cause__))
+                continue
+            if known is not None and (known.done or known.failed):
+                self.reconciler.forget(job)
+                continue
+            if (await self.jobs.get(job, fresh=True)).spec is None:
+                self.reconciler.forget(job)  # expired, deleted or not runnable
+                continue
+            if await self.output(job) is None:
+                continue  # refused (forgotten by `refuse`), or gone
+            log.info("reconcile: sealed job not done, checking it", job=job)
+            await self.check_jobs([job])
 
     async def forget_inputs(self, job: str) -> None:
         """A done job's input columns are in its parts: drop the cached and stored copies."""

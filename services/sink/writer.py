@@ -1,35 +1,32 @@
 """A job's Parquet output: dedupe by id, part files, summary. No NATS here.
 
-Layout of a job's `out_dir`:
-    part-000000.parquet, part-000001.parquet, ...   every row exactly once
-    _summary.json                                     written when the job completes
-    _report/                                          `prefixflow report` (plots)
-(`pyarrow.parquet.read_table(out_dir)` skips names starting with `_`.)
+Layout of a job's `out_dir` (`services/sink/parts.py`):
+    part-000000-000099.parquet, part-000100-000230.parquet, ...   merged, ~`target_bytes` each
+    part-000231.parquet, part-000232.parquet, ...                 one per flush, not merged yet
+    _summary.json                                                 written when the job completes
+    _report/                                                      `prefixflow report` (plots)
+(`pyarrow.parquet.read_table(out_dir)` reads every row once: it skips names starting
+with `_` or `.`.)
 
-Parts are written to a temporary name, fsynced and renamed, so a crash never leaves a
-torn part. On (re)start the ids already in the parts are loaded, so a redelivered result
-or a resumed job never writes a row twice.
+Each flush writes a small part durably (temporary name, fsync, rename): that is what lets
+the sink ack. Once the small parts not merged yet hold `target_bytes` (128 MiB), they are
+merged, streaming, into one file, and the tail is merged when the job completes: a job of
+B bytes ends in about B / target_bytes + 1 files, and every byte is rewritten once. On
+(re)start a crash's leftovers are cleaned up (`parts.recover`), the ids already written
+are loaded, so a redelivered result or a resumed job never writes a row twice, and the
+totals are counted once from the files; after that they are kept as parts are written,
+so a summary reads no file.
 
-Columns of a row: `id`, every input column, then the generated columns (`OUTPUT_TYPES`).
-Input columns do not travel with the results: a result names where its row's columns are
-kept (`src`, `row`; `services/sink/inputs.py`), and the part takes them from there with
-their exact Arrow types. Every part of a job is written against one schema, fixed by its
-first part (read back from disk on a restart), so no part is ever rewritten.
-No input value is ever overwritten: an input column named like a generated column is kept
-as `input_<name>` (`output` -> `input_output`). That makes `input_output` a name the sink
-uses, so an input column already called `input_output` is kept as `input_input_output`,
-and so on. The new name depends on the column's name alone, so an input column lands in
-the same output column in every row, part and restart, whatever other columns a row has.
+Columns and the job's one schema: `services/sink/schema.py` (every file of a job has the
+first part's schema, also after a restart, so no part is ever rewritten to fit).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import time
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,42 +35,22 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import structlog
 
+from services.sink import parts as files
+from services.sink.parts import Part
+from services.sink.schema import INPUT_PREFIX, OUTPUT_TYPES, as_text, conform, generated_columns, input_column
+from services.sink.summary import TOTALS_COLUMNS, PartStats, Totals
 from shared.wire.ids import IdSet
 from shared.wire.messages import JobSpec, Result
 
+__all__ = [
+    "INPUT_PREFIX", "OUTPUT_TYPES", "TARGET_BYTES", "JobOutput", "OutsideRoot", "PartStats",
+    "as_text", "confine", "conform", "generated_columns", "input_column",
+]
+
 log = structlog.get_logger()
 
-OUTPUT_TYPES = {
-    "output": pa.string(),
-    "finish_reason": pa.string(),
-    "prompt_tokens": pa.int64(),
-    "cached_tokens": pa.int64(),
-    "output_tokens": pa.int64(),
-    "replica": pa.string(),
-    "error": pa.string(),
-    "bucket": pa.string(),
-    "started_at": pa.float64(),
-    "finished_at": pa.float64(),
-    "outputs": pa.list_(pa.string()),
-    "logprobs": pa.list_(pa.struct([
-        ("token", pa.string()), ("logprob", pa.float64()),
-        ("top", pa.list_(pa.struct([("token", pa.string()), ("logprob", pa.float64())]))),
-    ])),
-}
-"""Generated columns. `outputs` lists every completion of a prompt sampled with n > 1
-(null otherwise; `output` is the first); `logprobs` holds per generated token of the first
-completion its logprob and the top alternatives (null unless asked for). `bucket` is the id of the bucket the prompt was released in;
-`started_at` / `finished_at` are Unix times the engine started and finished it
-(`finished_at` falls back to when the result reached the results stream; both null where
-unknown). `prefixflow report` plots the job over time from them."""
-
-
-def as_text(column: pa.ChunkedArray | pa.Array) -> pa.Array | pa.ChunkedArray:
-    """A column as strings: a cast where Arrow has one, else JSON text per value."""
-    try:
-        return column.cast(pa.string())
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        return pa.array([None if v is None else json.dumps(v, default=str) for v in column.to_pylist()], pa.string())
+TARGET_BYTES = 128 << 20
+"""Small parts are merged into files of about this many bytes (`JobOutput(target_bytes=)`)."""
 
 
 class OutsideRoot(ValueError):
@@ -101,107 +78,20 @@ def confine(root: str | Path, out_dir: str) -> Path:
     return real
 
 
-INPUT_PREFIX = "input_"
-
-
-@functools.lru_cache(maxsize=4096)
-def input_column(name: str) -> str:
-    """The output column of input column `name`: `name` itself, unless it is a generated
-    column's name, or that name behind one or more `input_` prefixes (the names the
-    renaming itself uses); then `input_<name>`. One-to-one, so no two input columns meet."""
-    base = name
-    while base.startswith(INPUT_PREFIX):
-        base = base[len(INPUT_PREFIX) :]
-    return INPUT_PREFIX + name if base in OUTPUT_TYPES else name
-
-
-def generated_columns(results: list[Result], finished: list[float | None], embed_type: pa.DataType | None) -> dict[str, pa.Array]:
-    """The generated columns of these results, typed as `OUTPUT_TYPES` declares (and
-    `embedding` as `embed_type`, in embed jobs)."""
-    cols: dict[str, list[Any]] = {
-        "output": [None if r.error else r.output for r in results],
-        "finish_reason": [r.finish_reason.name.lower() for r in results],
-        "prompt_tokens": [r.prompt_tokens for r in results],
-        "cached_tokens": [r.cached_tokens for r in results],
-        "output_tokens": [r.output_tokens for r in results],
-        "replica": [r.replica or None for r in results],
-        "error": [r.error for r in results],
-        "bucket": [r.bucket or None for r in results],
-        "started_at": [r.started_at or None for r in results],
-        "finished_at": [r.finished_at or f for r, f in zip(results, finished)],
-        "outputs": [r.outputs or None for r in results],
-        "logprobs": [r.logprobs or None for r in results],
-    }
-    out = {name: pa.array(values, OUTPUT_TYPES[name]) for name, values in cols.items()}
-    if embed_type is not None:
-        out["embedding"] = pa.array([r.embedding or None for r in results], embed_type)
-    return out
-
-
-def conform(table: pa.Table, schema: pa.Schema) -> tuple[pa.Table, list[str]]:
-    """`table` with exactly the columns of `schema`, in its order and types: missing
-    columns null, a value that does not cast to a string column as JSON text, any other
-    that does not cast null. Returns the table and what had to give (for a log line)."""
-    arrays, notes = [], []
-    for f in schema:
-        if f.name not in table.column_names:
-            arrays.append(pa.nulls(table.num_rows, f.type))
-            continue
-        col = table.column(f.name)
-        if col.type == f.type:
-            arrays.append(col)
-            continue
-        try:
-            arrays.append(col.cast(f.type))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            if pa.types.is_string(f.type):
-                arrays.append(as_text(col))
-            else:
-                notes.append(f"{f.name}: {col.type} does not fit {f.type} (null)")
-                arrays.append(pa.nulls(table.num_rows, f.type))
-    dropped = [n for n in table.column_names if schema.get_field_index(n) < 0]
-    if dropped:
-        notes.append(f"columns not in the job's schema dropped: {dropped}")
-    return pa.Table.from_arrays(arrays, schema=schema), notes
-
-
-@dataclass
-class PartStats:
-    """What one written part held (the sink's metrics)."""
-
-    ok: int = 0
-    errors: dict[str, int] = field(default_factory=dict)
-    """Error text -> rows."""
-    replicas: dict[str, list[int]] = field(default_factory=dict)
-    """Replica -> [prompt, cached, output tokens] of its ok rows."""
-
-    @classmethod
-    def of(cls, results: list[Result]) -> PartStats:
-        stats = cls()
-        for r in results:
-            if r.error is not None:
-                stats.errors[r.error] = stats.errors.get(r.error, 0) + 1
-                continue
-            stats.ok += 1
-            acc = stats.replicas.get(r.replica)
-            if acc is None:
-                acc = stats.replicas[r.replica] = [0, 0, 0]
-            acc[0] += r.prompt_tokens
-            acc[1] += r.cached_tokens
-            acc[2] += r.output_tokens
-        return stats
-
-
 class JobOutput:
-    def __init__(self, job: str, out_dir: str | Path) -> None:
+    def __init__(
+        self, job: str, out_dir: str | Path, target_bytes: int = TARGET_BYTES, compact_in_flush: bool = True
+    ) -> None:
+        """`target_bytes`: merged files' size; `compact_in_flush`: `flush` merges when
+        due (else the caller runs `compact`, e.g. in a thread of its own)."""
         self.job = job
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.target_bytes = target_bytes
+        self.compact_in_flush = compact_in_flush
         self.seen = IdSet()
-        self.rows = 0
-        self.errors = 0
-        self.tokens = [0, 0, 0]
-        """Prompt, cached and output tokens of the ok rows on disk (the job's progress)."""
+        self.totals = Totals()
+        """Rows, errors, tokens overall and per replica of the rows on disk."""
         self.last_part: PartStats | None = None
         """What the last part written held."""
         self.pending: list[tuple[Result, float | None]] = []
@@ -212,23 +102,47 @@ class JobOutput:
         self.done = False
         """`_summary.json` is written and no row was queued since: the job need not be
         checked again (the sink forgets done jobs first when it has too many open)."""
+        self._small: list[tuple[Part, int]] = []
+        """Small parts not merged yet, in order, with the bytes of their rows (`data_bytes`)."""
+        self._lock = threading.Lock()  # guards `_small` (flush and compact may run in two threads)
+        self._compacting = threading.Lock()  # one merge at a time
         self._load_existing()
 
+    @property
+    def rows(self) -> int:
+        return self.totals.overall[0]
+
+    @property
+    def errors(self) -> int:
+        return self.totals.overall[1]
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt, cached and output tokens of the ok rows on disk (the job's progress)."""
+        return self.totals.overall[2:5]
+
     def parts(self) -> list[Path]:
-        return sorted(self.dir.glob("part-*.parquet"))
+        """The job's Parquet files, in part order."""
+        return [p.path for p in files.scan(self.dir)]
 
     def _load_existing(self) -> None:
-        for part in self.parts():
-            table = pq.read_table(part, columns=["id", "error", "prompt_tokens", "cached_tokens", "output_tokens"])
-            self.seen.update(table.column("id").to_pylist())
-            self.rows += table.num_rows
-            self.errors += table.num_rows - pc.sum(pc.is_null(table.column("error"))).as_py()
-            ok = table.filter(pc.is_null(table.column("error")))
-            for i, col in enumerate(("prompt_tokens", "cached_tokens", "output_tokens")):
-                self.tokens[i] += int(pc.sum(ok.column(col)).as_py() or 0)
-            self.next_part = max(self.next_part, int(part.stem.split("-")[1]) + 1)
+        """Read back what a previous run wrote: ids, totals, schema (a few columns of one
+        file at a time), after cleaning up what a crash left."""
+        found = files.recover(self.dir)
+        for part in found:
+            schema = pq.read_schema(part.path)
+            table = pq.read_table(part.path, columns=[c for c in TOTALS_COLUMNS if c in schema.names])
+            ids = table.column("id")
+            if pa.types.is_integer(ids.type) and ids.null_count == 0:
+                self.seen.update(ids.to_numpy())
+            else:
+                self.seen.update(ids.to_pylist())
+            self.totals.add_table(table, part.first)
+            self.next_part = max(self.next_part, part.last + 1)
             if self.schema is None:
-                self.schema = pq.read_schema(part).remove_metadata()
+                self.schema = schema.remove_metadata()
+        last_merged = max((p.last for p in found if p.merged), default=-1)
+        self._small = [(p, files.data_bytes(p.path)) for p in found if not p.merged and p.first > last_merged]
 
     def add(self, result: Result, finished_at: float | None = None) -> bool:
         """Queue a result for the next part (`finished_at`: when it reached the results
@@ -253,28 +167,64 @@ class JobOutput:
         self.pending = []
 
     def flush(self, inputs: Callable[[int], pa.Table | None] | None = None) -> int:
-        """Write the queued rows as one part, their input columns taken from
-        `inputs(src)` (a blob's record batch, None if there is none); returns the number
-        written."""
+        """Write the queued rows as one small part, their input columns taken from
+        `inputs(src)` (a blob's record batch, None if there is none); then, with
+        `compact_in_flush`, merge small parts if they hold `target_bytes`. Returns the
+        number of rows written."""
         if not self.pending:
             return 0
         results = [r for r, _ in self.pending]
-        table = self._to_table(results, [f for _, f in self.pending], inputs or (lambda src: None))
-        final = self.dir / f"part-{self.next_part:06d}.parquet"
-        tmp = final.with_suffix(".tmp")
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        finished = [f for _, f in self.pending]
+        table = self._to_table(results, finished, inputs or (lambda src: None))
+        n = self.next_part
+        part = files.write_part(table, self.dir, n)
         self.next_part += 1
-        stats = self.last_part = PartStats.of(results)
-        self.rows += len(results)
-        self.errors += len(results) - stats.ok
-        for acc in stats.replicas.values():
-            for i in range(3):
-                self.tokens[i] += acc[i]
+        with self._lock:
+            self._small.append((part, files.data_bytes(part.path)))
+        times = table.column("finished_at").to_pylist() if "finished_at" in table.column_names else []
+        self.last_part = self.totals.add_results(results, times, n)
         self.pending = []
+        if self.compact_in_flush and self.compact_due():
+            self._compact_quietly()
         return len(results)
+
+    def compact_due(self) -> bool:
+        """The small parts not merged yet hold `target_bytes`: `compact` has work."""
+        with self._lock:
+            return sum(size for _, size in self._small) >= self.target_bytes
+
+    def compact(self, final: bool = False) -> int:
+        """Merge small parts, oldest first, into files of about `target_bytes`; with
+        `final` (the job is complete) also the rest into one file. Safe to run in another
+        thread than `flush`. Returns the number of files written."""
+        written = 0
+        with self._compacting:
+            while True:
+                with self._lock:
+                    run = list(self._small)
+                take, size = [], 0
+                for part, nbytes in run:
+                    take.append(part)
+                    size += nbytes
+                    if size >= self.target_bytes:
+                        break
+                if size < self.target_bytes and not (final and len(take) > 1):
+                    return written
+                if len(take) > 1:
+                    assert self.schema is not None
+                    files.merge(take, self.dir, self.schema)
+                    written += 1
+                # NOTE: a lone small part of `target_bytes` or more is big enough as it is.
+                with self._lock:
+                    self._small = self._small[len(take):]
+
+    def _compact_quietly(self, final: bool = False) -> None:
+        """`compact`, a failure logged: the small parts stay (every row is on disk
+        already), the merge is tried again later."""
+        try:
+            self.compact(final)
+        except Exception as exc:  # noqa: BLE001 - the rows are written; only the merge failed
+            log.error("merging parts failed; retried later", job=self.job, error=repr(exc))
 
     def _inputs(self, results: list[Result], inputs: Callable[[int], pa.Table | None]) -> pa.Table | None:
         """The input columns of each result's row, in the results' order (None: no row
@@ -339,68 +289,30 @@ class JobOutput:
             log.warning("part conformed to the job's schema", job=self.job, notes=notes)
         return table
 
+    def _read_times(self, part: int) -> pa.ChunkedArray | None:
+        """The `finished_at` column of the file holding small part `part` (a summary reads
+        it only when that part holds rows finished both before and after the job's
+        `created_at`)."""
+        for _ in range(2):  # NOTE: a merge in another thread may just have renamed it
+            for p in files.scan(self.dir):
+                if p.first <= part <= p.last:
+                    try:
+                        return pq.read_table(p.path, columns=["finished_at"]).column("finished_at")
+                    except FileNotFoundError:
+                        break
+        return None
+
     def summarize(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
-        """Totals over every part, overall and per replica; written to `_summary.json`.
-        Parts are read one at a time (memory stays bounded by a part, not the job)."""
-        finished_at = finished_at or time.time()
-        wall = max(finished_at - spec.created_at, 1e-9) if spec.created_at else None
-        cols = ["error", "prompt_tokens", "cached_tokens", "output_tokens", "replica"]
-        overall = [0, 0, 0, 0, 0]  # rows, errors, prompt, cached, output tokens
-        per_replica: dict[str, list[int]] = {}
-        first_finished: float | None = None
-        for part in self.parts():
-            has_times = "finished_at" in pq.read_schema(part).names
-            t = pq.read_table(part, columns=cols + (["finished_at"] if has_times else []))
-            _add_totals(overall, t)
-            if "finished_at" in t.column_names:
-                times = t.column("finished_at")
-                done = pc.min(pc.filter(times, pc.greater_equal(times, spec.created_at or 0))).as_py()
-                if done is not None:
-                    first_finished = done if first_finished is None else min(first_finished, done)
-            for name in pc.unique(t.column("replica")).to_pylist():
-                if name:
-                    _add_totals(per_replica.setdefault(name, [0, 0, 0, 0, 0]), t.filter(pc.equal(t.column("replica"), name)))
-
-        def totals(acc: list[int]) -> dict[str, Any]:
-            rows, errors, prompt, cached, output = acc
-            out = dict(
-                rows=rows,
-                errors=errors,
-                prompt_tokens=prompt,
-                cached_tokens=cached,
-                output_tokens=output,
-                prefix_cache_hit_rate=round(cached / prompt, 4) if prompt else 0.0,
-            )
-            if wall and rows:
-                out["output_tokens_per_second"] = round(output / wall, 2)
-                out["total_tokens_per_second"] = round((prompt + output) / wall, 2)
-            return out
-
-        summary = dict(job=spec.job, **totals(overall), wall_seconds=round(wall, 3) if wall else None)
-        summary["created_at"] = spec.created_at or None
-        if spec.created_at and first_finished is not None and first_finished >= spec.created_at:
-            # When an engine finished the first prompt of this run (rows carry `finished_at`);
-            # the row lands within the sink's --flush-seconds. `prefixflow bench batching` reports it.
-            summary["first_result_seconds"] = round(first_finished - spec.created_at, 3)
-        if spec.model:
-            summary["model"] = spec.model
-        summary["finished_at"] = round(finished_at, 3)
-        summary["replicas"] = {name: totals(per_replica[name]) for name in sorted(per_replica)}
-        return summary
+        """Totals over every row on disk, overall and per replica; written to
+        `_summary.json`. Kept as parts are written: no file is read."""
+        return self.totals.summary(spec, finished_at, self._read_times)
 
     def write_summary(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
+        """Merge the small parts left, then write `_summary.json`."""
+        self._compact_quietly(final=True)
         summary = self.summarize(spec, finished_at)
         tmp = self.dir / "_summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.dir / "_summary.json")
         self.done = True
         return summary
-
-
-def _add_totals(acc: list[int], t: pa.Table) -> None:
-    """Add a table's rows, error rows and token sums of its ok rows to `acc`."""
-    ok = t.filter(pc.is_null(t.column("error")))
-    acc[0] += t.num_rows
-    acc[1] += t.num_rows - ok.num_rows
-    for i, col in enumerate(("prompt_tokens", "cached_tokens", "output_tokens"), start=2):
-        acc[i] += int(pc.sum(ok.column(col)).as_py() or 0)

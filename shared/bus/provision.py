@@ -89,7 +89,9 @@ def differs(have: js_api.StreamConfig, want: js_api.StreamConfig) -> list[str]:
     return [k for k in COMPARED if norm(k, getattr(have, k)) != norm(k, getattr(want, k))]
 
 
-async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: tuple[int, bool] = (1, True)) -> None:
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: tuple[int, bool] = (1, True),
+                        *, keep_age: bool = False) -> None:
+    """`keep_age`: an existing stream keeps its max_age (a default, not a setting)."""
     n, explicit = replicas
     try:
         have = (await js.stream_info(spec.name)).config
@@ -97,6 +99,8 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: tuple[
         have = None
     if have is not None and not explicit:
         n = max(n, have.num_replicas or 1)  # automatic: never scale down
+    if have is not None and keep_age:
+        spec = msgspec.structs.replace(spec, max_age=have.max_age or 0.0)
     config = stream_config(spec, n)
     if have is None:
         try:
@@ -130,16 +134,32 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
         await js.add_consumer(spec.stream, config)
 
 
-def job_retention(setting: float | None = None) -> float:
-    """Seconds job specs, statuses and dead letters are kept: the setting, else the process's
-    `job_retention` (`PFX_JOB_RETENTION`), else `subjects.JOB_RETENTION`."""
+def retention_setting(setting: float | None = None) -> tuple[float, bool]:
+    """(seconds, explicit): how long job specs, statuses and dead letters are kept. The
+    setting (else the process's `job_retention`, `PFX_JOB_RETENTION`) if nonzero: it is
+    applied to existing buckets too; else `subjects.JOB_RETENTION`, applied only when a
+    bucket is created (a client started without the setting must not undo an operator's)."""
     setting = current_options().job_retention if setting is None else setting
-    return setting or subjects.JOB_RETENTION
+    return (setting, True) if setting else (subjects.JOB_RETENTION, False)
 
 
-async def ensure_kv(js: JetStreamContext, bucket: str, replicas: tuple[int, bool] = (1, True), ttl: float = 0.0):
-    """A key-value bucket whose keys expire `ttl` seconds after their last write (0: never)."""
+def job_retention() -> float:
+    """Seconds job records are kept as this process sees it (its setting or the default);
+    `kv_ttl` says what a bucket actually has."""
+    return retention_setting()[0]
+
+
+async def kv_ttl(js: JetStreamContext, bucket: str) -> float:
+    """Seconds the keys of `bucket` live after their last write (0: for ever)."""
+    return (await js.stream_info(f"KV_{bucket}")).config.max_age or 0.0
+
+
+async def ensure_kv(js: JetStreamContext, bucket: str, replicas: tuple[int, bool] = (1, True),
+                    ttl: tuple[float, bool] = (0.0, True)):
+    """A key-value bucket whose keys expire `ttl[0]` seconds after their last write (0:
+    never); an existing bucket's TTL is changed only if `ttl[1]` (explicit)."""
     n, explicit = replicas
+    ttl, ttl_explicit = ttl
     try:
         have = (await js.stream_info(f"KV_{bucket}")).config
     except NotFoundError:
@@ -152,7 +172,7 @@ async def ensure_kv(js: JetStreamContext, bucket: str, replicas: tuple[int, bool
     if current != n and (explicit or n > current):
         have.num_replicas = n
         changed.append(f"replicas {current} -> {n}")
-    if (have.max_age or 0) != (ttl or 0):
+    if ttl_explicit and (have.max_age or 0) != (ttl or 0):
         changed.append(f"ttl {have.max_age or 0} -> {ttl or 0}")
         have.max_age = ttl or None
         if ttl and (have.duplicate_window or 0) > ttl:  # the server wants it within max_age
@@ -169,10 +189,11 @@ async def provision(js: JetStreamContext, replicas: int | None = None) -> None:
     for attempt in range(60):
         try:
             n = replicas_for(js, replicas)
-            keep = job_retention()
+            keep = retention_setting()
             for spec in subjects.STREAMS:
                 if spec is subjects.DEAD_STREAM:  # dead letters are kept as long as their jobs
-                    spec = msgspec.structs.replace(spec, max_age=keep)
+                    await ensure_stream(js, msgspec.structs.replace(spec, max_age=keep[0]), n, keep_age=not keep[1])
+                    continue
                 await ensure_stream(js, spec, n)
             await ensure_kv(js, subjects.JOBS_KV, n, ttl=keep)
             await ensure_kv(js, subjects.JOB_STATUS_KV, n, ttl=keep)

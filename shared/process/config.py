@@ -87,6 +87,11 @@ class IngestorConfig(ModelConfig, kw_only=True):
     shard_epsilon: Annotated[
         float, _d("bounded-load sharding: a bucketer may take (1 + this) x the average recent load", gt=0)
     ] = 0.25
+    bucketer_gone_after: Annotated[
+        float,
+        _d("seconds without a heartbeat after which a bucketer node is gone for good: the prompts left "
+           "in its bucket stream are moved to live nodes (at least 2: heartbeats come every second)", ge=2),
+    ] = 60.0
 
 
 class BucketerConfig(CommonConfig, kw_only=True):
@@ -222,6 +227,16 @@ class SinkConfig(CommonConfig, kw_only=True):
         _d("local directory for the input columns the sink joins to the results (a job's files are removed "
            "when it is done; default: a new temporary directory)"),
     ] = ""
+    fail_done_puts: Annotated[
+        int, _d("test hook (fault tests): the first this many done-status puts fail, to prove they are retried "
+                "(0: off)", ge=0)
+    ] = 0
+    exit_before_done: Annotated[
+        bool,
+        _d("test hook (fault tests): exit (code 75) right after the last part of a sealed job is on disk, before "
+           "its summary and done status; once per output root (it leaves .pfx-exit-before-done there), so the "
+           "restarted sink must complete the job"),
+    ] = False
 
 
 def _check_name(what: str, name: str) -> None:

@@ -71,6 +71,9 @@ PROMPTS_IN = _counter(
 INGEST_BATCH_SECONDS = _histogram(
     "pfx_ingest_batch_seconds", "Seconds to plan (parse, tokenize, shard) and publish one fetched batch", buckets=SECONDS_BUCKETS
 )
+TAKEOVER_MOVED = _counter(
+    "pfx_ingestor_takeover_moved", "Bucket messages moved off bucketer nodes gone for good (no heartbeat for --bucketer-gone-after) to live nodes"
+)
 
 # --- bucketer ------------------------------------------------------------------------
 
@@ -159,7 +162,7 @@ class EngineCollector(Collector):
 
 COMMON = [CONSUMER_PENDING, CONSUMER_FETCHED, CONSUMER_REDELIVERED, DEAD_LETTERS, PUBLISH_WAITS]
 SERVICE_METRICS: dict[str, list] = {
-    "ingestor": [PROMPTS_IN, INGEST_BATCH_SECONDS],
+    "ingestor": [PROMPTS_IN, INGEST_BATCH_SECONDS, TAKEOVER_MOVED],
     "bucketer": [BUCKETER_PROMPTS_IN, BUCKETER_BUFFERED, BUCKETER_HELD, BUCKET_SIZE, RELEASES, RELEASED_PROMPTS, ROUTE_RETRIES],
     "router": [ROUTER_DECISIONS, ROUTER_MATCH_BLOCKS, ROUTER_ROUTED_PROMPTS, ROUTER_OUTSTANDING, ROUTER_LIVE, FAILOVER_MOVED],
     "engine-worker": [],  # EngineCollector, plus vLLM's own

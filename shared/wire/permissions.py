@@ -149,6 +149,7 @@ def _ingestor():
     return _service(
         [
             *consume(s.ingestor_consumer()),
+            *consume(s.bucketer_consumer(ANY)),  # takeover of a gone node's prompts (services/ingestor/mover.py)
             s.bucket(ANY),
             s.results(ANY),  # error rows
             s.dead(">"),

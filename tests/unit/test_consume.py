@@ -10,31 +10,9 @@ from shared.bus import consume
 from shared.bus.ledger import AckLedger
 from shared.bus.poison import POISON_AFTER
 from shared.wire import messages as m
+from tests.unit.fakes import FakeMsg
 
 pytestmark = pytest.mark.unit
-
-
-class Seq:
-    def __init__(self, stream: int) -> None:
-        self.stream = stream
-
-
-class Meta:
-    def __init__(self, seq: int, delivered: int) -> None:
-        self.sequence, self.num_delivered = Seq(seq), delivered
-
-
-class FakeMsg:
-    def __init__(self, data: bytes, seq: int = 1, delivered: int = 1) -> None:
-        self.data, self.headers, self.subject = data, None, "pfx.work.r0"
-        self.metadata = Meta(seq, delivered)
-        self.calls: list[str] = []
-
-    async def ack(self) -> None:
-        self.calls.append("ack")
-
-    async def term(self) -> None:
-        self.calls.append("term")
 
 
 def work(n: int) -> bytes:

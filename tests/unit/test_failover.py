@@ -14,32 +14,13 @@ from services.router.failover import Failover
 from services.router.policies import Fleet, Replica
 from shared.bus.poison import PRIOR_DELIVERIES, deliveries, moved_headers
 from shared.wire import messages as m
+from tests.unit import fakes
 
 pytestmark = pytest.mark.unit
 
 
-class Meta:
-    def __init__(self, n: int) -> None:
-        self.num_delivered = n
-
-
-class FakeMsg:
-    def __init__(self, data: bytes, delivered: int = 1, headers: dict | None = None) -> None:
-        self.data, self.headers, self.subject = data, headers, "pfx.work.r0"
-        self.metadata = Meta(delivered)
-        self.calls: list[str] = []
-
-    async def ack(self) -> None:
-        self.calls.append("ack")
-
-    async def nak(self, delay: float | None = None) -> None:
-        self.calls.append("nak")
-
-    async def in_progress(self) -> None:
-        self.calls.append("in_progress")
-
-    async def term(self) -> None:
-        self.calls.append("term")
+def FakeMsg(data: bytes, delivered: int = 1, headers: dict | None = None) -> fakes.FakeMsg:
+    return fakes.FakeMsg(data, delivered=delivered, headers=headers)
 
 
 def work(n: int = 3) -> bytes:

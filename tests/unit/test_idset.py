@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shared.wire import ids as ids_module
 from shared.wire.ids import CHUNK, IdSet
 
 pytestmark = pytest.mark.unit
@@ -34,4 +38,75 @@ def test_int_ids_use_little_memory():
     s = IdSet()
     s.update(range(200_000))
     assert len(s) == 200_000 and 199_999 in s and "199999" in s and 200_000 not in s
-    assert len(s._other) == 0 and sum(len(c) for c in s._chunks.values()) <= 4 * CHUNK // 8
+    assert len(s._sorted) == 0 and not s._new and sum(len(c) for c in s._chunks.values()) <= 4 * CHUNK // 8
+
+
+# --- string ids: digests in a sorted array plus small buffers --------------------------------
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), ids),
+        st.tuples(st.just("discard"), ids),
+        st.tuples(st.just("contains"), ids),
+        st.tuples(st.just("update"), st.lists(ids, max_size=12)),
+    ),
+    max_size=120,
+)
+
+
+@pytest.mark.parametrize("merge_every", [1, 3, 4096])
+@given(program=ops)
+def test_add_discard_update_match_a_set_model(merge_every, program):
+    # merge_every: how many digests are buffered before a merge (1: every add merges)
+    with mock.patch.object(ids_module, "MIN_MERGE", merge_every):
+        model: set[str] = set()
+        s = IdSet()
+        for op, arg in program:
+            if op == "add":
+                assert s.add(arg) == (str(arg) not in model)
+                model.add(str(arg))
+            elif op == "discard":
+                s.discard(arg)
+                model.discard(str(arg))
+            elif op == "update":
+                s.update(arg)
+                model.update(str(a) for a in arg)
+            else:
+                assert (arg in s) == (str(arg) in model)
+            assert len(s) == len(model)
+        assert s == model
+        for pid in model:
+            assert pid in s
+
+
+@given(st.lists(st.integers(-3, 3 * CHUNK), max_size=300), st.lists(st.integers(0, 3 * CHUNK), max_size=50))
+def test_update_from_an_int_array_matches_adding_one_by_one(values, before):
+    one, many = IdSet(), IdSet()
+    for v in before + values:
+        one.add(v)
+    many.update(before)
+    many.update(np.array(values, np.int64))
+    assert len(one) == len(many) == len({str(v) for v in before + values})
+    assert all(v in many for v in before + values) and all(str(v) in many for v in values)
+
+
+def test_update_many_strings_at_once_matches_a_set():
+    s = IdSet()
+    first = [f"doc-{i}" for i in range(10_000)]
+    s.update(first)
+    s.discard("doc-5")
+    s.update([f"doc-{i}" for i in range(5_000, 15_000)] + ["7", 7, "doc-5"])  # overlaps, revives doc-5
+    assert len(s) == 15_001 and "doc-5" in s and "doc-14999" in s and "doc-15000" not in s and "7" in s
+    assert not s.add("doc-0") and s.add("doc-15000")
+
+
+def test_string_ids_use_about_12_bytes_each():
+    s = IdSet()
+    n = 200_000
+    s.update(f"row-{i:08d}-{'x' * 20}" for i in range(n))
+    for i in range(n, n + 50_000):  # one at a time: through the buffer and its merges
+        s.add(f"row-{i:08d}")
+    n += 50_000
+    assert len(s) == n and "row-00000000-xxxxxxxxxxxxxxxxxxxx" in s and "row-00249999" in s
+    assert s.nbytes() <= 13 * n + 80 * ids_module.MIN_MERGE
+    assert s.nbytes() <= 15 * n

@@ -32,6 +32,13 @@ PURE = [
     "client.openai_batch",
     "services.router.block_index",
     "services.engine_worker.kv_events",
+    "services.engine_worker.isolate",
+    "services.ingestor.takeover",
+    "services.sink.binding",
+    "services.sink.schema",
+    "services.sink.summary",
+    "services.sink.parts",
+    "shared.wire.ids",
 ]
 
 

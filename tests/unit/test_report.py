@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import msgspec
 import pyarrow.parquet as pq
 import pytest
 

@@ -29,7 +29,8 @@ def test_fmt_duration():
 def test_job_views():
     running = JobView.of("a", m.JobStatus("a", rows=100, total=400, rate=50.0, updated_at=5.0, prompt_tokens=10, cached_tokens=4), None)
     assert (running.state, running.eta, running.hit_rate) == ("running", 6.0, 0.4)
-    done = JobView.of("b", m.JobStatus("b", rows=9, total=9, done=True, summary={"wall_seconds": 3.0, "prefix_cache_hit_rate": 0.5}), None)
+    done = JobView.of("b", m.JobStatus("b", rows=9, total=9, done=True, summary={"wall_seconds": 3.0, "prefix_cache_hit_rate": 0.5},
+                                       updated_at=time.time(), expires_at=time.time() + 3 * 3600 + 30), None)
     assert (done.state, done.rate, done.hit_rate, done.eta) == ("done", 3.0, 0.5, 0.0)
     failed = JobView.of("c", m.JobStatus("c", failed=True, error="bad spec"), None)
     assert failed.state == "failed" and failed.error == "bad spec"
@@ -40,6 +41,8 @@ def test_job_views():
     assert lines["a"].split()[:5] == ["a", "running", "100", "400", "0"]
     assert "0:06" in lines["a"] and "40.0%" in lines["a"]
     assert "done" in lines["b"] and "50.0%" in lines["b"]
+    assert lines["b"].split()[-1] == "3:00:30" or lines["b"].split()[-1] == "3:00:29", "when the cluster forgets it"
+    assert lines["a"].split()[-1] == "-", "unknown expiry"
     assert "failed" in lines["c"] and "queued" in lines["d"]
 
 

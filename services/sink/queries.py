@@ -1,0 +1,110 @@
+"""Done queries: which ids of a job are on disk already (`subjects.done_query(job)`,
+msgpack `DoneQuery` -> `DoneReply`). A client resuming a job asks in chunks of a few
+thousand ids and sends only the rows still missing.
+
+The answer comes from the job's dedupe set (its ids on disk, read back from the parts
+when the job is opened); ids queued for the next part are not on disk yet and answer
+False. A job not open is opened from disk in a thread, bound like any other (a job
+refused over its out_dir answers with the refusal). Queries are answered one at a time,
+the ids checked in slices so the event loop never stalls on a large chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from shared.bus.jobs import JobCache
+from shared.wire import messages as m
+from shared.wire.ids import IdSet
+
+if TYPE_CHECKING:
+    from services.sink.writer import JobOutput
+
+log = structlog.get_logger()
+
+SLICE = 4096
+"""Ids checked between two yields to the event loop."""
+UNKNOWN_JOB = "unknown job"
+
+
+
+class Outputs(Protocol):
+    """What answering needs of the sink (`services/sink/service.py`, `Sink`)."""
+
+    refused: Mapping[str, str]
+    jobs: JobCache
+
+    async def output(self, job: str, *, evict: bool = True) -> JobOutput | None: ...
+
+
+query_decoder = msgspec.msgpack.Decoder(m.DoneQuery)
+reply_encoder = msgspec.msgpack.Encoder()
+
+
+async def done_flags(out: JobOutput, ids: list[int | str]) -> list[bool]:
+    """done[i]: ids[i] is in a part on disk (taken and not merely queued)."""
+    queued = IdSet()
+    queued.update(r.id for r, _ in out.pending)  # at most one part's worth of rows
+    seen = out.seen
+    done: list[bool] = []
+    for start in range(0, len(ids), SLICE):
+        if start:
+            await asyncio.sleep(0)
+        done.extend(i in seen and i not in queued for i in ids[start : start + SLICE])
+    return done
+
+
+async def reply_for(sink: Outputs, job: str, data: bytes) -> m.DoneReply:
+    try:
+        query = query_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return m.DoneReply(error=f"bad done query: {exc}")
+    if job in sink.refused:
+        return m.DoneReply(error=sink.refused[job])
+    lookup = await sink.jobs.get(job)
+    if not lookup.exists:
+        return m.DoneReply(error=UNKNOWN_JOB)
+    if lookup.spec is None:
+        return m.DoneReply(error=lookup.error or UNKNOWN_JOB)
+    try:
+        out = await sink.output(job, evict=False)
+    except (OSError, ValueError) as exc:  # unreadable directory or part (Arrow errors): the client sends every row
+        log.warning("done query: job output unreadable", job=job, error=repr(exc))
+        return m.DoneReply(error=f"output unreadable: {exc}")
+    if out is None:
+        return m.DoneReply(error=sink.refused.get(job) or UNKNOWN_JOB)
+    return m.DoneReply(done=await done_flags(out, query.ids))
+
+
+async def answer(sink: Outputs, sub: Subscription, stop: asyncio.Event) -> None:
+    """Answer done queries until `stop`."""
+    answered = 0
+    while not stop.is_set():
+        try:
+            msg: Msg = await sub.next_msg(timeout=0.5)
+        except nats.errors.TimeoutError:
+            continue
+        except nats.errors.ConnectionClosedError:
+            return
+        job = msg.subject.rsplit(".", 1)[-1]
+        reply = await reply_for(sink, job, msg.data)
+        if not msg.reply:
+            continue
+        try:
+            await msg.respond(reply_encoder.encode(reply))
+        except nats.errors.Error as exc:  # the asker gave up or the connection is away: it asks again
+            log.warning("done query reply failed", job=job, error=repr(exc))
+            continue
+        answered += 1
+        if reply.error:
+            log.info("done query refused", job=job, error=reply.error)
+        elif answered % 1000 == 1:
+            log.debug("done queries answered", job=job, answered=answered)
