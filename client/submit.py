@@ -11,8 +11,10 @@
 Re-runs: the output directory is claimed for the job in the jobs bucket
 (`subjects.dir_key`): another job's directory is refused (`DirTaken`) unless the job
 overwrites it (`JobSpec.overwrite`); a job already done is not run again (`AlreadyDone`);
-a job resumed (its spec already existed, or its status shows rows) asks the sink which
-ids of each input chunk are on disk (`DoneQuery`) and publishes only the others.
+every job asks the sink which ids of each input chunk are on disk (`DoneQuery`) and
+publishes only the others, so a resume sends only what is missing, from any machine and
+whatever the cluster remembers; the first answer that says nothing of the job is on disk
+ends the queries (a new job costs one round trip).
 """
 
 from __future__ import annotations
@@ -94,9 +96,11 @@ class DoneQueries:
         self.failures = 0
         self.problem: str | None = None
         """Why the last query went unanswered."""
+        self.none_done = False
+        """The sink said no row of the job was on disk: later chunks need no query."""
 
     async def missing(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if self.failures >= DONE_QUERY_FAILURES or not rows:
+        if self.failures >= DONE_QUERY_FAILURES or self.none_done or not rows:
             return rows
         try:
             done = await self._ask([r["id"] for r in rows])
@@ -117,6 +121,7 @@ class DoneQueries:
             raise ValueError(f"the sink cannot tell: {reply.error}")
         if len(reply.done) != len(ids):
             raise ValueError(f"the sink answered {len(reply.done)} of {len(ids)} ids")
+        self.none_done = reply.on_disk == 0
         return reply.done
 
 
@@ -288,8 +293,8 @@ async def submit(
 
     Raises `DirTaken` when `out_dir` belongs to another job (unless `overwrite`: the sink
     then replaces that job's output), `AlreadyDone` when the job has every row already,
-    `JobFailed` when the cluster marks it failed. A resumed job (`resume`, or one the
-    cluster knows) publishes only the rows the sink does not have."""
+    `JobFailed` when the cluster marks it failed. Only the rows the sink does not have are
+    published; `resume` (or a job the cluster knows) prints how many were skipped."""
     if (problem := subjects.name_problem(job)) is not None:
         raise SystemExit(f"invalid job id {job!r}: {problem} (a job id is one NATS subject token: letters, digits, '-' and '_', at most 64)")
     out_dir = str(Path(out_dir).resolve())
@@ -322,20 +327,22 @@ async def submit(
                          overwrite=overwrite)
         await client.create(spec)
         seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
-        # Resume: rows the sink has written already are not sent again (asked per chunk).
-        queries = DoneQueries(client.nc, job) if resume else None
+        # Resume: rows the sink has written already are not sent again (asked per chunk;
+        # also for a job new to this cluster, whose directory may hold an earlier run's
+        # rows: the first answer says whether anything is on disk at all).
+        queries = DoneQueries(client.nc, job)
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
         skipped = 0
         for chunk in columns.chunks(input_path):
             seen.update(chunk.ids)
-            todo = await queries.missing(chunk.rows) if queries is not None else chunk.rows
+            todo = await queries.missing(chunk.rows)
             skipped += len(chunk.rows) - len(todo)
             if todo:
                 await client.put_columns(job, chunk)
                 await client.publish_rows(job, todo)
             bar.update(len(chunk.rows))
         bar.close()
-        if queries is not None:
+        if resume or skipped:
             note = f" (the sink did not answer: {queries.problem}; it drops the duplicates)" if queries.problem else ""
             print(f"resuming job {job}: {skipped} rows already done, {len(seen) - skipped} sent{note}", flush=True)
         sealed = msgspec.structs.replace(spec, total=len(seen))

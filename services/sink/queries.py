@@ -81,7 +81,7 @@ async def reply_for(sink: Outputs, job: str, data: bytes) -> m.DoneReply:
         return m.DoneReply(error=f"output unreadable: {exc}")
     if out is None:
         return m.DoneReply(error=sink.refused.get(job) or UNKNOWN_JOB)
-    return m.DoneReply(done=await done_flags(out, query.ids))
+    return m.DoneReply(done=await done_flags(out, query.ids), on_disk=out.rows)
 
 
 async def answer(sink: Outputs, sub: Subscription, stop: asyncio.Event) -> None:

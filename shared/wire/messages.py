@@ -119,6 +119,9 @@ class DoneReply(msgspec.Struct, omit_defaults=True):
 
     done: list[bool] = msgspec.field(default_factory=list)
     error: str | None = None
+    on_disk: int = -1
+    """Rows of the job on disk when the sink answered (-1: not said). 0 tells a client
+    that nothing of the job was written before: it need not ask about later chunks."""
 
 
 class JobLookup(msgspec.Struct):

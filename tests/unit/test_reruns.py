@@ -80,7 +80,7 @@ class FakeNc:
             pass
 
         msg = Msg()
-        msg.data = m.encode(m.DoneReply([i in self.done for i in ids]))
+        msg.data = m.encode(m.DoneReply([i in self.done for i in ids], on_disk=len(self.done)))
         return msg
 
 
@@ -97,6 +97,21 @@ def test_done_queries_unanswered_send_everything_and_stop_asking():
     for _ in range(DONE_QUERY_FAILURES + 3):
         assert asyncio.run(q.missing(rows)) == rows
     assert nc.asked == DONE_QUERY_FAILURES and q.problem
+
+
+def test_done_queries_end_once_the_sink_has_nothing_of_the_job():
+    """A new job (or one whose directory is empty) costs one round trip, not one per chunk."""
+    nc = FakeNc(done=())
+    q = DoneQueries(nc, "j")
+    for k in range(5):
+        rows = [{"id": 10 * k + i} for i in range(10)]
+        assert asyncio.run(q.missing(rows)) == rows
+    assert nc.asked == 1
+    nc, q = FakeNc(done={3}), None
+    q = DoneQueries(nc, "j")
+    for k in range(3):
+        asyncio.run(q.missing([{"id": 10 * k + i} for i in range(10)]))
+    assert nc.asked == 3, "something is on disk: every chunk is asked about"
 
 
 def test_done_queries_split_ids_over_the_message_limit():
