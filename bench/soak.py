@@ -118,7 +118,7 @@ def check_output(out: Path, n: int) -> dict[str, Any]:
     seen = np.zeros(n, dtype=bool)
     rows = dups = outside = 0
     for p in parts:
-        for batch in pq.ParquetFile(p).iter_batches(columns=["id"], batch_size=262_144):
+        for batch in pq.ParquetFile(p, pre_buffer=False).iter_batches(columns=["id"], batch_size=262_144):
             ids = batch.column(0).to_numpy(zero_copy_only=False)
             rows += len(ids)
             ok = (ids >= 0) & (ids < n)
