@@ -307,6 +307,10 @@ class Sink:
             elif not complete:
                 self.unannounced.pop(job, None)  # rows came after its summary: finished again later
             summary = self.unannounced.get(job) if complete else None
+            if not complete and out.rows == 0:
+                # Nothing to report yet (a job opened by a done query, before its first
+                # row): writing a progress status would hide a `failed` the ingestor put.
+                continue
             if await self.put_status(job, self.status_of(job, out, spec, summary), done=complete) and complete:
                 self.unannounced.pop(job, None)
                 self.reconciler.forget(job)
