@@ -119,45 +119,54 @@ def test_bad_input_mid_job_becomes_error_rows(vllm_cluster, tiny_model, tmp_path
 
 
 def test_prefix_aware_routing_reaches_ideal_hit_rate(vllm_cluster, tiny_model, tmp_path):
-    """Same dataset, same engines (KV cache constrained: the dataset does not fit), cold
-    cache for each run: prefix-aware reaches >= 90 % of the analytic ideal hit rate and
-    beats round-robin on average over two rounds, measured in the same test.
+    """Four jobs over the same 32 prefixes, one after another (a user's habit: the same
+    system prompts, job after job), through `prefixflow submit`; same engines, KV cache
+    constrained (the prefixes and the running prompts do not fit in one replica's cache);
+    caches cold before each policy's first job and warm from job to job.
 
-    The bucketer's buffer (64 prompts) is far smaller than the shuffled stream, so most
-    prefix groups leave in two or more fragments. Round-robin sends a group's fragments
-    to both replicas about half the time: each such group computes its prefix twice,
-    and each replica must keep all 32 prefixes (96 blocks) next to its running requests
-    in 128 blocks, so later fragments also find their prefix evicted. Prefix-aware
-    keeps a group on one replica (16 prefixes each). Each split or eviction costs 384
-    of 253,952 prompt tokens (0.0015 of hit rate). Measured in 15 runs: prefix-aware
-    0.710-0.720, round-robin 0.672-0.708 (9-25 split groups), prefix-aware ahead by
-    0.010-0.042 every time (docs/benchmarks.md); once, in CI, round-robin got lucky
-    (0.7077) and prefix-aware not (0.7046): hence two rounds."""
+    Every prefix group comes back in every job, so its place is decided four times (more
+    when a job's group leaves the bucketer in pieces): prefix-aware sends it back to the
+    replica that holds it; round-robin sends it wherever its turn falls, so about half the
+    groups are computed again on the other replica in each later job, and each replica
+    must keep most of the 32 prefixes (96 blocks) next to its running requests in 128
+    blocks, so some are evicted and computed again. Each such miss costs 384 of 253,952
+    prompt tokens (0.0015 of hit rate). The structure of the workload makes the
+    difference, not the timing of the shared machine (one job of all 512 prompts left
+    the difference to how the bucketer's buffer happened to cut the groups: round-robin
+    came within noise of prefix-aware once the hot path got faster). Asserted:
+    prefix-aware reaches >= 90 % of the ideal hit rate over the four jobs and leads
+    round-robin by >= 2 points (docs/benchmarks.md has the measured figures)."""
     data = tmp_path / "prompts.parquet"
-    # 3 prefix blocks + 1 block of suffix and output per prompt (384 + 112 + 8 tokens).
+    # 3 prefix blocks + 1 block of suffix and output per prompt (384 + 112 + 8 tokens), shuffled.
     table = write_prefix_repetition(
         data, tokenizer_dir=tiny_model, num_prompts=512, prefix_len=384, suffix_len=112, num_prefixes=32, output_len=8, seed=3
     )
-    ideal = ideal_hit_rate(table, block_size=128)
+    ideal = ideal_hit_rate(table, block_size=128)  # each prefix computed once over the four jobs
     assert 32 * 3 + 512 * 1 > 2 * 128, "the dataset's KV (shared prefixes + 1 block a prompt) must not fit in the caches"
+    jobs = []
+    for j in range(4):  # consecutive slices of the shuffled table: each group in every job, in uneven numbers
+        jobs.append(tmp_path / f"job{j}.parquet")
+        pq.write_table(table.slice(128 * j, 128), jobs[-1])
+    assert all(len(set(pq.read_table(f, columns=["prefix_id"]).column(0).to_pylist())) >= 24 for f in jobs)
     rates: dict[str, list[float]] = {"round-robin": [], "prefix-aware": []}
-    # Two rounds in ABBA order: a lucky or unlucky run of either policy (the shared
-    # machine's timing shapes the fragments) is averaged with the other round.
-    for i, policy in enumerate(("round-robin", "prefix-aware", "prefix-aware", "round-robin")):
+    for policy in rates:
         asyncio.run(set_policy(vllm_cluster.url, policy))
         asyncio.run(reset_prefix_caches(vllm_cluster.url, ["r0", "r1"]))
-        out = tmp_path / f"{policy}-{i}"
-        res = run_cli(
-            "submit", str(data), "--out", str(out), "--nats", vllm_cluster.url, "--job", f"e2e-{policy}-{i}",
-            "--max-tokens", "8", "--no-progress", "--timeout", "600",
-        )
-        assert res.returncode == 0, f"{res.stdout}\n{res.stderr}\n{vllm_cluster.tail()}"
-        summary = json.loads((out / "_summary.json").read_text())
-        assert summary["rows"] == 512 and summary["errors"] == 0
-        rates[policy].append(summary["prefix_cache_hit_rate"])
-    print(f"\nideal {ideal:.4f}  " + "  ".join(f"{k} {v}" for k, v in rates.items()))
-    assert min(rates["prefix-aware"]) >= 0.9 * ideal, rates
-    assert sum(rates["prefix-aware"]) > sum(rates["round-robin"]), rates
+        for j, path in enumerate(jobs):
+            out = tmp_path / f"{policy}-{j}"
+            res = run_cli(
+                "submit", str(path), "--out", str(out), "--nats", vllm_cluster.url, "--job", f"e2e-{policy}-{j}",
+                "--max-tokens", "8", "--no-progress", "--timeout", "600",
+            )
+            assert res.returncode == 0, f"{res.stdout}\n{res.stderr}\n{vllm_cluster.tail()}"
+            summary = json.loads((out / "_summary.json").read_text())
+            assert summary["rows"] == 128 and summary["errors"] == 0
+            rates[policy].append(summary["prefix_cache_hit_rate"])
+    # Every prompt has the same length: the mean of the jobs' rates is the rate over all four.
+    mean = {policy: sum(r) / len(r) for policy, r in rates.items()}
+    print(f"\nideal {ideal:.4f}  " + "  ".join(f"{k} {mean[k]:.4f} {v}" for k, v in rates.items()))
+    assert mean["prefix-aware"] >= 0.9 * ideal, (mean, ideal)
+    assert mean["prefix-aware"] - mean["round-robin"] >= 0.02, rates
 
 
 def test_vllm_replica_killed_at_a_third_fails_over(tmp_path, tiny_model):

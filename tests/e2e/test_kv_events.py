@@ -13,6 +13,7 @@ history is most wrong: the hit rates, and how often the history would have erred
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -67,41 +68,60 @@ def fleet_log(workdir) -> list[dict]:
 @pytest.mark.timeout(1100)
 def test_kv_event_routing_against_the_history_on_hierarchical_prefixes(tmp_path, tiny_model):
     """Where the history is most wrong: hierarchical prefixes (a system prompt every row
-    shares, then one of 28 few-shot groups, then a question), prompts released ~96 at a
-    time (a small bucketer buffer: every group is routed again and again) and 48 KV blocks
-    per replica (blocks are evicted). The history, sized like the cache, counts the shared
-    system prompt once per group it routed, so it forgets groups the caches still hold.
+    shares, then one of 28 few-shot groups, then a question), 48 KV blocks per replica
+    (blocks are evicted), and every group routed again after a while: two jobs over the
+    same groups, one after the other, submitted with `prefixflow submit` to a cluster that
+    keeps its caches between them. The history, sized like the cache, counts the shared
+    system prompt once per group it routed, so by the second job it has forgotten groups
+    the caches still hold. (With one job the groups mostly leave the bucketer whole and
+    are routed once: whether the history erred depended on the machine's timing.)
 
-    The same job twice through `prefixflow run`: routed by history, then by the engines'
-    KV events. Measured with the events on: how often the history would have been wrong
+    Run twice, on a cluster routing by history, then on one routing by the engines' KV
+    events. Measured with the events on: how often the history would have been wrong
     about what a replica holds, and how often it would have picked another replica. On two
-    replicas those misses cost no hits the events could win back (docs/benchmarks.md "KV
-    events or history": the two differ by up to 2.5 points between runs, either way).
-    Asserted: the history is measurably wrong, and routing by the events stays within 5
-    points of it and near the ideal (a broken precise model would not)."""
+    replicas those misses cost few hits the events could win back (docs/benchmarks.md "KV
+    events or history"). Asserted: the history is measurably wrong, and routing by the
+    events stays within 5 points of it and near the ideal (a broken precise model would
+    not)."""
+    from launch.local_cluster import LocalCluster, processes
+    from tests.conftest import run_cli, wait_replicas_ready
+
     data = tmp_path / "hier.parquet"
     table = write_shape(data, "hierarchical", tokenizer_dir=tiny_model, block_size=128, num_prompts=1024,
                         num_groups=28, output_len=32)
     ideal = json.loads(table.schema.metadata[b"prefixflow.dataset"])["ideal_hit_rate"]["128"]["exact"]
+    halves = [tmp_path / "first.parquet", tmp_path / "second.parquet"]
+    for i, path in enumerate(halves):  # consecutive halves of the shuffled table: every group in both
+        pq.write_table(table.slice(512 * i, 512), path)
     hit, checks = {}, {}
     for mode in ("0", "1"):
-        out, workdir = tmp_path / f"out{mode}", tmp_path / f"cluster{mode}"
-        proc = subprocess.run(
-            [str(VENV_BIN / "prefixflow"), "run", str(data), "--out", str(out), "--model", str(tiny_model),
-             "--replicas", "2", "--kv-cache-blocks", "48", "--no-progress", "--job", f"hier{mode}",
-             "--workdir", str(workdir)],
-            cwd=REPO, capture_output=True, text=True, timeout=500,
-            env={**os.environ, "PFX_KV_EVENTS": mode, "PFX_BUFFER_PROMPTS": "96"},
+        workdir = tmp_path / f"cluster{mode}"
+        cluster = LocalCluster(
+            processes(2, engine="vllm", extra_engine_args=["--kv-cache-blocks", "48"]), workdir=workdir,
+            env={"PFX_MODEL": str(tiny_model), "PFX_KV_EVENTS": mode, "PFX_BUFFER_PROMPTS": "96"},
         )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        rows = pq.read_table(out, columns=["id", "error"])
-        assert sorted(rows.column("id").to_pylist()) == list(range(1024))
-        assert rows.column("error").null_count == 1024
-        hit[mode] = json.loads((out / "_summary.json").read_text())["prefix_cache_hit_rate"]
+        cluster.start()
+        try:
+            asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
+            tokens = [0, 0]  # prompt, cached
+            for i, path in enumerate(halves):
+                out = tmp_path / f"out{mode}-{i}"
+                res = run_cli("submit", str(path), "--out", str(out), "--nats", cluster.url, "--job", f"hier{mode}-{i}",
+                              "--no-progress", "--timeout", "500")
+                assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+                rows = pq.read_table(out, columns=["id", "error"])
+                assert sorted(rows.column("id").to_pylist()) == list(range(512 * i, 512 * (i + 1)))
+                assert rows.column("error").null_count == 512
+                summary = json.loads((out / "_summary.json").read_text())
+                tokens[0] += summary["prompt_tokens"]
+                tokens[1] += summary["cached_tokens"]
+        finally:
+            cluster.stop()
+        hit[mode] = tokens[1] / tokens[0]  # over both jobs
         checks[mode] = max((e.get("history_checks") or {} for e in fleet_log(workdir)), key=lambda c: c.get("decisions", 0))
     print(f"\nideal {ideal:.1%}; hit rate by history {hit['0']:.1%}, by KV events {hit['1']:.1%}; "
           f"history checks with events on: {checks['1']}")
     assert checks["0"].get("decisions", 0) == 0  # events off: nothing to compare with
-    assert checks["1"]["decisions"] > 20 and checks["1"]["wrong"] > 0.1 * checks["1"]["decisions"], checks["1"]
+    assert checks["1"]["decisions"] > 20 and checks["1"]["wrong"] > 0.2 * checks["1"]["decisions"], checks["1"]
     assert hit["1"] >= hit["0"] - 0.05, hit
     assert min(hit.values()) >= 0.85 * ideal, (hit, ideal)
