@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from client.window import IN_FLIGHT_ROWS
 from shared.process import config as cfgmod
 from shared.wire.messages import SamplingSpec
 
@@ -102,6 +103,9 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="OUT holds another job's output: delete it and write this job there instead of failing")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
+    p.add_argument("--max-in-flight", type=int, default=IN_FLIGHT_ROWS, metavar="ROWS",
+                   help="publish no further ahead of the written output than this many rows (bounds what the job "
+                        f"holds in the cluster's streams) (default {IN_FLIGHT_ROWS})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--task", choices=("generate", "embed"), default="generate",
                    help="generate text, or embed (an `embedding` column; `run` starts pooling engines) (default generate)")
@@ -175,6 +179,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 progress=not args.no_progress,
                 timeout=args.timeout,
                 overwrite=args.overwrite,
+                max_in_flight=args.max_in_flight,
                 **chat_from(args),
             )
         )

@@ -2,7 +2,8 @@
 
 1. Create the job spec in the jobs KV bucket (validated sampling parameters).
 2. Stream the input file (Parquet or JSONL with a `prompt` column) in chunks
-   (`client/columns.py`): each chunk's input columns are stored once in the blob store,
+   (`client/columns.py`), never further ahead of the sink than the in-flight window
+   (`client/window.py`): each chunk's input columns are stored once in the blob store,
    and its model inputs go to `pfx.ingest.<job>` as msgpack arrays of rows, each with a
    `Nats-Msg-Id` so a re-publish inside the stream's duplicate window is dropped by the
    server.
@@ -33,6 +34,7 @@ from tqdm import tqdm
 
 from client import columns
 from client.progress import FleetProgress, progress_note
+from client.window import IN_FLIGHT_ROWS, Window
 from shared.bus.blobs import put_blob
 from shared.wire import messages as m
 from shared.wire import subjects
@@ -213,6 +215,25 @@ class Submitter:
             return None
         return m.job_status_decoder.decode(entry.value)
 
+    async def make_room(self, job: str, window: Window, rows: int, check: Callable[[], None] | None = None) -> None:
+        """Return once `rows` more may be published for `job` (`client/window.py`),
+        following the sink's count in the job's status meanwhile. Raises `JobFailed` when
+        the status says the job failed; `check()` runs each round."""
+        while not window.may_send(rows, time.monotonic()):
+            try:
+                st = await self.status(job)
+            except (nats.errors.Error, TimeoutError, OSError):
+                st = None  # nats-server away: no news (the window's stall clock runs)
+            else:
+                if st is not None and st.failed:
+                    raise JobFailed(job, st.error)
+                window.observe(st.rows + st.duplicates if st is not None else 0, time.monotonic())
+            if window.may_send(rows, time.monotonic()):
+                return
+            if check is not None:
+                check()
+            await asyncio.sleep(0.25)
+
     async def wait(
         self, job: str, total: int, *, progress: bool = True, timeout: float | None = None, check: Callable[[], None] | None = None
     ) -> m.JobStatus:
@@ -288,6 +309,7 @@ async def submit(
     task: str = "generate",
     overwrite: bool = False,
     resume: bool = False,
+    max_in_flight: int = IN_FLIGHT_ROWS,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
@@ -331,6 +353,8 @@ async def submit(
         # also for a job new to this cluster, whose directory may hold an earlier run's
         # rows: the first answer says whether anything is on disk at all).
         queries = DoneQueries(client.nc, job)
+        window = Window(max(max_in_flight, 1))  # publish no further ahead of the sink than this
+        window.observe(before.rows + before.duplicates if before is not None else 0, time.monotonic())
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
         skipped = 0
         for chunk in columns.chunks(input_path):
@@ -339,7 +363,11 @@ async def submit(
             skipped += len(chunk.rows) - len(todo)
             if todo:
                 await client.put_columns(job, chunk)
-                await client.publish_rows(job, todo)
+                step = max(ROWS_PER_MESSAGE, window.limit // 4)  # a small window: a chunk goes in slices
+                for i in range(0, len(todo), step):
+                    await client.make_room(job, window, len(todo[i : i + step]), check)
+                    await client.publish_rows(job, todo[i : i + step])
+                    window.sent += len(todo[i : i + step])
             bar.update(len(chunk.rows))
         bar.close()
         if resume or skipped:

@@ -180,6 +180,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
                     timeout=args.timeout,
                     overwrite=args.overwrite,
                     resume=todo.resume,
+                    max_in_flight=args.max_in_flight,
                     **chat,
                 ),
                 replicas_ready(submitted),

@@ -283,12 +283,13 @@ class Sink:
         # Every message still held has its rows on disk now (or had only duplicates).
         settle = [h.msg.term() if h.poison else h.msg.ack() for held in self.held.values() for h in held]
         await asyncio.gather(*settle, return_exceptions=True)
+        settled = set(self.held)  # with `written`: jobs whose progress (rows, duplicates) moved
         self.held, self.pending_rows, self.last_flush = {}, 0, time.monotonic()
         for job, n in written.items():
             if (out := self.outputs.get(job)) is not None:
                 log.info("part written", job=job, rows=n, total_rows=out.rows, errors=out.errors)
-        if written:
-            await self.check_jobs(list(written))
+        if written or settled:
+            await self.check_jobs(list(written.keys() | settled))
 
     async def check_jobs(self, jobs: list[str] | None = None) -> None:
         """Publish progress; finish sealed jobs whose every row is on disk. A job is done
@@ -343,6 +344,7 @@ class Sink:
             job, out.rows, out.errors, spec.total, done, now, lifecycle.status_summary(summary),
             created_at=spec.created_at, rate=0.0 if done else self.rate(job, out.rows),
             prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, expires_at=now + job_retention(),
+            duplicates=out.duplicates,
         )
 
     async def put_status(self, job: str, status: m.JobStatus, *, done: bool) -> bool:

@@ -90,6 +90,8 @@ class JobOutput:
         self.target_bytes = target_bytes
         self.compact_in_flush = compact_in_flush
         self.seen = IdSet()
+        self.duplicates = 0
+        """Rows received again and dropped (their id was taken) since the job was opened here."""
         self.totals = Totals()
         """Rows, errors, tokens overall and per replica of the rows on disk."""
         self.last_part: PartStats | None = None
@@ -151,6 +153,7 @@ class JobOutput:
         # NOTE: ids compare as text (IdSet), so a restart that reads back ids a mixed-type
         # job wrote as strings still recognises a redelivered int id.
         if not self.seen.add(result.id):
+            self.duplicates += 1
             return False
         self.pending.append((result, finished_at))
         self.done = False

@@ -164,6 +164,9 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     expires_at: float = 0.0
     """Unix time after which the job's spec and status are gone from the cluster (the
     buckets' retention; 0: unknown). Its output files stay."""
+    duplicates: int = 0
+    """Rows the sink received again and dropped (already written), since it opened the
+    job (a restarted sink counts from 0): with `rows`, how much of what was sent arrived."""
 
     @property
     def hit_rate(self) -> float:

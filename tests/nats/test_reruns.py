@@ -29,9 +29,8 @@ import pytest
 from client import columns
 from client.submit import Submitter
 from datagen.dataset import write_prefix_repetition
-from launch.local_cluster import LocalCluster, processes
 from shared.wire import messages as m
-from tests.conftest import run_cli
+from tests.conftest import echo_cluster_at, run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -147,13 +146,8 @@ async def _rows_written(url: str, job: str, want: int, timeout: float) -> int:
 
 @pytest.fixture
 def echo_cluster(tmp_path, tiny_model):
-    cluster = LocalCluster(processes(1, engine="echo"), workdir=tmp_path / "cluster", env={"PFX_MODEL": str(tiny_model)})
-    cluster.start()
-    try:
-        asyncio.run(cluster.wait_ready(["r0"], 90))
+    with echo_cluster_at(tmp_path / "cluster", tiny_model) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def test_submit_resumes_a_job_interrupted_half_way_sending_only_the_missing_ids(echo_cluster, dataset, tmp_path):
