@@ -106,6 +106,9 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--max-in-flight", type=int, default=IN_FLIGHT_ROWS, metavar="ROWS",
                    help="publish no further ahead of the written output than this many rows (bounds what the job "
                         f"holds in the cluster's streams) (default {IN_FLIGHT_ROWS})")
+    p.add_argument("--expires-in", type=float, default=None, metavar="SECONDS",
+                   help="the cluster cancels the job as expired if it is not done this many seconds after it is "
+                        "submitted; the rows written stay (default: never)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--task", choices=("generate", "embed"), default="generate",
                    help="generate text, or embed (an `embedding` column; `run` starts pooling engines) (default generate)")
@@ -180,6 +183,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 timeout=args.timeout,
                 overwrite=args.overwrite,
                 max_in_flight=args.max_in_flight,
+                expires_in=args.expires_in,
                 **chat_from(args),
             )
         )
@@ -279,9 +283,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_submit)
 
     from report.job_report import add_parser as add_report_parser
+    from client.lifecycle import add_parsers as add_cancel_parser
     from client.status import add_parsers as add_status_parsers
 
-    add_status_parsers(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))  # status, top
+    add_status_parsers(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))  # status, jobs, top
+    add_cancel_parser(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))
     add_report_parser(sub)
     return parser
 

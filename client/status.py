@@ -55,7 +55,8 @@ class JobView:
 
     job: str
     state: str
-    """queued (created, nothing written yet), running, done, failed."""
+    """queued (created, nothing written yet), running, done, failed, cancelling (cancelled,
+    prompts still landing), cancelled (rows written so far are final)."""
     rows: int = 0
     total: int | None = None
     errors: int = 0
@@ -66,9 +67,19 @@ class JobView:
     error: str | None = None
     expires_at: float = 0.0
     """When the cluster forgets the job's spec and status (0: unknown); the output stays."""
+    created_at: float = 0.0
+    """When the job was (last) submitted (0: unknown)."""
 
     @classmethod
     def of(cls, job: str, status: m.JobStatus | None, spec: m.JobSpec | None) -> JobView:
+        view = cls._of(job, status, spec)
+        view.created_at = (status.created_at if status is not None else 0.0) or (spec.created_at if spec else 0.0)
+        if spec is not None and spec.cancelled_at and view.state in ("queued", "running"):
+            view.state = "cancelling"
+        return view
+
+    @classmethod
+    def _of(cls, job: str, status: m.JobStatus | None, spec: m.JobSpec | None) -> JobView:
         if status is None:
             return cls(job, "queued", total=spec.total if spec else None, updated_at=spec.created_at if spec else 0.0)
         if status.failed:
@@ -79,7 +90,7 @@ class JobView:
             rate = status.rows / status.summary["wall_seconds"]
         hit = status.hit_rate if status.prompt_tokens else (status.summary or {}).get("prefix_cache_hit_rate")
         return cls(
-            job, "done" if status.done else "running", status.rows, status.total, status.errors, rate,
+            job, ("cancelled" if status.cancelled else "done") if status.done else "running", status.rows, status.total, status.errors, rate,
             hit, status.eta_seconds(), status.updated_at, expires_at=status.expires_at,
         )
 
@@ -111,11 +122,11 @@ async def read_jobs(nc, job: str | None = None) -> list[JobView]:
             status = m.job_status_decoder.decode((await status_kv.get(name)).value)
         except (KeyNotFoundError, msgspec.DecodeError):
             pass
-        if status is None:
+        if status is None or not (status.done or status.failed):  # queued, running or cancelling?
             try:
                 spec = m.job_spec_decoder.decode((await jobs_kv.get(name)).value)
             except (KeyNotFoundError, msgspec.DecodeError):
-                if job:
+                if job and status is None:
                     return None
         return JobView.of(name, status, spec)
 
@@ -128,11 +139,12 @@ def status_table(views: list[JobView]):
 
     t = Table(box=None, header_style="bold", pad_edge=False)
     for name, justify in (("job", "left"), ("state", "left"), ("rows", "right"), ("total", "right"), ("errors", "right"),
-                          ("rows/s", "right"), ("hit rate", "right"), ("ETA", "right"), ("updated", "right"),
-                          ("expires", "right")):
+                          ("rows/s", "right"), ("hit rate", "right"), ("ETA", "right"), ("age", "right"),
+                          ("updated", "right"), ("expires", "right")):
         t.add_column(name, justify=justify)
     now = time.time()
-    colors = {"done": "green", "running": "cyan", "failed": "red", "queued": "yellow"}
+    colors = {"done": "green", "running": "cyan", "failed": "red", "queued": "yellow", "cancelling": "magenta",
+              "cancelled": "magenta"}
     for v in views:
         t.add_row(
             v.job,
@@ -142,7 +154,8 @@ def status_table(views: list[JobView]):
             str(v.errors),
             f"{v.rate:.1f}" if v.rate else "-",
             "-" if v.hit_rate is None else f"{v.hit_rate:.1%}",
-            "-" if v.state in ("done", "failed") else fmt_duration(v.eta),
+            "-" if v.state in ("done", "failed", "cancelled") else fmt_duration(v.eta),
+            fmt_duration(now - v.created_at) if v.created_at else "-",
             f"{fmt_duration(now - v.updated_at)} ago" if v.updated_at else "-",
             f"in {fmt_duration(max(v.expires_at - now, 0))}" if v.expires_at else "-",
         )
@@ -415,6 +428,14 @@ def add_parsers(sub, default_nats: str) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for NATS (default 5)")
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("jobs", help="list the jobs with their state (queued, running, done, failed, cancelling, "
+                                    "cancelled), rows, errors, age (from NATS)")
+    p.add_argument("--nats", default=default_nats, help="NATS URL (env PFX_NATS_URL)")
+    p.add_argument("--limit", type=int, default=50, help="show at most this many jobs (0: all; default 50)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for NATS (default 5)")
+    p.set_defaults(fn=cmd_status, job=None)
 
     p = sub.add_parser("top", help="live view of the replicas, bucketers and jobs (rich)")
     p.add_argument("--nats", default=default_nats, help="NATS URL (env PFX_NATS_URL)")

@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from client import columns
 from client.progress import FleetProgress, progress_note
+from shared.bus.jobs import seal
 from client.window import IN_FLIGHT_ROWS, Window
 from shared.bus.blobs import put_blob
 from shared.wire import messages as m
@@ -62,6 +63,16 @@ class JobFailed(Exception):
         super().__init__(f"job {job} failed: {reason or 'no reason given'}")
         self.job = job
         self.reason = reason
+
+
+class JobCancelled(JobFailed):
+    """The job was cancelled (`prefixflow cancel`) or expired: the rows written stay."""
+
+    def __init__(self, job: str, status: m.JobStatus | None = None, note: str = "") -> None:
+        rows = f": {status.rows} rows written ({status.errors} errors), they stay" if status is not None else ""
+        how = "expired" if status is not None and (status.summary or {}).get("expired") else "cancelled"
+        Exception.__init__(self, f"job {job} {how}{rows}{note}")
+        self.job, self.reason, self.status = job, "cancelled", status
 
 
 class DirTaken(Exception):
@@ -144,6 +155,14 @@ class Submitter:
         await provision(self.js)
         self.jobs_kv = await self.js.key_value(subjects.JOBS_KV)
         self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
+        self.cancelled: set[str] = set()
+        """Jobs cancelled while this client runs (`subjects.JOB_CANCELLED`)."""
+
+        async def on_cancel(msg) -> None:
+            if len(self.cancelled) < 10_000:
+                self.cancelled.add(msg.data.decode(errors="replace"))
+
+        await self.nc.subscribe(subjects.JOB_CANCELLED, cb=on_cancel)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -215,11 +234,19 @@ class Submitter:
             return None
         return m.job_status_decoder.decode(entry.value)
 
-    async def make_room(self, job: str, window: Window, rows: int, check: Callable[[], None] | None = None) -> None:
-        """Return once `rows` more may be published for `job` (`client/window.py`),
-        following the sink's count in the job's status meanwhile. Raises `JobFailed` when
-        the status says the job failed; `check()` runs each round."""
+    def ended(self, spec: m.JobSpec) -> bool:
+        """The job was cancelled (a notice came) or its deadline passed: publish no more."""
+        return spec.job in self.cancelled or bool(spec.ended_at(time.time()))
+
+    async def make_room(self, spec: m.JobSpec, window: Window, rows: int, check: Callable[[], None] | None = None) -> bool:
+        """True once `rows` more may be published for the job (`client/window.py`),
+        following the sink's count in the job's status meanwhile; False if the job ended
+        (`ended`) meanwhile. Raises `JobFailed` when the status says the job failed;
+        `check()` runs each round."""
+        job = spec.job
         while not window.may_send(rows, time.monotonic()):
+            if self.ended(spec):
+                return False
             try:
                 st = await self.status(job)
             except (nats.errors.Error, TimeoutError, OSError):
@@ -229,10 +256,11 @@ class Submitter:
                     raise JobFailed(job, st.error)
                 window.observe(st.rows + st.duplicates if st is not None else 0, time.monotonic())
             if window.may_send(rows, time.monotonic()):
-                return
+                break
             if check is not None:
                 check()
             await asyncio.sleep(0.25)
+        return not self.ended(spec)
 
     async def wait(
         self, job: str, total: int, *, progress: bool = True, timeout: float | None = None, check: Callable[[], None] | None = None
@@ -269,6 +297,8 @@ class Submitter:
                     pass
                 if st is not None and st.failed:
                     raise JobFailed(job, st.error)
+                if st is not None and st.done and st.cancelled:
+                    raise JobCancelled(job, st)
                 if self.first_progress is None and ((st is not None and st.rows) or fleet.held(job)):
                     self.first_progress = time.time()
                 if st is not None:
@@ -310,6 +340,7 @@ async def submit(
     overwrite: bool = False,
     resume: bool = False,
     max_in_flight: int = IN_FLIGHT_ROWS,
+    expires_in: float | None = None,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
@@ -339,14 +370,17 @@ async def submit(
         if replaced is not None:
             print(f"{out_dir} held job {replaced}'s output: job {job} replaces it (--overwrite)", flush=True)
         earlier = await client.spec(job)
+        if (before is not None and before.cancelled) or (earlier is not None and earlier.cancelled_at):
+            raise JobCancelled(job, before, " (earlier; submit under a new --job id)")
         same_dir = earlier is None or earlier.out_dir == out_dir
         if (replaced is None and same_dir and before is not None and before.done and before.total is not None
                 and (expected is None or before.total >= expected)):
             raise AlreadyDone(before)
         resume = resume or (before is not None and before.rows > 0) or earlier is not None
-        spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=time.time(),
+        now = time.time()
+        spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
-                         overwrite=overwrite)
+                         overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0)
         await client.create(spec)
         seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
         # Resume: rows the sink has written already are not sent again (asked per chunk;
@@ -357,7 +391,11 @@ async def submit(
         window.observe(before.rows + before.duplicates if before is not None else 0, time.monotonic())
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
         skipped = 0
+        ended = False  # cancelled or past its deadline: stop publishing; `wait` reports it
         for chunk in columns.chunks(input_path):
+            if ended or client.ended(spec):
+                ended = True
+                break
             seen.update(chunk.ids)
             todo = await queries.missing(chunk.rows)
             skipped += len(chunk.rows) - len(todo)
@@ -365,7 +403,9 @@ async def submit(
                 await client.put_columns(job, chunk)
                 step = max(ROWS_PER_MESSAGE, window.limit // 4)  # a small window: a chunk goes in slices
                 for i in range(0, len(todo), step):
-                    await client.make_room(job, window, len(todo[i : i + step]), check)
+                    if not await client.make_room(spec, window, len(todo[i : i + step]), check):
+                        ended = True
+                        break
                     await client.publish_rows(job, todo[i : i + step])
                     window.sent += len(todo[i : i + step])
             bar.update(len(chunk.rows))
@@ -373,8 +413,9 @@ async def submit(
         if resume or skipped:
             note = f" (the sink did not answer: {queries.problem}; it drops the duplicates)" if queries.problem else ""
             print(f"resuming job {job}: {skipped} rows already done, {len(seen) - skipped} sent{note}", flush=True)
-        sealed = msgspec.structs.replace(spec, total=len(seen))
-        await client.create(sealed)
+        if not ended:
+            await seal(client.js, spec, len(seen))  # not if cancelled meanwhile: `wait` then says so
+        # Ended: the sink completes the job as cancelled (or expired) once its rows land.
         status = await client.wait(job, len(seen), progress=progress, timeout=timeout, check=check)
     if batch is not None:
         ok, errors = openai_batch.write_outputs(batch, out_dir, model)

@@ -181,6 +181,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
                     overwrite=args.overwrite,
                     resume=todo.resume,
                     max_in_flight=args.max_in_flight,
+                    expires_in=args.expires_in,
                     **chat,
                 ),
                 replicas_ready(submitted),

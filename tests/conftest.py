@@ -215,11 +215,12 @@ def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
 
 
 @contextlib.contextmanager
-def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1):
+def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1, engine_args: tuple[str, ...] = ()):
     """A local cluster of echo engines (`launch.local_cluster`) in `workdir`, ready."""
     from launch.local_cluster import LocalCluster, processes
 
-    cluster = LocalCluster(processes(replicas, engine="echo"), workdir=workdir, env={"PFX_MODEL": str(model)})
+    cluster = LocalCluster(processes(replicas, engine="echo", extra_engine_args=list(engine_args)), workdir=workdir,
+                           env={"PFX_MODEL": str(model)})
     cluster.start()
     try:
         asyncio.run(cluster.wait_ready([f"r{i}" for i in range(replicas)], 90))

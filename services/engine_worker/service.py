@@ -69,6 +69,11 @@ KV_TRANSLATOR_NODES = 1 << 20
 KV_TRANSLATOR_SLACK = 1024
 
 
+def is_cancelled(lookup: m.JobLookup) -> bool:
+    """The job was cancelled, or its deadline passed: its prompts are not started."""
+    return lookup.spec is not None and bool(lookup.spec.ended_at(time.time()))
+
+
 class EngineWorker:
     def __init__(self, cfg: EngineWorkerConfig) -> None:
         self.cfg = cfg
@@ -123,6 +128,7 @@ class EngineWorker:
         self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)
         self.jobs = JobCache(await self.js.key_value(subjects.JOBS_KV))
+        await self.jobs.follow_cancels(nc)
         self.sub = DurablePull(self.js, subjects.engine_consumer(self.cfg.replica))
         self.outbox = Outbox(
             self.js, self.ledger, batch=self.cfg.result_batch, linger=self.cfg.result_linger, on_published=self.status_due.set
@@ -316,7 +322,15 @@ class EngineWorker:
             return
         work, lease = got.body, got.lease
         lookups = {job: await self.jobs.get(job) for job in {p.job for p in work.prompts}}
-        held = [Held(lease, p, lookups[p.job], work.bucket, work, i) for i, p in enumerate(work.prompts)]
+        ended = {job for job, lookup in lookups.items() if is_cancelled(lookup)}
+        held = [Held(lease, p, lookups[p.job], work.bucket, work, i) for i, p in enumerate(work.prompts)
+                if p.job not in ended]
+        if len(held) < len(work.prompts):  # a cancelled job's prompts are not started: no rows
+            # Counted as done work: the router's view of this replica's load stays true.
+            self.done_work_tokens += sum(p.work_tokens for p in work.prompts if p.job in ended)
+            await self.ledger.done(lease, len(work.prompts) - len(held))
+            if not held:
+                return
         if self.death is not None:  # died meanwhile: `rebuild` re-publishes the batch, untried
             self.untried += held
             return

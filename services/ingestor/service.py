@@ -78,6 +78,7 @@ class Ingestor:
         await provision(js)
         self.js = js
         self.jobs = JobCache(await js.key_value(subjects.JOBS_KV))
+        await self.jobs.follow_cancels(nc)
         self.status_kv = await js.key_value(subjects.JOB_STATUS_KV)
         sub = DurablePull(js, subjects.ingestor_consumer())
 
@@ -148,6 +149,15 @@ class Ingestor:
         t0 = time.perf_counter()
         batch = [incoming(msg) for msg in msgs]
         jobs = {job: await self.lookup(job) for job in {i.job for i in batch}}
+        now = time.time()
+        cancelled = {job for job, lookup in jobs.items() if lookup.spec is not None and lookup.spec.ended_at(now)}
+        if cancelled:  # the cluster stops feeding a cancelled job: its prompts go nowhere
+            keep = [i for i, b in enumerate(batch) if b.job not in cancelled]
+            await ack_all([msg for i, msg in enumerate(msgs) if i not in set(keep)])
+            log.info("dropped ingest messages of cancelled jobs", jobs=sorted(cancelled), messages=len(msgs) - len(keep))
+            msgs, batch = [msgs[i] for i in keep], [batch[i] for i in keep]
+            if not msgs:
+                return
         nodes = self.live_nodes()
         plan = await asyncio.to_thread(plan_batch, batch, jobs, self.model, lambda key: self.sharder.pick(key, nodes))
         await self.store_kept(plan)  # before anything that refers to it is published

@@ -56,6 +56,9 @@ class Reconciler:
 
     def __init__(self) -> None:
         self.due: dict[str, float] = {}
+        self.expiring: dict[str, float] = {}
+        """Jobs with a deadline (`JobSpec.expires_at`, Unix time), not cancelled: each is
+        checked once its deadline passes (it then completes as expired, unless done)."""
         self.caught_up = False
         """The watch has delivered every spec that existed when it started."""
 
@@ -70,17 +73,21 @@ class Reconciler:
         if key.startswith(subjects.DIR_KEY_PREFIX):
             return None  # an output directory's binding (the client's), not a job
         if op in (KV_DEL, KV_PURGE):
-            self.due.pop(key, None)
+            self.forget(key)
             return None
         try:
             spec = m.job_spec_decoder.decode(value)
         except (msgspec.ValidationError, msgspec.DecodeError):
-            self.due.pop(key, None)  # cannot run: the ingestor fails it
+            self.forget(key)  # cannot run: the ingestor fails it
             return None
-        if spec.total is None:
+        if spec.expires_at and not spec.cancelled_at:
+            self.expiring[key] = spec.expires_at
+        else:
+            self.expiring.pop(key, None)
+        if spec.total is None and not spec.cancelled_at:
             self.due.pop(key, None)  # (re)created, not sealed yet
         else:
-            self.due[key] = 0.0  # sealed (again): check it now
+            self.due[key] = 0.0  # sealed (again) or cancelled: check it now
         return key
 
     def take_due(self, now: float, limit: int = RECONCILE_PER_ROUND) -> list[str]:
@@ -98,6 +105,15 @@ class Reconciler:
 
     def forget(self, job: str) -> None:
         self.due.pop(job, None)
+        self.expiring.pop(job, None)
+
+    def take_expired(self, now: float, limit: int = RECONCILE_PER_ROUND) -> list[tuple[str, float]]:
+        """Up to `limit` jobs whose deadline has passed (Unix time `now`), with it; each
+        leaves the list (the caller makes it due for a check: it completes as expired)."""
+        jobs = [(job, at) for job, at in self.expiring.items() if at <= now][:limit]
+        for job, _ in jobs:
+            del self.expiring[job]
+        return jobs
 
     async def watch(self, kv: KeyValue, stop: asyncio.Event, on_spec: Callable[[str], None]) -> None:
         """Follow the jobs bucket until `stop`: every existing spec first, then changes.
@@ -123,6 +139,22 @@ class Reconciler:
                 await watcher.stop()
             except nats.errors.Error:
                 pass  # the connection is closing anyway
+
+
+CANCEL_SETTLE = 3.0
+"""Seconds a cancelled job must go without a new row (and since it was cancelled) before
+the sink completes it as cancelled: the prompts already in engines land first."""
+
+
+def complete(spec: m.JobSpec, rows: int, pending: bool, quiet_for: float, now: float) -> bool:
+    """Is the job complete: sealed with every row on disk, or cancelled (or expired) and
+    settled (`quiet_for`: seconds since its last row arrived here)?"""
+    if pending:
+        return False
+    if spec.total is not None and rows >= spec.total:
+        return True
+    ended = spec.ended_at(now)
+    return bool(ended) and now - ended >= CANCEL_SETTLE and quiet_for >= CANCEL_SETTLE
 
 
 class StatusUnreadable(Exception):

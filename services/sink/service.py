@@ -109,6 +109,7 @@ class Sink:
         await provision(self.js)
         jobs_kv = await self.js.key_value(subjects.JOBS_KV)
         self.jobs = JobCache(jobs_kv, ttl=1.0)
+        await self.jobs.follow_cancels(nc)
         self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
         sub = DurablePull(self.js, subjects.sink_consumer())
         done_queries = await nc.subscribe(subjects.ALL_DONE_QUERIES)
@@ -302,7 +303,7 @@ class Sink:
             spec = lookup.spec
             if spec is None:
                 continue
-            complete = spec.total is not None and out.rows >= spec.total and not out.pending
+            complete = lifecycle.complete(spec, out.rows, bool(out.pending), time.monotonic() - out.last_added, time.time())
             if complete and not out.done:
                 self.unannounced[job] = await self.finish(job, out, spec)  # sets out.done
             elif not complete:
@@ -345,6 +346,7 @@ class Sink:
             created_at=spec.created_at, rate=0.0 if done else self.rate(job, out.rows),
             prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, expires_at=now + job_retention(),
             duplicates=out.duplicates,
+            cancelled=done and bool(spec.ended_at(now)) and (spec.total is None or out.rows < spec.total),
         )
 
     async def put_status(self, job: str, status: m.JobStatus, *, done: bool) -> bool:
@@ -362,6 +364,8 @@ class Sink:
         """Check the sealed jobs that are due (`lifecycle.Reconciler`): a job not done or
         failed and not open here is opened from disk and checked, so it completes even if
         the sink crashed before its done status or forgot it (eviction)."""
+        for job, _ in self.reconciler.take_expired(time.time()):
+            self.reconciler.due[job] = 0.0  # past its deadline: completes as expired (if not done)
         for job in self.reconciler.take_due(time.monotonic()):
             if job in self.outputs:
                 continue  # open: check_jobs sees it every round

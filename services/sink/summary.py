@@ -171,6 +171,11 @@ class Totals:
                 summary["first_result_seconds"] = round(first_finished - spec.created_at, 3)
         if spec.model:
             summary["model"] = spec.model
+        ended = spec.ended_at(finished_at)
+        if ended and (spec.total is None or self.overall[0] < spec.total):  # stopped before every row
+            summary["cancelled"] = True
+            summary["expired"] = spec.expired(finished_at)
+            summary["cancelled_at"] = round(ended, 3)
         summary["finished_at"] = round(finished_at, 3)
         summary["replicas"] = {name: totals(self.replicas[name]) for name in sorted(self.replicas)}
         return summary

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,8 @@ class JobOutput:
         self.compact_in_flush = compact_in_flush
         self.seen = IdSet()
         self.duplicates = 0
+        self.last_added = 0.0
+        """When a row was last queued (monotonic; 0: none since opened)."""
         """Rows received again and dropped (their id was taken) since the job was opened here."""
         self.totals = Totals()
         """Rows, errors, tokens overall and per replica of the rows on disk."""
@@ -156,6 +159,7 @@ class JobOutput:
             self.duplicates += 1
             return False
         self.pending.append((result, finished_at))
+        self.last_added = time.monotonic()
         self.done = False
         return True
 

@@ -1,4 +1,7 @@
-"""Reading job specs from the jobs key-value bucket, with a short-lived cache."""
+"""Job specs in the jobs key-value bucket: reading them with a short-lived cache that a
+cancellation notice (`subjects.JOB_CANCELLED`) clears at once (`follow_cancels`);
+cancelling and sealing a job, each a compare-and-set on the spec's revision so neither
+undoes the other (a client sealing a job as it is cancelled sees the cancellation)."""
 
 from __future__ import annotations
 
@@ -9,9 +12,11 @@ from collections import OrderedDict
 import msgspec
 import nats.errors
 import structlog
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from shared.wire import messages as m
+from shared.wire import subjects
 from shared.wire.messages import JobLookup, job_spec_decoder
 
 log = structlog.get_logger()
@@ -38,6 +43,19 @@ class JobCache:
             self._entries.popitem(last=False)
         return lookup
 
+    def forget(self, job: str) -> None:
+        """Read the job's spec afresh next time (it changed: cancelled)."""
+        self._entries.pop(job, None)
+
+    async def follow_cancels(self, nc) -> object:
+        """Forget a job's cached spec as soon as it is cancelled (a core subscription to
+        `subjects.JOB_CANCELLED`; returns it). A missed notice costs at most the TTL."""
+
+        async def on_cancel(msg) -> None:
+            self.forget(msg.data.decode(errors="replace"))
+
+        return await nc.subscribe(subjects.JOB_CANCELLED, cb=on_cancel)
+
     async def _read(self, job: str) -> JobLookup:
         """The job's spec. A server that is away or restarting is waited for (with
         backoff), never mistaken for an unknown job and never fatal to the caller."""
@@ -57,3 +75,50 @@ class JobCache:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
         raise AssertionError("unreachable")
+
+
+class UnknownJob(Exception):
+    """No spec of this job in the cluster (never submitted, or expired)."""
+
+
+async def cancel_job(js, nc, job: str, *, at: float | None = None) -> tuple[m.JobSpec, bool]:
+    """Mark `job` cancelled (at `at`, default now): (its spec, True if this call cancelled
+    it; False if it was cancelled already). Raises `UnknownJob`."""
+    kv = await js.key_value(subjects.JOBS_KV)
+    while True:
+        try:
+            entry = await kv.get(job)
+        except KeyNotFoundError:
+            raise UnknownJob(job) from None
+        spec = m.job_spec_decoder.decode(entry.value)
+        if spec.cancelled_at:
+            return spec, False
+        cancelled = msgspec.structs.replace(spec, cancelled_at=at or time.time())
+        try:
+            await kv.update(job, m.encode_json(cancelled), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            continue  # written meanwhile (sealed): read it again
+        await nc.publish(subjects.JOB_CANCELLED, job.encode())
+        return cancelled, True
+
+
+async def seal(js, spec: m.JobSpec, total: int) -> m.JobSpec:
+    """Seal `spec.job` with `total` rows, unless it was cancelled meanwhile (then its
+    cancelled spec is returned, unsealed). A compare-and-set: never undoes a cancel."""
+    kv = await js.key_value(subjects.JOBS_KV)
+    while True:
+        try:
+            entry = await kv.get(spec.job)
+            current = m.job_spec_decoder.decode(entry.value)
+        except KeyNotFoundError:  # expired or deleted meanwhile: write it whole
+            sealed = msgspec.structs.replace(spec, total=total)
+            await kv.put(spec.job, m.encode_json(sealed))
+            return sealed
+        if current.cancelled_at:
+            return current
+        sealed = msgspec.structs.replace(current, total=total)
+        try:
+            await kv.update(spec.job, m.encode_json(sealed), last=entry.revision)
+            return sealed
+        except KeyWrongLastSequenceError:
+            continue

@@ -104,6 +104,25 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     overwrite: bool = False
     """`out_dir` may be bound to another job (its manifest `_job.json`): the sink deletes
     that job's output and binds the directory to this one. Without it, such a job fails."""
+    cancelled_at: float = 0.0
+    """Unix time the job was cancelled (`prefixflow cancel`; 0: not cancelled). The cluster
+    stops feeding it: the ingestor drops its prompts, engine-workers skip the ones not
+    started; the sink keeps the rows written and, once none has come for a few seconds,
+    completes it as cancelled."""
+    expires_at: float = 0.0
+    """Unix time after which the cluster stops feeding the job as it does a cancelled one
+    (0: never; the OpenAI Batch API's `completion_window`): it completes as expired."""
+
+    def ended_at(self, now: float) -> float:
+        """When the cluster stopped feeding this job: `cancelled_at`, or `expires_at` once
+        passed (whichever came first); 0 while it runs."""
+        times = [t for t in (self.cancelled_at, self.expires_at) if t and t <= now]
+        return min(times) if times else 0.0
+
+    def expired(self, now: float) -> bool:
+        """Its deadline ended it (before any cancel)."""
+        ended = self.ended_at(now)
+        return bool(ended) and ended == self.expires_at
 
 
 class DoneQuery(msgspec.Struct):
@@ -164,6 +183,9 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     expires_at: float = 0.0
     """Unix time after which the job's spec and status are gone from the cluster (the
     buckets' retention; 0: unknown). Its output files stay."""
+    cancelled: bool = False
+    """The job was cancelled (or expired: `summary["expired"]`) before every row was
+    written; with `done`, the rows written are final."""
     duplicates: int = 0
     """Rows the sink received again and dropped (already written), since it opened the
     job (a restarted sink counts from 0): with `rows`, how much of what was sent arrived."""

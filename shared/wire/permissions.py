@@ -157,7 +157,7 @@ def _ingestor():
             *kv_read(s.JOBS_KV),
             *kv_write(s.JOB_STATUS_KV),  # jobs that cannot run are marked failed
         ],
-        [s.ALL_BUCKETER_HEARTBEATS],
+        [s.ALL_BUCKETER_HEARTBEATS, s.JOB_CANCELLED],
     )
 
 
@@ -203,7 +203,7 @@ def _engine_worker():
             *blob_write(),  # a result too large for one message
             *kv_read(s.JOBS_KV),
         ],
-        [s.engine_reset(ANY), s.engine_scheduling(ANY), s.engine_status_request(ANY)],
+        [s.engine_reset(ANY), s.engine_scheduling(ANY), s.engine_status_request(ANY), s.JOB_CANCELLED],
         responds=True,
     )
 
@@ -220,7 +220,7 @@ def _sink():
             *kv_read(s.JOB_STATUS_KV),
             *kv_write(s.JOB_STATUS_KV),
         ],
-        [s.ALL_DONE_QUERIES],
+        [s.ALL_DONE_QUERIES, s.JOB_CANCELLED],
         responds=True,
     )
 
@@ -232,6 +232,7 @@ def _submitter():
         *stream_info(ALL_STREAMS),  # `provision` only checks that they exist
         s.ingest(ANY),
         s.done_query(ANY),  # which rows of a resumed job are done (the sink answers)
+        s.JOB_CANCELLED,  # `prefixflow cancel`: the services drop their cached spec at once
         *blob_write(),  # the input columns that do not travel with the prompts
         *kv_write(s.JOBS_KV),
         *kv_read(s.JOBS_KV),
@@ -239,7 +240,7 @@ def _submitter():
     ]
     # Replica status (load, prompts held per job, tokens generated): the progress line
     # shows work under way before the first row is written.
-    return pub, [s.ALL_STATUS], False
+    return pub, [s.ALL_STATUS, s.JOB_CANCELLED], False
 
 
 ROLE_GRANTS: dict[str, Callable[[], tuple[list[str], list[str], bool]]] = {

@@ -98,6 +98,9 @@ ROUTER_ROOM = f"{PREFIX}.router.room"
 ROUTER_ROOM_FREED = f"{PREFIX}.router.freed"
 """Event (core NATS, no reply): a status freed room on the fleet. Bucketers waiting on a
 retry-after, or holding buckets for room, try again now rather than at their next poll."""
+JOB_CANCELLED = f"{PREFIX}.jobs.cancelled"
+"""Event (core NATS, no reply; body: the job id): a job's spec now says it is cancelled.
+Services drop their cached copy of the spec at once (the spec is the durable record)."""
 ROUTER_POLICY = f"{PREFIX}.router.policy"
 """Request/reply: switch the router's policy (body: the policy name)."""
 ALL_STATUS = f"{PREFIX}.status.*"

@@ -13,6 +13,7 @@ import pytest
 
 from services.sink import binding
 from services.sink.binding import MANIFEST, Action, DirState, decide
+from services.sink import lifecycle
 from services.sink.lifecycle import Reconciler, status_summary, write_empty_part
 from shared.wire import messages as m
 from shared.wire import subjects
@@ -204,3 +205,53 @@ def test_the_reconciler_checks_each_job_once_per_period_and_a_bounded_number_per
     assert r.take_due(101.0) == ["j1"]
     r.forget("j2")
     assert sorted(r.take_due(10_000.0)) == ["j0", "j1", "j3", "j4"]
+
+
+def test_a_cancelled_job_is_checked_like_a_sealed_one():
+    r = Reconciler()
+    cancelled = m.JobSpec("c", "/o/c", cancelled_at=50.0)
+    assert r.note("c", m.encode_json(cancelled), None) == "c" and "c" in r, "unsealed, cancelled: it completes"
+
+
+def test_the_reconciler_hands_out_each_expired_job_once():
+    r = Reconciler()
+    r.note("soon", m.encode_json(m.JobSpec("soon", "/o/s", expires_at=100.0)), None)
+    r.note("later", m.encode_json(m.JobSpec("later", "/o/l", expires_at=200.0)), None)
+    r.note("never", m.encode_json(m.JobSpec("never", "/o/n")), None)
+    r.note("gone", m.encode_json(m.JobSpec("gone", "/o/g", expires_at=50.0, cancelled_at=40.0)), None)
+    assert r.take_expired(99.0) == []
+    assert r.take_expired(150.0) == [("soon", 100.0)]
+    assert r.take_expired(150.0) == [], "handed out once"
+    r.note("later", b"", "DEL")
+    assert r.take_expired(1e9) == []
+
+
+@pytest.mark.parametrize(
+    "spec_kw, rows, pending, quiet, now, want",
+    [
+        ({"total": 10}, 10, False, 0.0, 0.0, True),  # sealed, every row on disk
+        ({"total": 10}, 10, True, 9.0, 9.0, False),  # rows still queued
+        ({"total": 10}, 9, False, 99.0, 99.0, False),  # one missing, not cancelled
+        ({"cancelled_at": 100.0}, 3, False, 99.0, 102.0, False),  # cancelled 2 s ago: prompts may still land
+        ({"cancelled_at": 100.0}, 3, False, 1.0, 110.0, False),  # a row came 1 s ago
+        ({"cancelled_at": 100.0}, 3, False, 99.0, 104.0, True),  # settled
+        ({"cancelled_at": 100.0, "total": 5}, 0, False, 99.0, 104.0, True),  # cancelled before any row
+    ],
+)
+def test_when_a_job_is_complete(spec_kw, rows, pending, quiet, now, want):
+    assert lifecycle.complete(m.JobSpec("j", "/o", **spec_kw), rows, pending, quiet, now) is want
+
+
+@pytest.mark.parametrize(
+    "cancelled_at, expires_at, now, ended, expired",
+    [
+        (0.0, 0.0, 100.0, 0.0, False),  # runs
+        (0.0, 200.0, 100.0, 0.0, False),  # deadline ahead
+        (0.0, 50.0, 100.0, 50.0, True),  # deadline passed
+        (40.0, 50.0, 100.0, 40.0, False),  # cancelled before its deadline
+        (60.0, 50.0, 100.0, 50.0, True),  # cancelled after it expired: expired
+    ],
+)
+def test_when_a_job_ended(cancelled_at, expires_at, now, ended, expired):
+    spec = m.JobSpec("j", "/o", cancelled_at=cancelled_at, expires_at=expires_at)
+    assert spec.ended_at(now) == ended and spec.expired(now) is expired

@@ -86,3 +86,14 @@ def test_top_restarted_worker_starts_its_rates_over():
     top.on_status(status("r0", prompt_tokens=300, completed=3), 12.0)
     p_rate, _, _ = top.replicas["r0"].rates(12.0)
     assert p_rate == 200.0
+
+
+def test_a_cancelled_job_reads_cancelling_until_the_sink_settles_it_then_cancelled():
+    spec = m.JobSpec("j", "/o", created_at=10.0, cancelled_at=20.0)
+    assert JobView.of("j", None, spec).state == "cancelling"
+    running = m.JobStatus("j", rows=5, updated_at=21.0, created_at=10.0)
+    view = JobView.of("j", running, spec)
+    assert view.state == "cancelling" and view.created_at == 10.0
+    done = m.JobStatus("j", rows=5, done=True, cancelled=True, updated_at=24.0, created_at=10.0)
+    assert JobView.of("j", done, spec).state == "cancelled"
+    assert JobView.of("j", m.JobStatus("j", rows=5, done=True), None).state == "done"

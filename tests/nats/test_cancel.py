@@ -1,0 +1,124 @@
+"""Cancelling a job through the commands users type (issue #24), on a slow echo engine:
+`prefixflow submit` of a large job, `prefixflow cancel` half way: the cluster stops
+feeding it within seconds, the rows written stay (each id once), the status and the
+summary say cancelled, `submit` exits 1 saying so, `prefixflow jobs` lists it as
+cancelled; a job running beside it is unaffected; cancelling again, or an unknown job,
+and resubmitting the cancelled id, each get a clear answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from client.submit import Submitter
+from datagen.dataset import write_prefix_repetition
+from shared.wire import messages as m
+from tests.conftest import REPO, VENV_BIN, echo_cluster_at, run_cli
+
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
+
+BIG, SMALL = 6000, 200
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model):
+    # ~400 prompts/s: the big job takes ~15 s alone.
+    with echo_cluster_at(tmp_path_factory.mktemp("cancel") / "cluster", tiny_model,
+                         engine_args=("--echo-delay", "0.02", "--window", "8")) as c:
+        yield c
+
+
+def dataset(path: Path, model: Path, n: int, seed: int) -> Path:
+    write_prefix_repetition(path, tokenizer_dir=model, num_prompts=n, prefix_len=32, suffix_len=8, num_prefixes=8,
+                            output_len=4, seed=seed)
+    return path
+
+
+def status(url: str, job: str) -> m.JobStatus | None:
+    async def get():
+        async with Submitter(url) as client:
+            return await client.status(job)
+    return asyncio.run(get())
+
+
+def test_cancel_stops_a_job_and_keeps_its_rows(cluster, tiny_model, tmp_path):
+    url = cluster.url
+    big = dataset(tmp_path / "big.parquet", tiny_model, BIG, 1)
+    small = dataset(tmp_path / "small.parquet", tiny_model, SMALL, 2)
+    out, other_out = tmp_path / "out", tmp_path / "other"
+    submit = subprocess.Popen(
+        [str(VENV_BIN / "prefixflow"), "submit", str(big), "--out", str(out), "--nats", url, "--job", "big",
+         "--no-progress", "--max-tokens", "4"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (st := status(url, "big")) is None or st.rows < 500:
+            assert time.monotonic() < deadline and submit.poll() is None, st
+            time.sleep(0.2)
+        other = subprocess.Popen(
+            [str(VENV_BIN / "prefixflow"), "submit", str(small), "--out", str(other_out), "--nats", url, "--job",
+             "beside", "--no-progress", "--max-tokens", "4"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        t0 = time.monotonic()
+        res = run_cli("cancel", "big", "--nats", url, timeout=90)
+        settled = time.monotonic() - t0
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "job big cancelled:" in res.stdout, res.stdout
+        out_s, err_s = submit.communicate(timeout=60)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    assert submit.returncode == 1, out_s + err_s
+    assert "job big cancelled" in err_s, err_s
+    st = status(url, "big")
+    assert st.done and st.cancelled and 500 <= st.rows < BIG, st
+    assert settled < 20, settled  # stopped feeding within seconds (3 s of it: the sink's settle time)
+    time.sleep(2)  # nothing more lands after the cancel settled
+    ids = pq.read_table(out).column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == st.rows == status(url, "big").rows
+    summary = json.loads((out / "_summary.json").read_text())
+    assert summary["cancelled"] is True and summary["expired"] is False and summary["rows"] == st.rows
+
+    # The job beside it was not touched.
+    out_o, err_o = other.communicate(timeout=120)
+    assert other.returncode == 0, out_o + err_o
+    assert sorted(pq.read_table(other_out).column("id").to_pylist()) == list(range(SMALL))
+
+    listed = run_cli("jobs", "--nats", url, "--json")
+    assert listed.returncode == 0, listed.stderr
+    states = {v["job"]: v["state"] for v in json.loads(listed.stdout)}
+    assert states["big"] == "cancelled" and states["beside"] == "done", states
+
+    again = run_cli("cancel", "big", "--nats", url)
+    assert again.returncode == 0 and "already cancelled" in again.stdout, again.stdout
+    unknown = run_cli("cancel", "no-such-job", "--nats", url)
+    assert unknown.returncode == 2 and "no job 'no-such-job'" in unknown.stdout, unknown.stdout
+    resubmit = run_cli("submit", str(big), "--out", str(out), "--nats", url, "--job", "big", "--no-progress", timeout=60)
+    assert resubmit.returncode == 1 and "submit under a new --job id" in resubmit.stderr, resubmit.stderr
+
+
+def test_a_job_past_its_deadline_expires_with_its_rows(cluster, tiny_model, tmp_path):
+    """`prefixflow submit --expires-in 4` of a job that needs ~15 s: the sink cancels it
+    as expired at its deadline; submit exits 1 saying so; the rows written stay, once."""
+    big = dataset(tmp_path / "big.parquet", tiny_model, BIG, 3)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    res = run_cli("submit", str(big), "--out", str(out), "--nats", cluster.url, "--job", "late", "--no-progress",
+                  "--max-tokens", "4", "--expires-in", "4", timeout=120)
+    took = time.monotonic() - t0
+    assert res.returncode == 1 and "job late expired" in res.stderr, res.stdout + res.stderr
+    st = status(cluster.url, "late")
+    assert st.done and st.cancelled and 0 < st.rows < BIG, st
+    assert took < 30, took
+    summary = json.loads((out / "_summary.json").read_text())
+    assert summary["expired"] is True and summary["rows"] == st.rows
+    ids = pq.read_table(out).column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == st.rows
