@@ -155,6 +155,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
         exec_nats(args.nats_url, args.store_dir)
         return
+    if args.service == "api":
+        from batchapi.service import serve as serve_api
+
+        serve_api(args)
+        return
     from services.registry import serve
 
     serve(args.service, args)
@@ -238,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     ssub = p.add_subparsers(dest="service", required=True)
     add_parsers(ssub)
     add_nats_parser(ssub)
+    from batchapi.service import add_parser as add_api_parser
+
+    add_api_parser(ssub)
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser(

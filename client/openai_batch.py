@@ -26,22 +26,21 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
-"""Endpoints served (url -> kind); a job serves the generate ones or, with `--task embed`,
-`/v1/embeddings`."""
-EMBED_URL = "/v1/embeddings"
+from shared.openai_batch import EMBED_URL, URLS, error_line, result_line
+
+__all__ = ["EMBED_URL", "URLS", "BadLine", "BatchInput", "error_line", "is_batch_file", "output_lines", "parse_line",
+           "read_batch", "request_row", "write_outputs", "write_rows"]
+
 IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"})
 """Body fields without effect on a batch result."""
 SAMPLING = frozenset({
     "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_tokens", "seed", "n",
     "presence_penalty", "frequency_penalty", "ignore_eos", "stop",
 })
-_FINISH = {"stop": "stop", "length": "length"}
 
 
 class BadLine(ValueError):
@@ -193,46 +192,6 @@ def _custom_id_of(line: bytes) -> str | None:
     return cid if isinstance(cid, str) else None
 
 
-def error_line(custom_id: str | None, message: str, code: str = "invalid_request") -> dict[str, Any]:
-    """An errors.jsonl line: HTTP 400 with an OpenAI error body."""
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": custom_id,
-        "response": {
-            "status_code": 400,
-            "request_id": f"req_{uuid.uuid4().hex}",
-            "body": {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
-        },
-        "error": None,
-    }
-
-
-def response_body(kind: str, row: dict[str, Any], model: str, created: int) -> dict[str, Any]:
-    """A ChatCompletion / Completion body from an output row."""
-    texts = row.get("outputs") or [row.get("output") or ""]
-    finish = _FINISH.get(row.get("finish_reason") or "", "stop")
-    prompt, completion = int(row.get("prompt_tokens") or 0), int(row.get("output_tokens") or 0)
-    usage = {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": int(row.get("cached_tokens") or 0)},
-    }
-    rid = uuid.uuid4().hex
-    if kind == "embedding":
-        return {"object": "list", "model": model,
-                "data": [{"object": "embedding", "index": 0, "embedding": list(row.get("embedding") or [])}],
-                "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
-    if kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": finish, "logprobs": None}
-                   for i, t in enumerate(texts)]
-        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": usage}
-    choices = [{"index": i, "text": t, "finish_reason": finish, "logprobs": None} for i, t in enumerate(texts)]
-    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage}
-
-
 def output_lines(batch: BatchInput, rows: list[dict[str, Any]], model: str) -> tuple[list[dict], list[dict]]:
     """(output.jsonl lines, errors.jsonl lines) from the job's output rows, in input order."""
     created = int(time.time())
@@ -242,13 +201,9 @@ def output_lines(batch: BatchInput, rows: list[dict[str, Any]], model: str) -> t
         row = by_id.get(custom_id)
         if row is None:
             errors.append(error_line(custom_id, f"line {n}: no result", "missing_result"))
-        elif row.get("error"):
-            errors.append(error_line(custom_id, f"line {n}: {row['error']}"))
-        else:
-            body = response_body(URLS[url], row, model or asked, created)
-            ok.append({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-                       "response": {"status_code": 200, "request_id": f"req_{uuid.uuid4().hex}", "body": body},
-                       "error": None})
+            continue
+        good, line = result_line(custom_id, url, row, model or asked, created, f"line {n}")
+        (ok if good else errors).append(line)
     return ok, errors
 
 

@@ -341,6 +341,8 @@ async def submit(
     resume: bool = False,
     max_in_flight: int = IN_FLIGHT_ROWS,
     expires_in: float | None = None,
+    deliver: str = "",
+    resolve_out: bool = True,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
@@ -350,7 +352,8 @@ async def submit(
     published; `resume` (or a job the cluster knows) prints how many were skipped."""
     if (problem := subjects.name_problem(job)) is not None:
         raise SystemExit(f"invalid job id {job!r}: {problem} (a job id is one NATS subject token: letters, digits, '-' and '_', at most 64)")
-    out_dir = str(Path(out_dir).resolve())
+    # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
+    out_dir = str(Path(out_dir).resolve()) if resolve_out else str(out_dir)
     from client import openai_batch
 
     batch = None
@@ -380,7 +383,7 @@ async def submit(
         now = time.time()
         spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
-                         overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0)
+                         overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver)
         await client.create(spec)
         seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
         # Resume: rows the sink has written already are not sent again (asked per chunk;

@@ -95,6 +95,7 @@ class HonchoCluster:
             "PFX_NATS_STORE": str(workdir / "nats"),
             "PFX_MODEL": str(model),
             "PFX_LOG_FORMAT": "json",
+            "PFX_PORT": str(free_port()),  # the batch API's (the Procfile's `api` line)
             **(env or {}),
         }
         self.proc: subprocess.Popen | None = None
@@ -215,12 +216,13 @@ def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
 
 
 @contextlib.contextmanager
-def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1, engine_args: tuple[str, ...] = ()):
+def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1, engine_args: tuple[str, ...] = (),
+                    env: dict[str, str] | None = None):
     """A local cluster of echo engines (`launch.local_cluster`) in `workdir`, ready."""
     from launch.local_cluster import LocalCluster, processes
 
     cluster = LocalCluster(processes(replicas, engine="echo", extra_engine_args=list(engine_args)), workdir=workdir,
-                           env={"PFX_MODEL": str(model)})
+                           env={"PFX_MODEL": str(model), **(env or {})})
     cluster.start()
     try:
         asyncio.run(cluster.wait_ready([f"r{i}" for i in range(replicas)], 90))

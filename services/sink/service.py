@@ -44,7 +44,7 @@ from shared.bus.provision import job_retention, provision
 from shared.bus.consume import decode_or_quarantine
 from shared.bus.poison import dead_letter, deliveries, is_poison, quarantine
 from shared.process import metrics
-from services.sink import lifecycle, queries
+from services.sink import export, lifecycle, queries
 from services.sink.binding import Action, open_bound
 from services.sink.inputs import InputCache
 from services.sink.large import resolve_or_hand_back
@@ -305,7 +305,12 @@ class Sink:
                 continue
             complete = lifecycle.complete(spec, out.rows, bool(out.pending), time.monotonic() - out.last_added, time.time())
             if complete and not out.done:
-                self.unannounced[job] = await self.finish(job, out, spec)  # sets out.done
+                try:
+                    self.unannounced[job] = await self.finish(job, out, spec)  # sets out.done
+                except export.ExportFailed as exc:
+                    out.done = False  # finished again next round
+                    log.warning("job results not exported, tried again", job=job, error=str(exc))
+                    continue
             elif not complete:
                 self.unannounced.pop(job, None)  # rows came after its summary: finished again later
             summary = self.unannounced.get(job) if complete else None
@@ -334,7 +339,12 @@ class Sink:
                 name = f"part-{out.next_part:06d}.parquet"  # the writer's name of its next part
                 await asyncio.to_thread(lifecycle.write_empty_part, out.dir, out.schema, name)
                 out.next_part += 1
-            return await asyncio.to_thread(out.write_summary, spec)
+            summary = await asyncio.to_thread(out.write_summary, spec)
+            if spec.deliver == export.DELIVER:  # the batch service reads the results from the object store
+                ok_path, err_path = out.dir / "_batch" / "output.jsonl", out.dir / "_batch" / "errors.jsonl"
+                await asyncio.to_thread(export.write_lines, out.parts(), spec.model, ok_path, err_path)
+                await export.put_results(self.js, job, ok_path, err_path)
+            return summary
 
     def status_of(self, job: str, out: JobOutput, spec: m.JobSpec, summary: dict | None) -> m.JobStatus:
         """The job's status: progress, or done with its summary (no per-replica totals)."""

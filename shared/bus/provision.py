@@ -183,6 +183,18 @@ async def ensure_kv(js: JetStreamContext, bucket: str, replicas: tuple[int, bool
     return await js.key_value(bucket)
 
 
+async def ensure_files(js: JetStreamContext, replicas: int, ttl: float):
+    """The batch service's object store (`subjects.FILES_OBJ`), bounded; objects expire
+    like job records. Created once (an existing store is left as it is)."""
+    try:
+        return await js.object_store(subjects.FILES_OBJ)
+    except NotFoundError:
+        return await js.create_object_store(
+            subjects.FILES_OBJ, storage=js_api.StorageType.FILE, replicas=replicas, max_bytes=subjects.FILES_MAX_BYTES,
+            ttl=ttl or None,
+        )
+
+
 async def provision(js: JetStreamContext, replicas: int | None = None) -> None:
     """Create (or update) every stream and KV bucket the project uses. `replicas`:
     0 automatic, None the process's `stream_replicas` setting."""
@@ -197,6 +209,8 @@ async def provision(js: JetStreamContext, replicas: int | None = None) -> None:
                 await ensure_stream(js, spec, n)
             await ensure_kv(js, subjects.JOBS_KV, n, ttl=keep)
             await ensure_kv(js, subjects.JOB_STATUS_KV, n, ttl=keep)
+            await ensure_kv(js, subjects.BATCHES_KV, n, ttl=keep)
+            await ensure_files(js, n[0], keep[0])
             return
         except (asyncio.TimeoutError, nats.errors.NoRespondersError, NotFoundError, ServiceUnavailableError) as exc:
             # JetStream not ready yet (server just started, or reconnecting; a cluster

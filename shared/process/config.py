@@ -238,6 +238,30 @@ class SinkConfig(CommonConfig, kw_only=True):
            "restarted sink must complete the job"),
     ] = False
 
+class ApiConfig(CommonConfig, kw_only=True):
+    host: Annotated[str, _d("address the HTTP API listens on")] = "127.0.0.1"
+    port: Annotated[int, _d("port the HTTP API listens on", ge=0, le=65535)] = 8000
+    api_keys: Annotated[
+        str, _d("tenants and their API keys, 'tenant:key,tenant:key' (keep it in a 0600 env file); "
+                "none here nor in --api-keys-file: one tenant, 'default', and no key asked")
+    ] = ""
+    api_keys_file: Annotated[str, _d("a file of 'tenant:key' lines (# comments), read at start-up")] = ""
+    model: Annotated[
+        str, _d("the model the cluster serves, as requests name it (a request naming another is an error line); "
+                "default: the locally built tiny model's path")
+    ] = DEFAULT_MODEL
+    served_names: Annotated[
+        str, _d("other names requests may give the served model, comma separated (e.g. its hub id)")
+    ] = ""
+    task: Annotated[
+        Literal["generate", "embed"], _d("what the cluster's engines do (its batches serve the matching endpoints)")
+    ] = "generate"
+    out_prefix: Annotated[
+        str, _d("batch outputs go to <sink out root>/<this>/<tenant>/<batch id> (relative to the sink's root)")
+    ] = "batches"
+    max_requests: Annotated[int, _d("most requests in one batch file (OpenAI's limit: 50,000)", gt=0)] = 50_000
+    max_file_bytes: Annotated[int, _d("largest file upload in bytes (OpenAI's limit: 200 MB)", gt=0)] = 200 * 1024 * 1024
+
 
 def _check_name(what: str, name: str) -> None:
     from shared.wire.subjects import name_problem

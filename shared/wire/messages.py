@@ -109,6 +109,9 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     stops feeding it: the ingestor drops its prompts, engine-workers skip the ones not
     started; the sink keeps the rows written and, once none has come for a few seconds,
     completes it as cancelled."""
+    deliver: str = ""
+    """"openai-batch": when the job completes, the sink also stores its rows as OpenAI
+    Batch result lines in the files object store (`services/sink/export.py`)."""
     expires_at: float = 0.0
     """Unix time after which the cluster stops feeding the job as it does a cancelled one
     (0: never; the OpenAI Batch API's `completion_window`): it completes as expired."""

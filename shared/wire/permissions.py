@@ -41,7 +41,7 @@ JS_API = "$JS.API"
 SERVICE_DISCOVERY = "$SRV.>"
 """nats.micro's discovery subjects (PING, INFO, STATS), served by the router."""
 
-ROLES = ("ingestor", "bucketer", "router", "engine-worker", "sink", "submitter", "admin")
+ROLES = ("ingestor", "bucketer", "router", "engine-worker", "sink", "submitter", "api", "admin")
 SERVICE_ROLES = ROLES[:5]
 """The roles that are `prefixflow serve NAME` processes (the role name is the service name)."""
 
@@ -114,6 +114,21 @@ def kv_write(bucket: str) -> list[str]:
     return [f"$KV.{bucket}.>"]
 
 
+def object_read(bucket: str) -> list[str]:
+    """Read objects of an object store (their meta by direct get; chunks through an
+    ordered consumer delivering to the user's inbox)."""
+    stream = f"OBJ_{bucket}"
+    api = f"{JS_API}.CONSUMER"
+    return [f"{JS_API}.STREAM.INFO.{stream}", f"{JS_API}.DIRECT.GET.{stream}", f"{JS_API}.DIRECT.GET.{stream}.>",
+            f"{JS_API}.STREAM.MSG.GET.{stream}", f"{api}.CREATE.{stream}", f"{api}.CREATE.{stream}.>",
+            f"{api}.DELETE.{stream}.>", f"{api}.INFO.{stream}.>", f"$JS.FC.{stream}.>"]
+
+
+def object_write(bucket: str) -> list[str]:
+    """Put and delete objects (chunks, meta; a replaced object's old chunks purged)."""
+    return [f"$O.{bucket}.C.>", f"$O.{bucket}.M.>", f"{JS_API}.STREAM.PURGE.OBJ_{bucket}"]
+
+
 def blob_write() -> list[str]:
     """Store blobs (`shared/bus/blobs.py`): publish their pieces."""
     return [s.blob_piece(ANY, ANY, ANY)]
@@ -134,7 +149,8 @@ def kv_watch(bucket: str) -> list[str]:
             f"{api}.INFO.{stream}.>", f"$JS.FC.{stream}.>"]
 
 
-ALL_STREAMS = [spec.name for spec in s.STREAMS] + [kv_stream(b) for b in (s.JOBS_KV, s.JOB_STATUS_KV)]
+ALL_STREAMS = ([spec.name for spec in s.STREAMS] + [kv_stream(b) for b in (s.JOBS_KV, s.JOB_STATUS_KV, s.BATCHES_KV)]
+               + [f"OBJ_{s.FILES_OBJ}"])
 
 
 # --- the roles -----------------------------------------------------------------------
@@ -219,6 +235,8 @@ def _sink():
             *kv_watch(s.JOBS_KV),  # sealed jobs to reconcile (services/sink/service.py)
             *kv_read(s.JOB_STATUS_KV),
             *kv_write(s.JOB_STATUS_KV),
+            *object_read(s.FILES_OBJ),  # a batch job's results exported for the batch service
+            *object_write(s.FILES_OBJ),
         ],
         [s.ALL_DONE_QUERIES, s.JOB_CANCELLED],
         responds=True,
@@ -243,6 +261,15 @@ def _submitter():
     return pub, [s.ALL_STATUS, s.JOB_CANCELLED], False
 
 
+def _api():
+    """The batch service (`prefixflow serve api`): a submitter of its tenants' jobs, plus
+    its files (object store) and batches (key-value) and cancelling its jobs."""
+    pub, sub, _ = _submitter()
+    pub = [*provision(ALL_STREAMS), *pub, s.JOB_CANCELLED, *object_read(s.FILES_OBJ), *object_write(s.FILES_OBJ),
+           *kv_read(s.BATCHES_KV), *kv_write(s.BATCHES_KV)]
+    return pub, sub, False
+
+
 ROLE_GRANTS: dict[str, Callable[[], tuple[list[str], list[str], bool]]] = {
     "ingestor": _ingestor,
     "bucketer": _bucketer,
@@ -250,6 +277,7 @@ ROLE_GRANTS: dict[str, Callable[[], tuple[list[str], list[str], bool]]] = {
     "engine-worker": _engine_worker,
     "sink": _sink,
     "submitter": _submitter,
+    "api": _api,
 }
 
 

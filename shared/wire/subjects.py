@@ -238,6 +238,15 @@ JOBS_KV = "PFX_JOBS"
 """Job specs (`messages.JobSpec`, JSON) by job id: written by the client, read by all."""
 JOB_STATUS_KV = "PFX_JOB_STATUS"
 """Job progress (`messages.JobStatus`, JSON) by job id: written by the sink."""
+FILES_OBJ = "PFX_FILES"
+"""Object store of the batch service's files (`prefixflow serve api`): uploaded inputs
+(`file-<hex>`), and each batch job's exported results (`<job>/output.jsonl`,
+`<job>/errors.jsonl`, written by the sink). Replicated like the streams."""
+FILES_MAX_BYTES = 16 * 1024**3
+"""The files object store's size bound: full, uploads are refused (HTTP 507)."""
+BATCHES_KV = "PFX_BATCHES"
+"""The batch service's batches (its own record: the OpenAI Batch object, tenant, job),
+by batch id; expire with the job records (`--job-retention`)."""
 JOB_RETENTION = 7 * 24 * 3600.0
 """Default seconds a job's spec, status and dead letters are kept after their last write
 (`--job-retention` / `PFX_JOB_RETENTION`); output files are the user's and stay."""

@@ -55,10 +55,11 @@ LAYERS: dict[str, set[str]] = {
     "datagen": {"shared"},
     "report": {"shared"},
     "client": {"shared"},
+    "batchapi": {"shared", "client"},
     "launch": {"shared", "services", "client", "datagen", "report"},
     "sim": {"shared", "services", "datagen"},
     "bench": {"shared", "services", "client", "launch", "datagen", "report"},
-    "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench"},
+    "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench", "batchapi"},
 }
 """Each package and the packages it may import (function-level imports included): the
 layers of docs/architecture.md's map. Nothing imports upward, and `tests` is imported by

@@ -26,7 +26,9 @@ SERVICE_UNITS = {
     "prefixflow-bucketer.service": "bucketer",
     "prefixflow-engine@.service": "engine-worker",
     "prefixflow-sink.service": "sink",
+    "prefixflow-api.service": "api",
 }
+CONFIGS = {**SERVICES, "api": cfgmod.ApiConfig}
 ALL_UNITS = [*SERVICE_UNITS, "prefixflow-nats.service"]
 HOST = "gpu-node-7"
 """What %l (the short host name) expands to in these tests."""
@@ -81,7 +83,7 @@ def test_command_lines_are_valid_serve_invocations(name, service, etc):
     files = [f.lstrip("-") for f in values(parse_unit(path), "Service", "EnvironmentFile")]
     assert files == ["/etc/prefixflow/env", f"/etc/prefixflow/{service}.env"]
     env = unit_env(path, etc, instance="0", host=HOST)
-    cfg = cfgmod.load(SERVICES[service], args, environ=env)
+    cfg = cfgmod.load(CONFIGS[service], args, environ=env)
     assert cfg.nats_user == service and cfg.nats_password
     assert cfg.nats_url.startswith("nats://nats-1:4222,"), "this node's server first"
     if service == "sink":

@@ -1,0 +1,180 @@
+"""The OpenAI Batch API (`prefixflow serve api`, issue #24) with the real `openai` client,
+on a local cluster of echo engines: files up and down, a batch with good and bad lines
+to `completed` (its files validated with openai's own types), list and pagination,
+tenants that cannot see each other (404), a batch cancelled mid-run (partial output,
+the rest as `batch_cancelled` error lines), and the API restarted mid-batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletion
+
+from launch.local_cluster import free_port
+from tests.conftest import REPO, VENV_BIN, echo_cluster_at
+
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("api-root")
+
+
+@pytest.fixture(scope="module")
+def cluster(root, tiny_model):
+    # ~400 prompts/s: a batch of a few thousand requests runs for seconds.
+    with echo_cluster_at(root / "cluster", tiny_model, engine_args=("--echo-delay", "0.02", "--window", "8"),
+                         env={"PFX_OUT_ROOT": str(root)}) as c:
+        yield c
+
+
+class ApiProcess:
+    def __init__(self, url: str, model: Path, root: Path) -> None:
+        self.port = free_port()
+        self.env = {**os.environ, "PFX_NATS_URL": url, "PFX_MODEL": str(model), "PFX_API_KEYS": "alice:key-a,bob:key-b",
+                    "PFX_PORT": str(self.port), "PFX_LOG_FORMAT": "json", "PFX_SERVED_NAMES": "tiny-llama"}
+        self.log = root / f"api-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        seen = self.log.stat().st_size if self.log.exists() else 0
+        self.proc = subprocess.Popen([str(VENV_BIN / "prefixflow"), "serve", "api"], cwd=REPO, env=self.env,
+                                     stdout=self.log.open("a"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while '"api ready"' not in self.log.read_text()[seen:]:
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(20)
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(api_key=key, base_url=f"http://127.0.0.1:{self.port}/v1", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def api(cluster, tiny_model, root):
+    a = ApiProcess(cluster.url, tiny_model, root)
+    a.start()
+    yield a
+    a.stop()
+
+
+def chat_line(i: int, model: str = "tiny-llama") -> dict:
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": f"question {i % 7}: say {i}"}],
+                     "max_tokens": 4}}
+
+
+def write_batch(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def wait_for(client: openai.OpenAI, bid: str, states: set[str], timeout: float = 180):
+    deadline = time.monotonic() + timeout
+    while (batch := client.batches.retrieve(bid)).status not in states:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.3)
+    return batch
+
+
+def lines_of(client: openai.OpenAI, fid: str | None) -> list[dict]:
+    if fid is None:
+        return []
+    return [json.loads(x) for x in client.files.content(fid).text.splitlines() if x.strip()]
+
+
+def test_a_batch_with_bad_lines_completes_and_only_its_tenant_sees_it(api, tmp_path):
+    alice, bob = api.client("key-a"), api.client("key-b")
+    good = [chat_line(i) for i in range(20)]
+    bad = ["{not json", chat_line(100, model="gpt-4o"),
+           {"custom_id": "other-url", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}]
+    path = write_batch(tmp_path / "batch.jsonl", good[:10] + bad + good[10:])
+    f = alice.files.create(file=path.open("rb"), purpose="batch")
+    assert f.bytes == path.stat().st_size and alice.files.retrieve(f.id).filename == "batch.jsonl"
+    assert alice.files.content(f.id).content == path.read_bytes()
+    batch = alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                                 metadata={"team": "a"})
+    assert batch.status == "validating" and batch.metadata == {"team": "a"}
+    done = wait_for(alice, batch.id, {"completed", "failed", "cancelled", "expired"})
+    assert done.status == "completed", done
+    assert done.request_counts.total == 23 and done.request_counts.completed == 20 and done.request_counts.failed == 3
+    out = lines_of(alice, done.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in good)
+    for x in out:
+        assert x["response"]["status_code"] == 200
+        ChatCompletion.model_validate(x["response"]["body"])
+    errors = lines_of(alice, done.error_file_id)
+    assert len(errors) == 3 and all(x["response"]["status_code"] == 400 for x in errors)
+    assert any("model 'gpt-4o' is not served" in x["response"]["body"]["error"]["message"] for x in errors)
+    assert {b.id for b in alice.batches.list()} >= {batch.id}
+
+    # Tenant B sees none of it.
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.files.content(f.id)
+    with pytest.raises(openai.NotFoundError):
+        bob.files.retrieve(done.output_file_id)
+    with pytest.raises(openai.NotFoundError):
+        bob.batches.cancel(batch.id)
+    assert batch.id not in {b.id for b in bob.batches.list()} and f.id not in {x.id for x in bob.files.list()}
+    with pytest.raises(openai.AuthenticationError):
+        api.client("no-such-key").batches.list()
+    assert alice.batches.retrieve(batch.id).status == "completed"  # A's work unaffected
+
+    # A file of bad lines only: the batch fails, its errors name the lines.
+    only_bad = alice.files.create(file=write_batch(tmp_path / "bad.jsonl", bad).open("rb"), purpose="batch")
+    failed = wait_for(alice, alice.batches.create(input_file_id=only_bad.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h").id, {"completed", "failed"})
+    assert failed.status == "failed" and [e.line for e in failed.errors.data] == [1, 2, 3]
+
+
+def started_batch(client: openai.OpenAI, path: Path, n: int, done: int):
+    """A batch of `n` chat requests, once `done` of them are completed."""
+    f = client.files.create(file=write_batch(path, [chat_line(i) for i in range(n)]).open("rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while client.batches.retrieve(batch.id).request_counts.completed < done:
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    return batch
+
+
+def test_a_batch_cancelled_mid_run_keeps_its_results(api, tmp_path):
+    alice = api.client("key-a")
+    n = 3000
+    batch = started_batch(alice, tmp_path / "big.jsonl", n, 300)
+    assert alice.batches.cancel(batch.id).status == "cancelling"
+    done = wait_for(alice, batch.id, {"cancelled", "completed", "failed"})
+    assert done.status == "cancelled", done
+    out, errors = lines_of(alice, done.output_file_id), lines_of(alice, done.error_file_id)
+    assert 300 <= len(out) < n
+    assert {x["response"]["body"]["error"]["code"] for x in errors} == {"batch_cancelled"}
+    ids = [x["custom_id"] for x in out + errors]
+    assert len(ids) == len(set(ids)) == n, "every request once: a result or a batch_cancelled line"
+    assert done.request_counts.completed == len(out) and done.request_counts.failed == len(errors)
+
+
+def test_the_api_restarted_mid_batch_finishes_it(api, tmp_path):
+    alice = api.client("key-a")
+    n = 2000
+    batch = started_batch(alice, tmp_path / "long.jsonl", n, 200)
+    api.stop()
+    api.start()
+    done = wait_for(api.client("key-a"), batch.id, {"completed", "failed", "cancelled"})
+    assert done.status == "completed" and done.request_counts.completed == n, done
+    out = lines_of(api.client("key-a"), done.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
+    assert api.client("key-a").files.content(batch.input_file_id).content == (tmp_path / "long.jsonl").read_bytes()

@@ -1,0 +1,92 @@
+"""The batch service's pure parts: API keys -> tenants, reading a batch input file (bad
+lines and why), counters, deadlines, the lines of requests without a result; and the
+sink's export of a job's rows as OpenAI result lines."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from openai.types.chat import ChatCompletion
+
+from batchapi import batches as b
+from batchapi.tenants import OPEN_TENANT, load_keys, parse_keys, tenant_of
+from services.sink.export import write_lines
+
+pytestmark = pytest.mark.unit
+
+
+def test_keys_map_to_tenants_and_bad_items_are_refused(tmp_path):
+    keys = parse_keys("alice:ka, bob:kb\n# a comment\ncarol : kc")
+    assert keys == {"ka": "alice", "kb": "bob", "kc": "carol"}
+    for bad in ("alice", "alice:", ":ka", "al ice:ka", "a:k,b:k"):
+        with pytest.raises(ValueError):
+            parse_keys(bad)
+    f = tmp_path / "keys"
+    f.write_text("dave:kd\n")
+    assert load_keys("alice:ka", str(f)) == {"ka": "alice", "kd": "dave"}
+    assert tenant_of(keys, "Bearer kb") == "bob" and tenant_of(keys, "bearer ka") == "alice"
+    assert tenant_of(keys, "Bearer nope") is None and tenant_of(keys, None) is None and tenant_of(keys, "kb") is None
+    assert tenant_of({}, None) == OPEN_TENANT
+
+
+def test_completion_windows_and_endpoints():
+    assert b.window_seconds("24h") == 86400 and b.window_seconds("90m") == 5400 and b.window_seconds("5s") == 5
+    for bad in ("", "24", "0h", "1d", "h"):
+        with pytest.raises(b.Invalid):
+            b.window_seconds(bad)
+    b.check_endpoint("/v1/chat/completions", "generate")
+    b.check_endpoint("/v1/embeddings", "embed")
+    for endpoint, task in (("/v1/embeddings", "generate"), ("/v1/chat/completions", "embed"), ("/v1/responses", "generate")):
+        with pytest.raises(b.Invalid):
+            b.check_endpoint(endpoint, task)
+
+
+def line(cid: str, url: str = "/v1/chat/completions", model: str = "m", **body) -> str:
+    body = body or {"messages": [{"role": "user", "content": cid}]}
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": {"model": model, **body}})
+
+
+def test_parse_file_keeps_good_requests_and_names_every_bad_line(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([
+        line("a"), "{oops", line("b", model="other"), line("c", url="/v1/completions", prompt="x"), "",
+        line("a"), line("d", model=""), line("e"), line("f"),
+    ]) + "\n")
+    parsed = b.parse_file(src, tmp_path / "rows.jsonl", "/v1/chat/completions", {"m"}, max_requests=3)
+    assert parsed.ids == ["a", "d", "e"]
+    rows = [json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "d", "e"] and rows[0]["messages"][0]["content"] == "a"
+    assert [e["line"] for e in parsed.bad_errors] == [2, 3, 4, 6, 9]
+    messages = [x["response"]["body"]["error"]["message"] for x in parsed.bad]
+    assert "not JSON" in messages[0] and "model 'other' is not served" in messages[1]
+    assert "url /v1/completions in a batch for /v1/chat/completions" in messages[2]
+    assert "duplicate custom_id" in messages[3] and "more than 3 requests" in messages[4]
+    assert [x["custom_id"] for x in parsed.bad] == [None, "b", "c", "a", "f"]
+
+
+def test_counts_and_missing_lines():
+    assert b.counts(10, 2, 7, 1) == {"total": 12, "completed": 6, "failed": 3}
+    lines = b.missing_lines(["a", "b", "c"], {"b"}, "batch_expired")
+    assert [x["custom_id"] for x in lines] == ["a", "c"]
+    assert {x["response"]["body"]["error"]["code"] for x in lines} == {"batch_expired"}
+    assert b.served_names("/x/models/tiny", "hub/tiny, t2") == {"/x/models/tiny", "tiny", "hub/tiny", "t2"}
+
+
+def test_the_sink_exports_every_row_as_a_result_line(tmp_path):
+    part = tmp_path / "part-000000.parquet"
+    pq.write_table(pa.table({
+        "id": ["r1", "r2"], "url": ["/v1/chat/completions"] * 2, "output": ["hi", None], "finish_reason": ["stop", None],
+        "prompt_tokens": [5, 5], "cached_tokens": [2, 0], "output_tokens": [1, 0], "error": [None, "engine died"],
+        "extra": [1, 2],
+    }), part)
+    ok, err = tmp_path / "_batch" / "output.jsonl", tmp_path / "_batch" / "errors.jsonl"
+    assert write_lines([part], "m", ok, err) == (1, 1)
+    good = json.loads(ok.read_text())
+    assert good["custom_id"] == "r1" and good["response"]["status_code"] == 200
+    body = ChatCompletion.model_validate(good["response"]["body"])
+    assert body.choices[0].message.content == "hi" and body.usage.prompt_tokens_details.cached_tokens == 2
+    bad = json.loads(err.read_text())
+    assert bad["custom_id"] == "r2" and "engine died" in bad["response"]["body"]["error"]["message"]
