@@ -97,6 +97,10 @@ class Runner:
             return await self.set(rec, "in_progress", request_counts=b.counts(rec.requests, rec.bad, 0, 0))
         if status in ("in_progress", "cancelling"):
             ended = await self.execute(rec, work)
+            fresh = await self.store.batch(rec.tenant, rec.batch["id"])
+            if not ended and fresh is not None and fresh.batch["status"] == "cancelling":
+                ended = "cancelled"  # cancelled as its last rows landed: cancelled, with every result
+                rec.batch.update(status="cancelling", cancelling_at=fresh.batch.get("cancelling_at"))
             return await self.set(rec, "finalizing", _ended=ended)
         if status == "finalizing":
             return await self.finalize(rec, parsed, work)
