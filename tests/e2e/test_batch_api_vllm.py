@@ -96,3 +96,48 @@ def test_openai_client_runs_batches_on_vllm(vllm_cluster, tiny_model, tmp_path):
     assert 20 <= len(out) < n and {x["response"]["body"]["error"]["code"] for x in errors} == {"batch_cancelled"}
     assert len({x["custom_id"] for x in out + errors}) == n
     assert {chat_batch.id, cmpl_batch.id, big.id} <= {b.id for b in c.batches.list(limit=2)}  # pages through
+
+
+def test_an_embeddings_batch_on_pooling_engines(tiny_model, tmp_path):
+    """`/v1/embeddings` through the API on a cluster of vLLM pooling engines (`PFX_TASK=embed`):
+    every response validates as openai's `CreateEmbeddingResponse`, identical inputs get
+    identical vectors, and a chat batch is refused there (400)."""
+    import asyncio
+    import os
+    import signal
+    import subprocess
+
+    from openai.types import CreateEmbeddingResponse
+
+    from launch.local_cluster import LocalCluster, free_port, processes
+    from tests.conftest import REPO, VENV_BIN, wait_replicas_ready
+
+    env = {"PFX_MODEL": str(tiny_model), "PFX_TASK": "embed", "PFX_OUT_ROOT": str(tmp_path)}
+    cluster = LocalCluster(processes(1, engine="vllm"), workdir=tmp_path / "cluster", env=env)
+    cluster.start()
+    port = free_port()
+    log = tmp_path / "api.log"
+    api = subprocess.Popen([str(VENV_BIN / "prefixflow"), "serve", "api"], cwd=REPO, stdout=log.open("w"),
+                           stderr=subprocess.STDOUT,
+                           env={**os.environ, **env, "PFX_NATS_URL": cluster.url, "PFX_PORT": str(port)})
+    try:
+        asyncio.run(wait_replicas_ready(cluster.url, ["r0"], 300, cluster.check_alive))
+        c = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=2)
+        texts = [f"document {i % 5} about prefixes" for i in range(10)]
+        reqs = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": tiny_model.name, "input": t}} for i, t in enumerate(texts)]
+        fid = upload(c, tmp_path / "embed.jsonl", reqs)
+        with pytest.raises(openai.BadRequestError):
+            c.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
+        done = finished(c, c.batches.create(input_file_id=fid, endpoint="/v1/embeddings", completion_window="24h").id)
+        assert done.status == "completed" and done.request_counts.completed == 10, (done, log.read_text()[-2000:])
+        vectors = {}
+        for x in lines(c, done.output_file_id):
+            body = CreateEmbeddingResponse.model_validate(x["response"]["body"])
+            vectors[x["custom_id"]] = body.data[0].embedding
+        assert len(vectors) == 10 and all(len(v) == 256 for v in vectors.values())
+        assert vectors["e0"] == pytest.approx(vectors["e5"], rel=1e-6) and vectors["e0"] != vectors["e1"]
+    finally:
+        api.send_signal(signal.SIGTERM)
+        api.wait(20)
+        cluster.stop()

@@ -42,7 +42,9 @@ def test_procfile_matches_processes(monkeypatch):
     monkeypatch.setattr(cluster, "machine_devices", lambda: TWO_CORES)
     entries = procfile_entries()
     procs = cluster.processes(2)
-    assert list(entries) == [p.name for p in procs]
+    # The local cluster's processes, then the batch API (a client of them: `make up` only).
+    assert list(entries) == [p.name for p in procs] + ["api"]
+    assert entries["api"] == ({}, ["serve", "api"])
     for p in procs:
         env, args = entries[p.name]
         assert args == p.args, p.name
