@@ -119,6 +119,7 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
         try:
             b.check_endpoint(body.endpoint, cfg.task)
             window = b.window_seconds(body.completion_window)
+            b.priority(body.metadata)
         except b.Invalid as exc:
             raise ApiError(400, str(exc)) from None
         await own_file(who, body.input_file_id)

@@ -36,6 +36,19 @@ def window_seconds(window: str) -> int:
     return int(m.group(1)) * {"h": 3600, "m": 60, "s": 1}[m.group(2)]
 
 
+def priority(metadata: dict[str, str] | None) -> int:
+    """The batch's job weight from `metadata["priority"]` (a whole number 1..MAX_PRIORITY,
+    as OpenAI metadata values are strings); 1 when absent."""
+    from shared.wire.messages import MAX_PRIORITY
+
+    text = (metadata or {}).get("priority")
+    if text is None:
+        return 1
+    if not str(text).strip().isdigit() or not 1 <= int(text) <= MAX_PRIORITY:
+        raise Invalid(f"metadata.priority {text!r}: want a whole number from 1 to {MAX_PRIORITY}")
+    return int(text)
+
+
 def check_endpoint(endpoint: str, task: str) -> None:
     if endpoint not in URLS:
         raise Invalid(f"endpoint {endpoint!r} is not served (want one of {', '.join(URLS)})")

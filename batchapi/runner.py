@@ -129,7 +129,7 @@ class Runner:
                 out_dir=f"{self.cfg.out_prefix}/{rec.tenant}/{rec.batch['id']}", resolve_out=False,
                 sampling=m.SamplingSpec(), model=self.cfg.model, progress=False,
                 task="embed" if rec.batch["endpoint"] == b.EMBED_URL else "generate",
-                expires_in=max(left, 0.001), deliver="openai-batch",
+                expires_in=max(left, 0.001), deliver="openai-batch", priority=b.priority(rec.batch.get("metadata")),
             )
             return ""
         except JobCancelled:

@@ -95,6 +95,16 @@ JOB_HELP = {
 }
 
 
+def weight(text: str) -> int:
+    """A job's priority: a whole number from 1 to MAX_PRIORITY."""
+    from shared.wire.messages import MAX_PRIORITY
+
+    value = int(text)
+    if not 1 <= value <= MAX_PRIORITY:
+        raise argparse.ArgumentTypeError(f"must be 1..{MAX_PRIORITY}, got {value}")
+    return value
+
+
 def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("input", help="Parquet or JSONL file with a 'prompt' column (and optionally 'id')")
     p.add_argument("--out", required=True, help="output directory (part-*.parquet, _summary.json, _job.json); "
@@ -109,6 +119,9 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--expires-in", type=float, default=None, metavar="SECONDS",
                    help="the cluster cancels the job as expired if it is not done this many seconds after it is "
                         "submitted; the rows written stay (default: never)")
+    p.add_argument("--priority", type=weight, default=1, metavar="WEIGHT",
+                   help="the job's weight while other jobs share the cluster: a job of weight 3 gets three times "
+                        "the engine work of a job of weight 1 (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--task", choices=("generate", "embed"), default="generate",
                    help="generate text, or embed (an `embedding` column; `run` starts pooling engines) (default generate)")
@@ -189,6 +202,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 overwrite=args.overwrite,
                 max_in_flight=args.max_in_flight,
                 expires_in=args.expires_in,
+                priority=args.priority,
                 **chat_from(args),
             )
         )

@@ -343,6 +343,7 @@ async def submit(
     expires_in: float | None = None,
     deliver: str = "",
     resolve_out: bool = True,
+    priority: int = 1,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
@@ -383,7 +384,8 @@ async def submit(
         now = time.time()
         spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
-                         overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver)
+                         overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver,
+                         priority=priority)
         await client.create(spec)
         seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
         # Resume: rows the sink has written already are not sent again (asked per chunk;

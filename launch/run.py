@@ -182,6 +182,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
                     resume=todo.resume,
                     max_in_flight=args.max_in_flight,
                     expires_in=args.expires_in,
+                    priority=args.priority,
                     **chat,
                 ),
                 replicas_ready(submitted),

@@ -255,6 +255,11 @@ class PrefixBuffer:
                 self._recount(self._start_of(prev))
         return items
 
+    @staticmethod
+    def work(items: list[Item]) -> int:
+        """Work tokens of `items` (what the router counts as load)."""
+        return sum(it.weight or tk.count(it.tokens) for it in items)
+
     def _clean_ages(self) -> None:
         while self._ages and self._ages[0][2] not in self._items:
             heapq.heappop(self._ages)
@@ -316,10 +321,14 @@ class PrefixBuffer:
             parts.append(loose)
         return [(len(part), self._keyed(part).key) for part in parts]
 
-    def pop(self, now: float, *, flush: bool = False, budget: float = 0) -> list[Bucket]:
+    def pop(self, now: float, *, flush: bool = False, budget: float = 0, bounded: bool = False) -> list[Bucket]:
         """Release what is due at `now` (everything if `flush`), then, largest first,
         buckets worth up to about `budget` work tokens (the replicas' free room: feeding
-        idle engines beats waiting for better buckets)."""
+        idle engines beats waiting for better buckets).
+
+        `bounded` (a job's turn under fair sharing, `services/bucketer/lanes.py`): release
+        only up to `budget`, overdue buckets first, then the largest; the size bound is
+        the caller's (it gates intake), so nothing goes out past the budget."""
         out: list[Bucket] = []
         pool = Bucket([], pooled=True)
 
@@ -340,19 +349,22 @@ class PrefixBuffer:
                 out.append(pool)
                 pool = Bucket([], pooled=True)
 
-        # 1. Overdue prompts go now, with their whole bucket.
-        while True:
+        # 1. Overdue prompts go now, with their whole bucket (bounded: within the budget).
+        while not bounded or budget > 0:
             self._clean_ages()
             if not self._ages or now - self._ages[0][0] < self.max_wait:
                 break
-            emit(self._take(self._start_of(self._ages[0][2])), "max_wait")
+            items = self._take(self._start_of(self._ages[0][2]))
+            if bounded:
+                budget -= self.work(items)
+            emit(items, "max_wait")
         # 2. Over the bounds (or flushing): largest buckets first.
-        while self._items and (flush or self.over()):
+        while self._items and (flush or (not bounded and self.over())):
             emit(self._take(self._largest()), "flush" if flush else "size")
         # 3. Work-conserving: the replicas have room, so the largest buckets go now.
         while self._items and budget > 0:
             items = self._take(self._largest())
-            budget -= sum(it.weight or tk.count(it.tokens) for it in items)
+            budget -= self.work(items)
             emit(items, "eager")
         if pool.items:  # a partial mixed batch goes too: its prompts were due
             out.append(pool)

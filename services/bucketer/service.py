@@ -1,13 +1,19 @@
 """Bucketer (one per node): groups prompts that share a prefix, routes the groups.
 
-Two tasks share a bounded `PrefixBuffer`:
-- the intake loop pulls prompt batches from `pfx.bucket.<node>` while the buffer has
-  room (a full buffer stops the pulling: backpressure up to the ingestor);
-- the dispatcher takes due buckets, asks the router where each goes (retrying while the
-  router says retry-after - the buffer meanwhile keeps filling, which is exactly when
-  buckets get better; the router's freed-room event cuts the wait short), publishes
-  them to `pfx.work.<replica>`, and acks an input message once every prompt it carried
-  has been durably published downstream.
+Each job's prompts for this node arrive on their own subject `pfx.bucket.<node>.<job>`
+and wait in that job's lane (`services/bucketer/lanes.py`: a `PrefixBuffer` per job,
+released by weighted fair queuing), so a small job is not queued behind a large one.
+Two tasks share the lanes:
+- the intake loop looks at the bucket and ingest streams every `SCAN_EVERY` seconds
+  (which jobs have prompts here, which have anything left upstream) and pulls prompt
+  batches from each job's consumer while that job's lane is under its share of the
+  buffer (a full lane stops its pulling: backpressure up to the ingestor);
+- the dispatcher releases buckets: whenever the router reports free room on the
+  replicas, the lanes furthest behind in virtual time first; a job with nothing left
+  upstream and no new input is flushed. It asks the router where each bucket goes
+  (retrying while the router says retry-after; the router's freed-room event cuts the
+  wait short), publishes them to `pfx.work.<replica>`, and acks an input message once
+  every prompt it carried has been durably published downstream.
 """
 
 from __future__ import annotations
@@ -34,52 +40,64 @@ from shared.bus.poison import error_rows
 from shared.bus.publish import PublishError, message_limit, publish
 from shared.bus.pull import DurablePull, keep_in_progress
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
+from services.bucketer.lanes import Lane, Lanes
 
 log = structlog.get_logger()
 
 SEND_CONCURRENCY = 32
 EAGER_MIN_WAIT = 0.1
 """Seconds the oldest prompt waits before eager release may ask whether input landed."""
-CAUGHT_UP_EVERY = 0.1
+SCAN_EVERY = 0.1
+"""Seconds between looks at the streams (which jobs have prompts here or upstream)."""
 FETCH_MESSAGES = 4
-"""Prompt batches pulled at once (each up to 512 prompts): how far past its bound the
-buffer can get before the intake stops."""
+"""Prompt batches pulled from one job at once (each up to 512 prompts): how far past its
+share a lane can get before its intake stops."""
 
 
 class Bucketer:
     def __init__(self, cfg: BucketerConfig) -> None:
         self.cfg = cfg
-        self.buffer = PrefixBuffer(
-            max_prompts=cfg.buffer_prompts,
-            max_bytes=cfg.buffer_bytes,
-            min_bucket=cfg.min_bucket,
-            max_bucket=cfg.max_bucket,
-            threshold=cfg.threshold,
-            max_wait=cfg.max_wait,
-            block_size=cfg.hash_block_size,
-            pool_size=cfg.pool_size,
-        )
-        self.last_input = time.monotonic()
+        def make_buffer() -> PrefixBuffer:
+            return PrefixBuffer(
+                max_prompts=cfg.buffer_prompts,
+                max_bytes=cfg.buffer_bytes,
+                min_bucket=cfg.min_bucket,
+                max_bucket=cfg.max_bucket,
+                threshold=cfg.threshold,
+                max_wait=cfg.max_wait,
+                block_size=cfg.hash_block_size,
+                pool_size=cfg.pool_size,
+            )
+
+        self.lanes = Lanes(make_buffer, max_prompts=cfg.buffer_prompts, max_bytes=cfg.buffer_bytes,
+                           min_share=cfg.pool_size, slack=FETCH_MESSAGES * m.MAX_PROMPTS_PER_MESSAGE)
+        """One prefix buffer per job, released by weight (fair sharing)."""
+        self.pulls: dict[str, DurablePull] = {}
+        """job -> the pull on its consumer of this node's prompts."""
+        self.weights: dict[str, int] = {}
+        """job -> priority, as its prompt batches carry it."""
+        self.here: dict[str, int] = {}
+        """job -> messages on its subject for this node (queued or held), as last scanned."""
+        self.upstream: dict[str, int] = {}
+        """job -> messages on its ingest subject (not yet ingested), as last scanned."""
+        self.scanned_at = float("-inf")
         # stream sequence -> [message, prompts not yet published downstream]
         self.ledger = AckLedger()
         """Prompt batches held until every prompt they carried is published downstream."""
         self.wake = asyncio.Event()
         self.freed = asyncio.Event()
         """Set (and replaced) whenever the router announces freed room."""
-        self.caught_up_at = (-1.0, False)
-        """(when asked, answer) of the last upstream check."""
         node = cfg.node
         self.prompts_in = metrics.BUCKETER_PROMPTS_IN.labels(node)
         self.route_retries = metrics.ROUTE_RETRIES.labels(node)
         self.bucket_size = metrics.BUCKET_SIZE.labels(node)
-        metrics.BUCKETER_BUFFERED.labels(node).set_function(lambda: len(self.buffer))
+        metrics.BUCKETER_BUFFERED.labels(node).set_function(lambda: len(self.lanes))
         metrics.BUCKETER_HELD.labels(node).set_function(lambda: len(self.ledger))
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, f"bucketer-{self.cfg.node}")
         self.nc, self.js = nc, nc.jetstream()
         await provision(self.js)
-        sub = DurablePull(self.js, subjects.bucketer_consumer(self.cfg.node))
 
         async def on_freed(_msg: Msg) -> None:
             freed, self.freed = self.freed, asyncio.Event()
@@ -95,31 +113,97 @@ class Bucketer:
             tg.create_task(self.heartbeat(stop))
             tg.create_task(keep_in_progress(self.ledger.messages, subjects.IN_PROGRESS_EVERY, stop))
             dispatcher = tg.create_task(self.dispatch(stop))
-            await self.intake(sub, stop)
+            await self.intake(stop)
             # Shutdown: release everything buffered and publish it, within the drain time.
             try:
                 await asyncio.wait_for(asyncio.shield(dispatcher), self.cfg.drain_timeout)
             except asyncio.TimeoutError:
                 log.warning("shutdown: unpublished prompts stay unacked and will be redelivered", held=len(self.ledger))
                 dispatcher.cancel()
-        await close(nc, sub)
+        await close(nc, *self.pulls.values())
 
-    async def intake(self, sub: DurablePull, stop: asyncio.Event) -> None:
-        """Pull prompt batches into the buffer while it has room."""
+    async def scan(self) -> None:
+        """Messages per job on this node's bucket subjects and on the ingest subjects."""
+        try:
+            own = await self.js.stream_info(subjects.BUCKET_STREAM.name, subjects_filter=subjects.node_bucket(self.cfg.node))
+            ingest = await self.js.stream_info(subjects.INGEST_STREAM.name, subjects_filter=subjects.ingest("*"))
+        except Exception as exc:  # noqa: BLE001 - not provisioned yet or reconnecting: keep the last view
+            log.debug("stream scan failed", error=repr(exc))
+            return
+        here: dict[str, int] = {}
+        for subject, n in (own.state.subjects or {}).items():
+            if (parts := subjects.bucket_parts(subject)) is not None and n:
+                here[parts[1]] = n
+        self.here = here
+        self.upstream = {subjects.job_from_subject(subject): n for subject, n in (ingest.state.subjects or {}).items() if n}
+        self.scanned_at = time.monotonic()
+
+    def held_by_job(self) -> dict[str, int]:
+        """Messages this bucketer holds (leased, prompts not all published), by job."""
+        held: dict[str, int] = collections.Counter()
+        for msg in self.ledger.messages():
+            if (parts := subjects.bucket_parts(msg.subject)) is not None:
+                held[parts[1]] += 1
+        return held
+
+    def waiting(self, held: dict[str, int]) -> dict[str, int]:
+        """Jobs with messages on this node's subjects not yet pulled, and how many."""
+        return {job: n - held.get(job, 0) for job, n in self.here.items() if n > held.get(job, 0)}
+
+    def settled(self, job: str, held: dict[str, int]) -> bool:
+        """Nothing of `job` is still on its way here: its ingest subject is drained and
+        every message on its bucket subject for this node is held here."""
+        return not self.upstream.get(job) and self.here.get(job, 0) <= held.get(job, 0)
+
+    def pull(self, job: str) -> DurablePull:
+        if (pull := self.pulls.get(job)) is None:
+            pull = self.pulls[job] = DurablePull(self.js, subjects.bucketer_consumer(self.cfg.node, job),
+                                                 label=f"bucketer-{self.cfg.node}")
+        return pull
+
+    async def intake(self, stop: asyncio.Event) -> None:
+        """Pull prompt batches into each job's lane while the lane is under its share."""
         while not stop.is_set():
-            if self.buffer.over():
-                # Full: stop pulling (backpressure) until the dispatcher releases buckets.
-                # Input is waiting, so this is not the idle end of input.
-                self.last_input = time.monotonic()
-                await asyncio.sleep(0.05)
-                continue
-            msgs = await sub.fetch(FETCH_MESSAGES, timeout=0.1)
             now = time.monotonic()
-            for msg in msgs:
-                await self.take(msg, now)
-            if msgs:
-                self.last_input = now
-            self.wake.set()
+            if now - self.scanned_at >= SCAN_EVERY:
+                await self.scan()
+                await self.forget(now)
+            waiting = self.waiting(self.held_by_job())
+            got = 0
+            for job in sorted(waiting, key=self.lane_time):
+                # Whole messages (up to MAX_PROMPTS_PER_MESSAGE prompts each) while the lane
+                # has room: it overshoots its share by less than one message per round.
+                room = self.lanes.room(job, self.weights.get(job, 1), waiting)
+                if room <= 0:
+                    continue
+                n = max(1, min(FETCH_MESSAGES, waiting[job], room // m.MAX_PROMPTS_PER_MESSAGE))
+                msgs = await self.pull(job).fetch(n, timeout=0.05)
+                now = time.monotonic()
+                for msg in msgs:
+                    await self.take(msg, now)
+                got += len(msgs)
+            if got:
+                self.wake.set()
+            else:
+                # Nothing to pull, or every lane with input waiting is full (backpressure
+                # until the dispatcher releases buckets).
+                await asyncio.sleep(0.05)
+
+    def lane_time(self, job: str) -> float:
+        """Intake order: the job furthest behind in virtual time pulls first."""
+        lane = self.lanes.lanes.get(job)
+        return lane.vtime if lane is not None else self.lanes.clock
+
+    async def forget(self, now: float) -> None:
+        """Drop the lanes and pulls of jobs gone quiet here (the server deletes their
+        consumers after `subjects.BUCKET_CONSUMER_IDLE`)."""
+        held = self.held_by_job()
+        for job in self.lanes.forget(now, keep=set(self.here) | set(held)):
+            self.weights.pop(job, None)
+            if (pull := self.pulls.pop(job, None)) is not None:
+                await pull.unsubscribe()
+        for job in [j for j in self.pulls if j not in self.lanes.lanes and j not in self.here and j not in held]:
+            await self.pulls.pop(job).unsubscribe()
 
     async def poisoned(self, batch: m.PromptBatch, lease: Lease) -> None:
         await quarantine_held(self.js, self.ledger, lease, "bucketing failed repeatedly",
@@ -135,31 +219,45 @@ class Bucketer:
         # message go to many buckets): keep only what acking needs, not the raw payload.
         msg.data = b""
         self.prompts_in.inc(len(batch.prompts))
+        job = parts[1] if (parts := subjects.bucket_parts(msg.subject)) is not None else ""
+        self.weights[job] = batch.priority
         for p in batch.prompts:
-            self.buffer.insert(Item(p.tokens, now, p, lease, p.work_tokens))
+            self.lanes.insert(job, batch.priority, Item(p.tokens, now, p, lease, p.work_tokens))
 
     async def dispatch(self, stop: asyncio.Event) -> None:
         while True:
             if stop.is_set():
-                buckets = self.buffer.pop(time.monotonic(), flush=True)
+                released = self.lanes.pop(time.monotonic(), budget=None, flush=list(self.lanes.lanes))
+                buckets = [b for _, b in released]
                 self.count_released(buckets)
                 await asyncio.gather(*(self.send(b, stop_retrying=True) for b in buckets))
                 return
             now = time.monotonic()
-            # No input for a while and none left upstream = end of input: flush. (A slow
-            # ingest batch can leave this node without input for longer than idle_flush;
-            # flushing then would cut every group of the burst in two.)
-            idle = bool(self.buffer) and now - self.last_input >= self.cfg.idle_flush and await self.caught_up(now)
-            oldest = self.buffer.oldest()
-            # Eager release once the input has landed (groups then go out whole, not as
+            held = self.held_by_job()
+
+            # Eager release once a job's input has landed (groups then go out whole, not as
             # fragments of a burst still being ingested), or after --eager-delay anyway.
-            waited = -1.0 if oldest is None else now - oldest
-            settled = waited >= self.cfg.eager_delay or (waited >= EAGER_MIN_WAIT and await self.caught_up(now))
-            budget = await self.room() if settled and not idle else 0
+            def eligible(lane: Lane) -> bool:
+                oldest = lane.buffer.oldest()
+                waited = -1.0 if oldest is None else now - oldest
+                return waited >= self.cfg.eager_delay or (waited >= EAGER_MIN_WAIT and self.settled(lane.job, held))
+
+            early = any(lane.flowing or eligible(lane) for lane in self.lanes.lanes.values() if len(lane.buffer))
+            budget = await self.room() if early or not self.cfg.eager else 0.0
+            # Without the router's room (the reference rules): a job with nothing left
+            # upstream and no input for a while has reached its end of input here, so its
+            # lane is flushed. (A slow ingest batch can leave this node without input for
+            # longer than idle_flush; flushing then would cut every group of the burst in
+            # two.) With it, such a lane is eligible and goes out as room frees up, in
+            # its fair turn: a flush would put its whole backlog ahead of other jobs.
+            flush = [] if budget is not None else [
+                job for job, lane in self.lanes.lanes.items()
+                if len(lane.buffer) and now - lane.last_input >= self.cfg.idle_flush and self.settled(job, held)]
+            released = self.lanes.pop(now, budget=budget, flush=flush, eligible=eligible)
+            buckets = [b for _, b in released]
+            self.count_released(buckets)
             # Route and publish up to SEND_CONCURRENCY buckets at once (each waits for its
             # route reply and publish ack; one at a time would cap the rate at 1/RTT).
-            buckets = self.buffer.pop(now, flush=idle, budget=budget)
-            self.count_released(buckets)
             for i in range(0, len(buckets), SEND_CONCURRENCY):
                 await asyncio.gather(*(self.send(b) for b in buckets[i : i + SEND_CONCURRENCY]))
             self.wake.clear()
@@ -183,29 +281,15 @@ class Bucketer:
             metrics.RELEASES.labels(self.cfg.node, why).inc(k)
             metrics.RELEASED_PROMPTS.labels(self.cfg.node, why).inc(n)
 
-    async def caught_up(self, now: float) -> bool:
-        """Nothing upstream is still on its way here: the ingest stream has no message
-        left to ingest and this node's bucket stream none left to deliver. (Asked at most
-        every CAUGHT_UP_EVERY seconds; unknown counts as not caught up.)"""
-        if now - self.caught_up_at[0] < CAUGHT_UP_EVERY:
-            return self.caught_up_at[1]
-        try:
-            ingest = await self.js.consumer_info(subjects.INGEST_STREAM.name, subjects.ingestor_consumer().durable)
-            own = await self.js.consumer_info(subjects.BUCKET_STREAM.name, subjects.bucketer_consumer(self.cfg.node).durable)
-            answer = ingest.num_pending + ingest.num_ack_pending == 0 and own.num_pending == 0
-        except Exception:  # noqa: BLE001 - not provisioned yet or reconnecting
-            answer = False
-        self.caught_up_at = (now, answer)
-        return answer
-
-    async def room(self) -> float:
-        """Free room on the replicas (work tokens) if eager release is on; 0 otherwise."""
+    async def room(self) -> float | None:
+        """Free room on the replicas (work tokens) if eager release is on; None when it is
+        off or the router does not answer (the lanes then follow the reference rules)."""
         if not self.cfg.eager:
-            return 0
+            return None
         try:
             reply = m.router_room_decoder.decode((await self.nc.request(subjects.ROUTER_ROOM, b"", timeout=1.0)).data)
         except Exception:  # noqa: BLE001 - router away: release by the reference rules only
-            return 0
+            return None
         return float("inf") if reply.tokens < 0 else reply.tokens
 
     def route_request(self, bucket: Bucket, tokens: int, bucket_id: str) -> m.RouteRequest:
@@ -292,7 +376,7 @@ class Bucketer:
 
     async def heartbeat(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            hb = m.BucketerHeartbeat(self.cfg.node, time.time(), len(self.buffer))
+            hb = m.BucketerHeartbeat(self.cfg.node, time.time(), len(self.lanes))
             try:
                 await self.nc.publish(subjects.bucketer_heartbeat(self.cfg.node), m.encode(hb))
             except Exception:  # noqa: BLE001 - reconnecting

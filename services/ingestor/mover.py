@@ -8,11 +8,11 @@ rules (`services/ingestor/takeover.py`) say which nodes are gone (no heartbeat f
 `--bucketer-gone-after` seconds, prompts left) and which live nodes take their prompts.
 For a gone node it:
 
-1. re-creates the node's durable consumer once (so what its dead bucketer held leased is
-   deliverable at once, not after `ack_wait`);
+1. re-creates the node's durable consumer of each job with prompts there, once (so what
+   its dead bucketer held leased is deliverable at once, not after `ack_wait`);
 2. pulls a few messages at a time (memory: at most `MOVE_BATCH` messages);
 3. splits each message's prompts over the live nodes (rendezvous on the first block) and
-   publishes each part to `pfx.bucket.<live node>` with `Nats-Msg-Id`
+   publishes each part to `pfx.bucket.<live node>.<job>` with `Nats-Msg-Id`
    `moved:<stream>:<sequence>:<node>` and the failed deliveries so far
    (`shared/bus/poison.moved_headers`), waiting for every publish ack (a full stream
    makes it wait, the message kept leased: backpressure is never a nak);
@@ -68,8 +68,11 @@ class Mover:
         self.rules = Takeover(gone_after, live_for, since=time.monotonic())
         self.block_size = block_size
         self.js: JetStreamContext | None = None
-        self.pulls: dict[str, DurablePull] = {}
+        self.pulls: dict[tuple[str, str], DurablePull] = {}
+        """(node, job) -> the pull on that job's consumer of a gone node."""
         self.backlog: dict[str, int] = {}
+        self.jobs: dict[str, set[str]] = {}
+        """node -> jobs with prompts on its subjects (as of the last scan)."""
         self.scanned_at = float("-inf")
         self.moved = 0
 
@@ -84,7 +87,7 @@ class Mover:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(stop.wait(), TICK)
         finally:
-            for node in list(self.pulls):
+            for node in {node for node, _ in self.pulls}:
                 await self.release(node)
 
     async def tick(self) -> int:
@@ -92,7 +95,7 @@ class Mover:
         now = time.monotonic()
         if now - self.scanned_at >= SCAN_EVERY:
             try:
-                self.backlog = await self.scan()
+                self.backlog, self.jobs = await self.scan()
             except TRANSPORT_ERRORS as exc:
                 log.warning("takeover: cannot read the bucket stream; retrying", error=repr(exc))
                 return 0
@@ -110,41 +113,48 @@ class Mover:
                 log.warning("takeover: pull failed; retrying", node=node, error=repr(exc))
         return moved
 
-    async def scan(self) -> dict[str, int]:
-        """Messages on each node's bucket subject (queued or leased)."""
+    async def scan(self) -> tuple[dict[str, int], dict[str, set[str]]]:
+        """Messages on each node's bucket subjects (queued or leased), and the jobs they
+        belong to."""
         assert self.js is not None
         stream = subjects.BUCKET_STREAM
-        info = await self.js.stream_info(stream.name, subjects_filter=subjects.bucket("*"))
+        info = await self.js.stream_info(stream.name, subjects_filter=subjects.node_bucket("*"))
         backlog: dict[str, int] = {}
+        jobs: dict[str, set[str]] = {}
         for subject, n in (info.state.subjects or {}).items():
-            if (node := node_of(subject)) is not None:
+            if (node := node_of(subject)) is not None and n:
                 backlog[node] = backlog.get(node, 0) + n
-        return backlog
+                jobs.setdefault(node, set()).add(subjects.bucket_parts(subject)[1])  # type: ignore[index]
+        return backlog, jobs
 
-    async def take(self, node: str) -> DurablePull:
-        """The gone node's consumer, re-created the first time (its leased messages are
-        deliverable at once)."""
+    async def take(self, node: str, job: str) -> DurablePull:
+        """The gone node's consumer of `job`, re-created the first time (its leased messages
+        are deliverable at once)."""
         assert self.js is not None
-        if (pull := self.pulls.get(node)) is None:
-            spec = subjects.bucketer_consumer(node)
-            log.warning("bucketer gone: moving its prompts to live nodes", node=node, left=self.backlog.get(node, 0),
-                        silent_s=round(self.rules.silent_for(node, self.heard, time.monotonic()), 1))
+        if (pull := self.pulls.get((node, job))) is None:
+            spec = subjects.bucketer_consumer(node, job)
+            if not any(n == node for n, _ in self.pulls):
+                log.warning("bucketer gone: moving its prompts to live nodes", node=node, left=self.backlog.get(node, 0),
+                            silent_s=round(self.rules.silent_for(node, self.heard, time.monotonic()), 1))
             with contextlib.suppress(*TRANSPORT_ERRORS):  # never existed, or already gone
                 await self.js.delete_consumer(spec.stream, spec.durable)
             await ensure_consumer(self.js, spec)
-            pull = self.pulls[node] = DurablePull(self.js, spec)
+            pull = self.pulls[(node, job)] = DurablePull(self.js, spec, label=f"takeover-{node}")
         return pull
 
     async def release(self, node: str) -> None:
-        if (pull := self.pulls.pop(node, None)) is not None:
-            await pull.unsubscribe()
+        for key in [k for k in self.pulls if k[0] == node]:
+            await self.pulls.pop(key).unsubscribe()
 
     async def move_from(self, node: str, targets: tuple[str, ...]) -> int:
-        pull = await self.take(node)
-        msgs = await pull.fetch(MOVE_BATCH, timeout=0.2)
-        for msg in msgs:
-            await self.move(msg, targets)
-        return len(msgs)
+        moved = 0
+        for job in sorted(self.jobs.get(node, ())):
+            pull = await self.take(node, job)
+            msgs = await pull.fetch(MOVE_BATCH, timeout=0.05)
+            for msg in msgs:
+                await self.move(msg, targets)
+            moved += len(msgs)
+        return moved
 
     async def move(self, msg: Msg, targets: tuple[str, ...]) -> None:
         """Publish `msg`'s prompts to `targets`, then ack it."""
@@ -155,12 +165,16 @@ class Mover:
         # deliveries travel in its headers and the receiving bucketer quarantines it.
         headers = moved_headers(msg)
         meta = msg.metadata
+        job = subjects.bucket_parts(msg.subject)
+        if job is None:  # not a bucket subject: nothing of ours
+            await msg.term()
+            return
         async with leased(msg):
             pubs = []
             for node, prompts in place(batch.prompts, targets, self.block_size).items():
                 part_headers = {**headers, "Nats-Msg-Id": move_id(meta.stream, meta.sequence.stream, node)}
-                data = m.encode(m.PromptBatch(prompts))
-                pubs.append(publish(self.js, subjects.bucket(node), data, headers=part_headers))
+                data = m.encode(m.PromptBatch(prompts, batch.priority))
+                pubs.append(publish(self.js, subjects.bucket(node, job[1]), data, headers=part_headers))
             await asyncio.gather(*pubs)
         try:
             await msg.ack()

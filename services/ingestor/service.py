@@ -42,7 +42,7 @@ from shared.wire.sampling import compile_structured
 
 log = structlog.get_logger()
 
-MAX_PROMPTS_PER_MESSAGE = 512
+MAX_PROMPTS_PER_MESSAGE = m.MAX_PROMPTS_PER_MESSAGE
 PROMPTS_OK = metrics.PROMPTS_IN.labels("ok")
 PROMPTS_ERROR = metrics.PROMPTS_IN.labels("error")
 BUCKETER_LIVE_FOR = 3.0
@@ -161,7 +161,10 @@ class Ingestor:
         nodes = self.live_nodes()
         plan = await asyncio.to_thread(plan_batch, batch, jobs, self.model, lambda key: self.sharder.pick(key, nodes))
         await self.store_kept(plan)  # before anything that refers to it is published
-        await self.publish(plan, msgs)
+        # A spec written by hand may carry any number: the weight is kept within 1..MAX_PRIORITY.
+        priority = {job: min(max(int(lookup.spec.priority), 1), m.MAX_PRIORITY)
+                    for job, lookup in jobs.items() if lookup.spec is not None}
+        await self.publish(plan, msgs, priority)
         await ack_all(msgs)
         PROMPTS_OK.inc(plan.n_prompts)
         PROMPTS_ERROR.inc(plan.n_errors)
@@ -176,8 +179,9 @@ class Ingestor:
             ms=round((time.perf_counter() - t0) * 1000, 1),
         )
 
-    async def publish(self, plan: Plan, msgs: list[Msg]) -> None:
-        """Publish everything the plan produced and wait for every ack."""
+    async def publish(self, plan: Plan, msgs: list[Msg], priority: dict[str, int]) -> None:
+        """Publish everything the plan produced and wait for every ack. Prompts go to their
+        node's subject of their job, with the job's priority."""
         pubs = []
         # Cut by encoded size under the server's max_payload (asked of the connection):
         # a prompt too large for a message even alone becomes an error row.
@@ -193,8 +197,13 @@ class Ingestor:
                         p.id, f"prompt too large for one message: {m.encoded_size(p)} bytes "
                               f"({p.prompt_tokens} tokens), the server takes {limit}",
                         prompt_tokens=p.prompt_tokens, src=p.src, row=p.row))
-            for batch in m.encode_batches(fit, m.PromptBatch, limit, MAX_PROMPTS_PER_MESSAGE):
-                pubs.append(publish(self.js, subjects.bucket(node), batch.data))
+            by_job: dict[str, list[m.Prompt]] = {}
+            for p in fit:
+                by_job.setdefault(p.job, []).append(p)
+            for job, run in by_job.items():
+                wrap = lambda ps, w=priority.get(job, 1): m.PromptBatch(ps, w)  # noqa: E731
+                for batch in m.encode_batches(run, wrap, limit, MAX_PROMPTS_PER_MESSAGE):
+                    pubs.append(publish(self.js, subjects.bucket(node, job), batch.data))
         limit = message_limit(self.js, subjects.RESULTS_STREAM.max_msg_size)
         for job, rows in errors.items():
             for batch in m.encode_batches(rows, lambda run, job=job: m.ResultBatch(job, run), limit, MAX_PROMPTS_PER_MESSAGE):

@@ -112,7 +112,6 @@ def move_id(stream: str, seq: int, node: str) -> str:
 
 
 def node_of(subject: str) -> str | None:
-    """The node of a bucket subject (`pfx.bucket.<node>`), None for anything else."""
-    base = subjects.bucket("")
-    node = subject[len(base):] if subject.startswith(base) else ""
-    return node if subjects.is_valid_name(node) else None
+    """The node of a bucket subject (`pfx.bucket.<node>.<job>`), None for anything else."""
+    parts = subjects.bucket_parts(subject)
+    return parts[0] if parts is not None and subjects.is_valid_name(parts[0]) else None

@@ -126,6 +126,7 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
         max_deliver=spec.max_deliver,
         max_ack_pending=spec.max_ack_pending,
         max_waiting=512,
+        inactive_threshold=spec.inactive_threshold or None,
     )
     try:
         await js.add_consumer(spec.stream, config)

@@ -50,13 +50,16 @@ class DurablePull:
     STALL_CHECK = 5.0
     """Seconds of empty fetches after which the consumer is asked whether it has work."""
 
-    def __init__(self, js: JetStreamContext, spec: ConsumerSpec) -> None:
+    def __init__(self, js: JetStreamContext, spec: ConsumerSpec, label: str = "") -> None:
+        """`label`: the metrics' consumer label (default the durable name; per-job consumers
+        share their node's, so metric series stay bounded)."""
         self.js, self.spec = js, spec
         self.sub: JetStreamContext.PullSubscription | None = None
         self.empty_since: float | None = None
-        self._fetched = metrics.CONSUMER_FETCHED.labels(spec.durable)
-        self._redelivered = metrics.CONSUMER_REDELIVERED.labels(spec.durable)
-        self._pending = metrics.CONSUMER_PENDING.labels(spec.durable)
+        label = label or spec.durable
+        self._fetched = metrics.CONSUMER_FETCHED.labels(label)
+        self._redelivered = metrics.CONSUMER_REDELIVERED.labels(label)
+        self._pending = metrics.CONSUMER_PENDING.labels(label)
 
     async def fetch(self, batch: int, timeout: float) -> list:
         try:

@@ -81,6 +81,10 @@ class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
             raise ValueError("min_tokens must be <= max_tokens")
 
 
+MAX_PRIORITY = 100
+"""The largest job weight (`JobSpec.priority`): bounds how far one job can crowd out others."""
+
+
 class JobSpec(msgspec.Struct, omit_defaults=True):
     """A job: what to run and where to write it. Created by the client before it
     publishes prompts; `total` is set when the job is sealed (all prompts published)."""
@@ -115,6 +119,10 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     expires_at: float = 0.0
     """Unix time after which the cluster stops feeding the job as it does a cancelled one
     (0: never; the OpenAI Batch API's `completion_window`): it completes as expired."""
+    priority: int = 1
+    """Weight of the job's share of the replicas while other jobs run too (`--priority`, a
+    batch's `metadata.priority`): a job of priority 3 gets three times the engine work of
+    a job of priority 1. Within a job, prefix affinity is kept."""
 
     def ended_at(self, now: float) -> float:
         """When the cluster stopped feeding this job: `cancelled_at`, or `expires_at` once
@@ -262,10 +270,17 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
         return self.prompt_tokens + self.max_tokens
 
 
+MAX_PROMPTS_PER_MESSAGE = 512
+"""Most prompts the ingestor puts in one `PromptBatch` (bytes are bounded apart)."""
+
+
 class PromptBatch(msgspec.Struct, array_like=True, gc=False):
-    """ingestor -> bucketer (`pfx.bucket.<node>`)."""
+    """ingestor -> bucketer (`pfx.bucket.<node>.<job>`): prompts of one job."""
 
     prompts: list[Prompt]
+    priority: int = 1
+    """The job's weight (`JobSpec.priority`): the bucketer shares the replicas between jobs
+    in proportion to it."""
 
 
 class WorkBatch(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

@@ -165,8 +165,8 @@ def _ingestor():
     return _service(
         [
             *consume(s.ingestor_consumer()),
-            *consume(s.bucketer_consumer(ANY)),  # takeover of a gone node's prompts (services/ingestor/mover.py)
-            s.bucket(ANY),
+            *consume(s.bucketer_consumer(ANY, ANY)),  # takeover of a gone node's prompts (services/ingestor/mover.py)
+            s.bucket(ANY, ANY),
             s.results(ANY),  # error rows
             s.dead(">"),
             *blob_write(),  # extra fields of rows published to the ingest subject
@@ -180,8 +180,7 @@ def _ingestor():
 def _bucketer():
     return _service(
         [
-            *consume(s.bucketer_consumer(ANY)),
-            *consumer_info(s.ingestor_consumer()),  # is anything left upstream?
+            *consume(s.bucketer_consumer(ANY, ANY)),  # one consumer per job with prompts on this node
             s.bucketer_heartbeat(ANY),
             s.ROUTE,
             s.ROUTER_ROOM,

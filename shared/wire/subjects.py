@@ -6,7 +6,7 @@ formatting strings themselves, so renaming a subject is a one-line change.
 Flow (see docs/architecture.md):
 
     pfx.ingest.<job>     users / `prefixflow submit`   -> ingestor
-    pfx.bucket.<node>    ingestor                      -> bucketer on <node>
+    pfx.bucket.<node>.<job> ingestor                   -> bucketer on <node> (one consumer per job)
     pfx.route            bucketer (request/reply)      -> router
     pfx.work.<replica>   bucketer                      -> engine-worker <replica>
     pfx.results.<job>    ingestor (error rows), engine -> sink
@@ -28,8 +28,23 @@ def ingest(job: str) -> str:
     return f"{PREFIX}.ingest.{job}"
 
 
-def bucket(node: str) -> str:
-    return f"{PREFIX}.bucket.{node}"
+def bucket(node: str, job: str) -> str:
+    """A job's prompts for one node's bucketer: one subject per (node, job), so the
+    bucketer pulls each job on its own (fair sharing, `services/bucketer/lanes.py`)."""
+    return f"{PREFIX}.bucket.{node}.{job}"
+
+
+def node_bucket(node: str) -> str:
+    """Every job's prompts for `node` (a filter: stream info, not a consumer)."""
+    return f"{PREFIX}.bucket.{node}.*"
+
+
+def bucket_parts(subject: str) -> tuple[str, str] | None:
+    """(node, job) of a bucket subject; None for any other subject."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:2] != [PREFIX, "bucket"] or not parts[2] or not parts[3]:
+        return None
+    return parts[2], parts[3]
 
 
 def work(replica: str) -> str:
@@ -172,7 +187,7 @@ class StreamSpec(msgspec.Struct, frozen=True):
 MiB = 1024 * 1024
 
 INGEST_STREAM = StreamSpec("PFX_INGEST", (f"{PREFIX}.ingest.*",), 1024 * MiB, 2_000_000)
-BUCKET_STREAM = StreamSpec("PFX_BUCKET", (f"{PREFIX}.bucket.*",), 1024 * MiB, 200_000)
+BUCKET_STREAM = StreamSpec("PFX_BUCKET", (f"{PREFIX}.bucket.*.*",), 1024 * MiB, 200_000)
 WORK_STREAM = StreamSpec("PFX_WORK", (f"{PREFIX}.work.*",), 1024 * MiB, 200_000)
 RESULTS_STREAM = StreamSpec("PFX_RESULTS", (f"{PREFIX}.results.*",), 1024 * MiB, 200_000)
 DEAD_STREAM = StreamSpec("PFX_DEAD", (f"{PREFIX}.dead.>",), 256 * MiB, 100_000, work_queue=False, discard_old=True)
@@ -202,6 +217,9 @@ class ConsumerSpec(msgspec.Struct, frozen=True):
     ack_wait: float = 30.0
     """Seconds before an unacked message is redelivered. Long-running holders send
     `in_progress()` well inside this window."""
+    inactive_threshold: float = 0.0
+    """Seconds without a pull after which the server deletes the consumer (0: kept). Per-job
+    consumers use it, so finished jobs leave none behind."""
     max_deliver: int = -1
     """Unlimited: the poison check (`shared/bus/poison.py`) ends a failing message's
     retries with error rows. A server-side cap would strand a message silently (never
@@ -220,8 +238,14 @@ def ingestor_consumer() -> ConsumerSpec:
     return ConsumerSpec(INGEST_STREAM.name, "ingestor", f"{PREFIX}.ingest.*", 4096, ack_wait=10.0)
 
 
-def bucketer_consumer(node: str) -> ConsumerSpec:
-    return ConsumerSpec(BUCKET_STREAM.name, f"bucketer-{node}", bucket(node), 1024, ack_wait=10.0)
+BUCKET_CONSUMER_IDLE = 600.0
+"""Seconds a job's bucket consumer outlives its last pull (then the server deletes it)."""
+
+
+def bucketer_consumer(node: str, job: str) -> ConsumerSpec:
+    """One job's prompts for one node: the bucketer holds one per job with prompts there."""
+    return ConsumerSpec(BUCKET_STREAM.name, f"bucketer-{node}-{job}", bucket(node, job), 256, ack_wait=10.0,
+                        inactive_threshold=BUCKET_CONSUMER_IDLE)
 
 
 def engine_consumer(replica: str) -> ConsumerSpec:

@@ -133,6 +133,9 @@ def test_a_batch_with_bad_lines_completes_and_only_its_tenant_sees_it(api, tmp_p
     with pytest.raises(openai.AuthenticationError):
         api.client("no-such-key").batches.list()
     assert alice.batches.retrieve(batch.id).status == "completed"  # A's work unaffected
+    with pytest.raises(openai.BadRequestError, match="metadata.priority"):  # a job weight is 1..100
+        alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             metadata={"priority": "high"})
 
     # A file of bad lines only: the batch fails, its errors name the lines.
     only_bad = alice.files.create(file=write_batch(tmp_path / "bad.jsonl", bad).open("rb"), purpose="batch")

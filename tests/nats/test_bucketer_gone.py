@@ -53,7 +53,7 @@ class Observer:
         self.nc = await connect(url, "tests-observer")
 
         async def on_bucket(msg) -> None:
-            node = msg.subject.rsplit(".", 1)[-1]
+            node = subjects.bucket_parts(msg.subject)[0]
             moved = (msg.headers or {}).get("Nats-Msg-Id", "").startswith(MOVE_ID_PREFIX + ":")
             self.moved_msgs += moved
             for p in m.prompt_batch_decoder.decode(msg.data).prompts:
@@ -67,7 +67,7 @@ class Observer:
         async def on_hb(msg) -> None:
             self.hb.add(m.heartbeat_decoder.decode(msg.data).node)
 
-        await self.nc.subscribe(subjects.bucket("*"), cb=on_bucket)
+        await self.nc.subscribe(subjects.node_bucket("*"), cb=on_bucket)
         await self.nc.subscribe(subjects.results(job), cb=on_results)
         await self.nc.subscribe(subjects.ALL_BUCKETER_HEARTBEATS, cb=on_hb)
 
@@ -79,7 +79,7 @@ async def held_by(url: str, node: str) -> int:
     """Messages queued for or leased by `node`'s bucketer."""
     nc = await connect(url, "tests-info")
     try:
-        info = await nc.jetstream().stream_info(subjects.BUCKET_STREAM.name, subjects_filter=subjects.bucket(node))
+        info = await nc.jetstream().stream_info(subjects.BUCKET_STREAM.name, subjects_filter=subjects.node_bucket(node))
         return sum((info.state.subjects or {}).values())
     finally:
         await close(nc)

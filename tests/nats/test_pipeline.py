@@ -52,11 +52,11 @@ async def run_job_observing_buckets(url: str, job: str, rows: list[dict], out_di
     nc = await connect(url, "tests-observer")
 
     async def on_bucket(msg) -> None:
-        node = msg.subject.rsplit(".", 1)[-1]
+        node = subjects.bucket_parts(msg.subject)[0]
         for p in m.prompt_batch_decoder.decode(msg.data).prompts:
             node_of[p.id].append(node)
 
-    await nc.subscribe("pfx.bucket.*", cb=on_bucket)
+    await nc.subscribe(subjects.node_bucket("*"), cb=on_bucket)
     async with Submitter(url) as client:
         await client.create(m.JobSpec(job=job, out_dir=out_dir, sampling=m.SamplingSpec(max_tokens=4)))
         await client.publish_rows(job, rows)

@@ -90,3 +90,11 @@ def test_the_sink_exports_every_row_as_a_result_line(tmp_path):
     assert body.choices[0].message.content == "hi" and body.usage.prompt_tokens_details.cached_tokens == 2
     bad = json.loads(err.read_text())
     assert bad["custom_id"] == "r2" and "engine died" in bad["response"]["body"]["error"]["message"]
+
+
+def test_a_batch_priority_comes_from_its_metadata():
+    assert b.priority(None) == 1 and b.priority({"team": "x"}) == 1
+    assert b.priority({"priority": "3"}) == 3
+    for bad in ("0", "-1", "2.5", "high", "1000"):
+        with pytest.raises(b.Invalid):
+            b.priority({"priority": bad})

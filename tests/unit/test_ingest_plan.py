@@ -120,7 +120,7 @@ def test_ingestor_tokenizes_off_the_event_loop(monkeypatch):
     asyncio.run(ing.handle(msgs))
     assert threads == [False], "tokenized once, in a worker thread"
     # The rows' other fields (their `prompt`) are stored before the prompts that refer to them.
-    assert published == [f"blob j/in-{m.INGEST_SRC_BASE}", "pfx.bucket.node0"] and all(x.acked for x in msgs)
+    assert published == [f"blob j/in-{m.INGEST_SRC_BASE}", "pfx.bucket.node0.j"] and all(x.acked for x in msgs)
 
 
 def test_prompts_go_only_to_nodes_a_bucketer_reported():

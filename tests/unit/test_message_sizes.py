@@ -282,11 +282,13 @@ def test_ingestor_cuts_prompt_batches_by_size_and_makes_a_prompt_too_large_an_er
     huge = m.Prompt("j", "huge", tk.pack(list(range(20_000))), max_tokens=16)  # 80 KB: no message takes it
     plan.prompts["node0"] = [*prompts[:10], huge, *prompts[10:]]
     plan.errors["j"] = [m.error_result("bad", "empty prompt")]
-    asyncio.run(ing.publish(plan, []))
+    asyncio.run(ing.publish(plan, [], {"j": 2}))
     limit = message_limit(js)
     assert all(len(d) <= limit for _, d, _ in js.published)
-    sent = [p for s, d, _ in js.published if s == "pfx.bucket.node0" for p in m.prompt_batch_decoder.decode(d).prompts]
-    assert sent == prompts and len([s for s, _, _ in js.published if s == "pfx.bucket.node0"]) >= 3
+    batches = [m.prompt_batch_decoder.decode(d) for s, d, _ in js.published if s == "pfx.bucket.node0.j"]
+    sent = [p for b in batches for p in b.prompts]
+    assert sent == prompts and len(batches) >= 3
+    assert {b.priority for b in batches} == {2}  # the job's weight travels with its prompts
     errors = {r.id: r.error for s, d, _ in js.published if s == "pfx.results.j" for r in m.result_batch_decoder.decode(d).results}
     assert errors.keys() == {"bad", "huge"} and "too large for one message" in errors["huge"]
 

@@ -223,9 +223,12 @@ def test_prompt_work_tokens():
 
 def test_array_like_extra_trailing_field_is_ignored():
     t12 = tk.pack([1, 2])
-    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, "new-field"]], {"new": "batch field"}])
+    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, "new-field"]], 2, {"new": "batch field"}])
     out = m.prompt_batch_decoder.decode(raw)
-    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7)])
+    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7)], priority=2)
+    # A batch from an ingestor that predates priorities: weight 1.
+    raw = msgspec.msgpack.encode([[["j", 1, t12]]])
+    assert m.prompt_batch_decoder.decode(raw).priority == 1
 
     raw = msgspec.msgpack.encode(["b1", [["j", "x", tk.pack([3])]], [9, 8], [1], 99])
     assert m.work_batch_decoder.decode(raw) == m.WorkBatch("b1", [m.Prompt("j", "x", tk.pack([3]))], [9, 8], [1])

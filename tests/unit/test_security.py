@@ -89,7 +89,7 @@ def test_submitter_may_submit_and_follow_and_nothing_else():
     assert may("publish", f"$KV.{subjects.JOBS_KV}.job1")
     assert may("publish", f"$JS.API.DIRECT.GET.KV_{subjects.JOB_STATUS_KV}.$KV.{subjects.JOB_STATUS_KV}.job1")
     assert may("subscribe", "_INBOX_submitter.abc.*")
-    for subject in (subjects.work("r0"), subjects.bucket("n0"), subjects.results("job1"), subjects.status("r0"),
+    for subject in (subjects.work("r0"), subjects.bucket("n0", "job1"), subjects.results("job1"), subjects.status("r0"),
                     subjects.dead("x"), subjects.ROUTE, subjects.ROUTER_POLICY, subjects.engine_reset("r0"),
                     f"$KV.{subjects.JOB_STATUS_KV}.job1", "$JS.API.STREAM.CREATE.PFX_WORK", "$JS.API.STREAM.DELETE.PFX_INGEST",
                     "$JS.API.CONSUMER.CREATE.PFX_RESULTS.snoop", "$JS.API.CONSUMER.MSG.NEXT.PFX_RESULTS.sink",
@@ -104,7 +104,7 @@ def test_submitter_may_submit_and_follow_and_nothing_else():
 def test_services_have_what_they_need():
     assert allowed("ingestor", "publish", "$JS.API.CONSUMER.MSG.NEXT.PFX_INGEST.ingestor")
     assert allowed("ingestor", "publish", "$JS.ACK.PFX_INGEST.ingestor.1.2.3.4.5")
-    assert allowed("ingestor", "publish", subjects.bucket("node7"))
+    assert allowed("ingestor", "publish", subjects.bucket("node7", "j"))
     assert allowed("ingestor", "publish", subjects.results("j"))
     assert allowed("ingestor", "publish", subjects.dead(subjects.ingest("j")))
     assert not allowed("ingestor", "publish", subjects.work("r0"))

@@ -163,9 +163,11 @@ def test_message_ids_name_the_original_and_the_part():
 
 
 def test_node_of_bucket_subject():
-    assert node_of(subjects.bucket("node-1")) == "node-1"
+    assert node_of(subjects.bucket("node-1", "job7")) == "node-1"
     assert node_of(subjects.work("r0")) is None
-    assert node_of(subjects.bucket("")) is None
+    assert node_of(subjects.bucket("", "job7")) is None
+    assert node_of(subjects.bucket("node-1", "")) is None
+    assert node_of("pfx.bucket.node-1") is None  # the old per-node subject
 
 
 def test_rules_import_no_nats():
@@ -178,7 +180,7 @@ def test_rules_import_no_nats():
 
 
 def FakeMsg(data: bytes, seq: int = 42, delivered: int = 1, headers: dict | None = None) -> fakes.FakeMsg:
-    return fakes.FakeMsg(data, seq, delivered, headers, subject=subjects.bucket("gone"), stream="PFX_BUCKET")
+    return fakes.FakeMsg(data, seq, delivered, headers, subject=subjects.bucket("gone", "j"), stream="PFX_BUCKET")
 
 
 def test_move_publishes_each_part_with_its_id_then_acks(monkeypatch):

@@ -1,0 +1,55 @@
+"""Jobs sharing one cluster (issue #24), each through `prefixflow submit` as a user runs it,
+on a slow echo engine (one replica, ~400 prompts/s), with the harness of `prefixflow bench
+fairness`:
+
+- a small job submitted while a large one runs finishes long before it (with one FIFO
+  queue it waited for the large job's last row: 4.5x its time alone, none of the large
+  job left), every row of both once;
+- two jobs submitted together with priorities 1 and 3: while both run, the second writes
+  about three times as many rows per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pyarrow.parquet as pq
+import pytest
+
+from bench import fairness
+from tests.conftest import echo_cluster_at
+
+pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
+
+SMALL, LARGE, PAIR = 200, 4000, 1500
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model):
+    with echo_cluster_at(tmp_path_factory.mktemp("fair") / "cluster", tiny_model,
+                         engine_args=("--echo-delay", "0.02", "--window", "8")) as c:
+        yield c
+
+
+def data(tmp_path, model, name: str, n: int, seed: int):
+    return fairness.dataset(tmp_path / f"{name}.parquet", str(model), n, seed, prefix_len=64, suffix_len=32)
+
+
+def test_a_small_job_is_not_queued_behind_a_large_one(cluster, tiny_model, tmp_path):
+    small, large = data(tmp_path, tiny_model, "small", SMALL, 1), data(tmp_path, tiny_model, "large", LARGE, 2)
+    r = asyncio.run(fairness.small_beside_large(cluster.url, small, large, tmp_path / "out", "t", 4, 0.1, LARGE))
+    print(r)
+    assert r["large_left_at_small_done"] >= 0.3, r  # FIFO: 0 (the small job waited for the large one's last row)
+    assert r["small_beside_s"] <= 2.5 * r["small_alone_s"], r
+    for job, n in (("alone-t", SMALL), ("beside-t", SMALL), ("large-t", LARGE)):
+        ids = pq.read_table(tmp_path / "out" / job).column("id").to_pylist()
+        assert sorted(ids) == list(range(n)), job
+
+
+def test_priorities_share_the_replicas_by_weight(cluster, tiny_model, tmp_path):
+    a, b = data(tmp_path, tiny_model, "a", PAIR, 3), data(tmp_path, tiny_model, "b", PAIR, 4)
+    r = asyncio.run(fairness.weighted(cluster.url, a, b, tmp_path / "out", "t", 4, 3, PAIR))
+    print(r)
+    assert 2.0 <= r["rate_ratio"] <= 4.5, r  # the weight, 3 (the benchmark measures it closely)
+    for job in ("w1-t", "w3-t"):
+        assert sorted(pq.read_table(tmp_path / "out" / job).column("id").to_pylist()) == list(range(PAIR))
