@@ -81,6 +81,9 @@ class Bucketer:
         self.upstream: dict[str, int] = {}
         """job -> messages on its ingest subject (not yet ingested), as last scanned."""
         self.scanned_at = float("-inf")
+        self.first_seen: dict[str, float] = {}
+        """job -> when its subject was first seen holding messages (the order in which jobs
+        beyond `max_job_consumers` get a consumer)."""
         # stream sequence -> [message, prompts not yet published downstream]
         self.ledger = AckLedger()
         """Prompt batches held until every prompt they carried is published downstream."""
@@ -170,7 +173,7 @@ class Bucketer:
                 await self.forget(now)
             waiting = self.waiting(self.held_by_job())
             got = 0
-            for job in sorted(waiting, key=self.lane_time):
+            for job in self.intake_order(waiting):
                 # Whole messages (up to MAX_PROMPTS_PER_MESSAGE prompts each) while the lane
                 # has room: it overshoots its share by less than one message per round.
                 room = self.lanes.room(job, self.weights.get(job, 1), waiting)
@@ -195,15 +198,36 @@ class Bucketer:
         return lane.vtime if lane is not None else self.lanes.clock
 
     async def forget(self, now: float) -> None:
-        """Drop the lanes and pulls of jobs gone quiet here (the server deletes their
-        consumers after `subjects.BUCKET_CONSUMER_IDLE`)."""
+        """Close the consumer of every job with nothing left here (no message on its
+        subject, none held): a stream takes at most 1,000 consumers, so a finished job's
+        goes at once, not after `subjects.BUCKET_CONSUMER_IDLE` (the server's backstop for
+        a bucketer that died). Lanes are kept a while longer for their virtual time."""
         held = self.held_by_job()
         for job in self.lanes.forget(now, keep=set(self.here) | set(held)):
             self.weights.pop(job, None)
-            if (pull := self.pulls.pop(job, None)) is not None:
-                await pull.unsubscribe()
-        for job in [j for j in self.pulls if j not in self.lanes.lanes and j not in self.here and j not in held]:
-            await self.pulls.pop(job).unsubscribe()
+        for job in [j for j in self.pulls if j not in self.here and not held.get(j)]:
+            await self.close_pull(job)
+
+    async def close_pull(self, job: str) -> None:
+        pull = self.pulls.pop(job)
+        await pull.unsubscribe()
+        try:
+            await self.js.delete_consumer(pull.spec.stream, pull.spec.durable)
+        except Exception as exc:  # noqa: BLE001 - gone already, or a blip: the server's idle limit removes it
+            log.debug("consumer not deleted", consumer=pull.spec.durable, error=repr(exc))
+
+    def intake_order(self, waiting: dict[str, int]) -> list[str]:
+        """Jobs to pull from this round: those with a consumer open, then, while fewer than
+        `max_job_consumers` are, the ones first seen here longest ago (the others wait
+        their turn in the stream), each group furthest behind in virtual time first."""
+        for job in waiting:
+            self.first_seen.setdefault(job, time.monotonic())
+        for job in [j for j in self.first_seen if j not in self.here]:
+            del self.first_seen[job]
+        open_ = sorted((j for j in waiting if j in self.pulls), key=self.lane_time)
+        free = max(0, self.cfg.max_job_consumers - len(self.pulls))
+        new = sorted((j for j in waiting if j not in self.pulls), key=lambda j: self.first_seen[j])[:free]
+        return open_ + sorted(new, key=self.lane_time)
 
     async def poisoned(self, batch: m.PromptBatch, lease: Lease) -> None:
         await quarantine_held(self.js, self.ledger, lease, "bucketing failed repeatedly",

@@ -53,6 +53,8 @@ log = structlog.get_logger()
 
 MOVE_BATCH = 16
 """Bucket messages pulled from a gone node's consumer at once."""
+MOVE_JOBS = 16
+"""Jobs of a gone node moved at once (one consumer each; a stream takes 1,000 in all)."""
 SCAN_EVERY = 1.0
 """Seconds between looks at the bucket stream's per-node backlog."""
 TICK = 0.5
@@ -142,13 +144,19 @@ class Mover:
             pull = self.pulls[(node, job)] = DurablePull(self.js, spec, label=f"takeover-{node}")
         return pull
 
-    async def release(self, node: str) -> None:
-        for key in [k for k in self.pulls if k[0] == node]:
-            await self.pulls.pop(key).unsubscribe()
+    async def release(self, node: str, job: str | None = None) -> None:
+        """Close the consumers of `node` (of one `job`)."""
+        for key in [k for k in self.pulls if k[0] == node and job in (None, k[1])]:
+            pull = self.pulls.pop(key)
+            await pull.unsubscribe()
+            with contextlib.suppress(*TRANSPORT_ERRORS):  # the server's idle limit removes it anyway
+                await self.js.delete_consumer(pull.spec.stream, pull.spec.durable)
 
     async def move_from(self, node: str, targets: tuple[str, ...]) -> int:
+        for n, job in [k for k in self.pulls if k[0] == node and k[1] not in self.jobs.get(node, ())]:
+            await self.release(n, job)  # moved all of it
         moved = 0
-        for job in sorted(self.jobs.get(node, ())):
+        for job in sorted(self.jobs.get(node, ()))[:MOVE_JOBS]:
             pull = await self.take(node, job)
             msgs = await pull.fetch(MOVE_BATCH, timeout=0.05)
             for msg in msgs:

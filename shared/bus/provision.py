@@ -67,6 +67,7 @@ def stream_config(spec: StreamSpec, replicas: int = 1) -> js_api.StreamConfig:
         max_msgs=spec.max_msgs,
         max_msg_size=spec.max_msg_size,
         max_age=spec.max_age or None,
+        max_consumers=spec.max_consumers or None,
         # Publishers set Nats-Msg-Id; the server drops a re-publish inside this window.
         duplicate_window=min(120.0, spec.max_age) if spec.max_age else 120.0,  # within max_age
         num_replicas=replicas,
@@ -113,6 +114,7 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: tuple[
         return
     else:
         log.info("stream updated", stream=spec.name, changed=differs(have, config), replicas=n)
+        config.max_consumers = have.max_consumers  # fixed at creation: the server refuses to change it
     await js.update_stream(config)
 
 

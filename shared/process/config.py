@@ -121,6 +121,9 @@ class BucketerConfig(CommonConfig, kw_only=True):
     eager: Annotated[
         bool, _d("also release the largest buckets whenever the router reports free room on the replicas")
     ] = True
+    max_job_consumers: Annotated[
+        int, _d("jobs pulled at once (one consumer each; a stream takes 1,000 in all): more jobs wait their turn", gt=0)
+    ] = 64
     eager_delay: Annotated[
         float,
         _d("eager release starts once no input is left upstream (the ingest stream and this node's "

@@ -182,12 +182,16 @@ class StreamSpec(msgspec.Struct, frozen=True):
     """When full, drop the oldest messages (dead letters) instead of refusing new ones."""
     max_age: float = 0.0
     """Seconds a message is kept (0: until acked or pushed out by the limits)."""
+    max_consumers: int = 0
+    """Consumers the stream takes (0: the server's default, 1,000 for a work queue)."""
 
 
 MiB = 1024 * 1024
 
 INGEST_STREAM = StreamSpec("PFX_INGEST", (f"{PREFIX}.ingest.*",), 1024 * MiB, 2_000_000)
-BUCKET_STREAM = StreamSpec("PFX_BUCKET", (f"{PREFIX}.bucket.*.*",), 1024 * MiB, 200_000)
+BUCKET_STREAM = StreamSpec("PFX_BUCKET", (f"{PREFIX}.bucket.*.*",), 1024 * MiB, 200_000, max_consumers=16384)
+"""One consumer per (node, job) pulled at once: `--max-job-consumers` (64) per bucketer,
+so up to 256 nodes at the default."""
 WORK_STREAM = StreamSpec("PFX_WORK", (f"{PREFIX}.work.*",), 1024 * MiB, 200_000)
 RESULTS_STREAM = StreamSpec("PFX_RESULTS", (f"{PREFIX}.results.*",), 1024 * MiB, 200_000)
 DEAD_STREAM = StreamSpec("PFX_DEAD", (f"{PREFIX}.dead.>",), 256 * MiB, 100_000, work_queue=False, discard_old=True)
@@ -238,8 +242,9 @@ def ingestor_consumer() -> ConsumerSpec:
     return ConsumerSpec(INGEST_STREAM.name, "ingestor", f"{PREFIX}.ingest.*", 4096, ack_wait=10.0)
 
 
-BUCKET_CONSUMER_IDLE = 600.0
-"""Seconds a job's bucket consumer outlives its last pull (then the server deletes it)."""
+BUCKET_CONSUMER_IDLE = 120.0
+"""Seconds a job's bucket consumer outlives its last pull (then the server deletes it: a
+bucketer closes its finished jobs' at once, this is for one that died)."""
 
 
 def bucketer_consumer(node: str, job: str) -> ConsumerSpec:
