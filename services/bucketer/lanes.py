@@ -155,19 +155,32 @@ class Lanes:
             # everything - what is released now is committed ahead of later jobs.
             for lane in sorted(self.lanes.values(), key=lambda ln: (ln.vtime, ln.job)):
                 if len(lane.buffer) and (lane.flowing or eligible(lane)):
-                    lane.flowing = True
+                    if not lane.flowing:
+                        self._enter(lane)
                     self._emit(out, lane, lane.buffer.pop(now, budget=1, bounded=True))
         else:
             while budget > 0:
                 ready = [ln for ln in self.lanes.values() if len(ln.buffer) and (ln.flowing or eligible(ln))]
                 if not ready:
                     break
+                for ln in ready:
+                    if not ln.flowing:
+                        self._enter(ln)
                 lane = min(ready, key=lambda ln: (ln.vtime, ln.job))
                 piece = max(1.0, budget / len(ready))
-                lane.flowing = True
                 budget -= max(1, self._emit(out, lane, lane.buffer.pop(now, budget=piece, bounded=True)))
         self._advance_clock()
         return out
+
+    def _enter(self, lane: Lane) -> None:
+        """`lane` starts to release: it competes from the virtual time of the lanes that
+        already flow (not from when its first prompts arrived: what the others were given
+        while it was still landing its input, engines that would have idled otherwise, is
+        no debt of theirs)."""
+        flowing = [ln.vtime for ln in self.lanes.values() if ln.flowing and len(ln.buffer)]
+        if flowing:
+            lane.vtime = max(lane.vtime, min(flowing))
+        lane.flowing = True
 
     def _emit(self, out: list[tuple[str, Bucket]], lane: Lane, buckets: list[Bucket]) -> int:
         if not len(lane.buffer):

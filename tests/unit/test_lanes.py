@@ -200,3 +200,16 @@ def test_a_job_joining_while_every_lane_is_drained_gets_no_credit():
     fill(lanes, "a", 1, 500, now=6.0, prefixes=50)
     work = released_work(lanes.pop(6.5, budget=8000))
     assert 0.3 <= work["a"] / (work["a"] + work["b"]) <= 0.7, work
+
+
+def test_room_a_lane_took_while_the_other_was_landing_is_no_debt():
+    lanes = make_lanes(max_prompts=100_000)
+    fill(lanes, "a", 1, 6000, now=0.0, prefixes=600)
+    fill(lanes, "b", 3, 2000, now=0.0, prefixes=200)  # arrives together, but still landing
+    gate = lambda lane: lane.job == "a" or lanes.lanes["b"].flowing  # noqa: E731
+    lanes.pop(1.0, budget=50_000, eligible=gate)  # idle replicas: a alone takes a lot of room
+    assert lanes.lanes["a"].released >= 50_000 and not lanes.lanes["b"].released
+    work: collections.Counter = collections.Counter()
+    for step in range(10):  # b has landed: from now on 3:1, a does not stall while b "catches up"
+        work += released_work(lanes.pop(2.0 + step, budget=1000, eligible=lambda lane: True))
+    assert work["a"] > 0 and 2.0 <= work["b"] / work["a"] <= 4.5, work
