@@ -39,8 +39,9 @@ def test_a_small_job_is_not_queued_behind_a_large_one(cluster, tiny_model, tmp_p
     small, large = data(tmp_path, tiny_model, "small", SMALL, 1), data(tmp_path, tiny_model, "large", LARGE, 2)
     r = asyncio.run(fairness.small_beside_large(cluster.url, small, large, tmp_path / "out", "t", 4, 0.1, LARGE))
     print(r)
-    assert r["large_left_at_small_done"] >= 0.3, r  # FIFO: 0 (the small job waited for the large one's last row)
-    assert r["small_beside_s"] <= 2.5 * r["small_alone_s"], r
+    # Structure, not timing (the times and their ratio are `bench fairness`'s): with one FIFO
+    # queue the small job waited for the large one's last row, leaving none of it.
+    assert r["large_left_at_small_done"] >= 0.3, r
     for job, n in (("alone-t", SMALL), ("beside-t", SMALL), ("large-t", LARGE)):
         ids = pq.read_table(tmp_path / "out" / job).column("id").to_pylist()
         assert sorted(ids) == list(range(n)), job
