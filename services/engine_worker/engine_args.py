@@ -6,8 +6,9 @@ The engine-worker takes them after its own flags (`prefixflow serve engine-worke
 `--engine-args` / `PFX_ENGINE_ARGS` as one shell-quoted string. They are parsed by vLLM's
 parser when the worker starts (a bad one fails at once, with vLLM's message) and laid
 over prefixflow's defaults: prefix caching on, priority scheduling (prefix groups), the
-worker's `--model`, `--max-model-len`, `--max-num-seqs`, `--kv-cache-blocks`,
-`--enforce-eager`. An argument given explicitly wins over those defaults, and
+worker's `--model`, `--max-model-len`, `--max-num-seqs`, `--kv-cache-blocks`, and the
+placement's (`placement_defaults`): CUDA graphs on GPUs (`enforce_eager` only without
+one), tensor parallel over the replica's GPUs. An argument given explicitly wins over those defaults, and
 `--no-enable-prefix-caching` is honoured (the router then finds no cache to exploit).
 """
 
@@ -18,6 +19,28 @@ import dataclasses
 import shlex
 import sys
 from typing import Any
+
+
+def visible_gpus(environ: dict[str, str]) -> int | None:
+    """GPUs `CUDA_VISIBLE_DEVICES` gives this process; None when it is not set (then ask
+    torch). An empty value or -1 hides every GPU."""
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    ids = [v for v in value.split(",") if v.strip()]
+    if ids and ids[0].strip() == "-1":
+        return 0
+    return len(ids)
+
+
+def placement_defaults(gpus: int, enforce_eager: bool | None = None) -> dict[str, Any]:
+    """Engine defaults that follow the replica's devices: without a GPU, eager mode (graph
+    capture would only cost start-up time); on GPUs, CUDA graphs and tensor parallel over
+    all of the replica's GPUs. An explicit `enforce_eager` wins."""
+    return {
+        "enforce_eager": (gpus == 0) if enforce_eager is None else enforce_eager,
+        "tensor_parallel_size": max(gpus, 1),
+    }
 
 
 def split(engine_args: str, extra: list[str] | None = None) -> list[str]:

@@ -13,7 +13,7 @@ def load_model(model: str, max_model_len: int, hash_block_size: int) -> Model:
     return Model(
         encode_batch=lambda texts: [e.ids for e in tokenizer.encode_batch_fast(texts)],
         vocab_size=tokenizer.get_vocab_size(),
-        max_model_len=min(max_model_len, model_max_len(model, max_model_len)),
+        max_model_len=min(max_model_len, model_max_len(model)) if max_model_len else model_max_len(model),
         hash_block_size=hash_block_size,
         render_chat=renderer_for(model).render,
         # vLLM tokenizes a rendered conversation without adding special tokens.

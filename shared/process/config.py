@@ -74,7 +74,9 @@ class ModelConfig(CommonConfig, kw_only=True):
     model: Annotated[str, _d("model directory or hub id (default: the locally built tiny model)")] = (
         DEFAULT_MODEL
     )
-    max_model_len: Annotated[int, _d("longest prompt + output, in tokens", gt=0)] = 4096
+    max_model_len: Annotated[
+        int, _d("longest prompt + output, in tokens (0: the model's own, from its config, as vLLM takes it)", ge=0)
+    ] = 0
     task: Annotated[
         Literal["generate", "embed"],
         _d("what the cluster's engines do: generate text, or embed (vLLM pooling runner); a job of the other task fails"),
@@ -198,7 +200,22 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     rebuild_backoff: Annotated[
         float, _d("seconds before the first rebuild of a dead engine, doubled for each further one in the window", ge=0)
     ] = 1.0
-    enforce_eager: Annotated[bool, _d("vLLM enforce_eager (no graph capture; fast start)")] = True
+    enforce_eager: Annotated[
+        bool | None,
+        _d("vLLM enforce_eager: no CUDA graphs (a faster start, slower decoding); default: on without a GPU, "
+           "off on GPUs"),
+    ] = None
+    gpus: Annotated[
+        str,
+        _d("this replica's GPUs, an index, range or list ('3', '4-7', '0,2'): sets CUDA_VISIBLE_DEVICES, and "
+           "vLLM's tensor-parallel size defaults to their number; empty: CUDA_VISIBLE_DEVICES as the "
+           "environment has it (tensor parallel over all of them)"),
+    ] = ""
+    metrics_port_base: Annotated[
+        int,
+        _d("serve metrics on this port plus the first index of --gpus (one port per engine-worker of a host, "
+           "whatever its number of GPUs; the systemd unit uses 9470); 0: --metrics-port", ge=0, le=65535),
+    ] = 0
     status_interval: Annotated[
         float, _d("seconds between status messages (the router's view of load lags by this much)", gt=0)
     ] = 0.25
@@ -214,6 +231,13 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
 
     def __post_init__(self) -> None:
         _check_name("replica", self.replica)
+        if self.gpus:
+            self.gpus = ",".join(str(i) for i in gpu_ids(self.gpus))
+        if self.metrics_port_base:
+            first = int(self.gpus.split(",")[0]) if self.gpus else 0
+            if self.metrics_port_base + first > 65535:
+                raise ValueError(f"metrics_port_base {self.metrics_port_base} + GPU {first} is past port 65535")
+            self.metrics_port = self.metrics_port_base + first
 
 
 class SinkConfig(CommonConfig, kw_only=True):
@@ -266,6 +290,20 @@ class ApiConfig(CommonConfig, kw_only=True):
     max_file_bytes: Annotated[int, _d("largest file upload in bytes (OpenAI's limit: 200 MB)", gt=0)] = 200 * 1024 * 1024
 
 
+def gpu_ids(spec: str) -> list[int]:
+    """GPU indexes from '3', '4-7', '0,2' or '0-1,4' (a systemd instance name cannot hold a comma:
+    `prefixflow-engine@4-7`)."""
+    ids: list[int] = []
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+            raise ValueError(f"gpus {spec!r}: expected indexes, ranges or lists such as 3, 4-7 or 0,2")
+        ids.extend(range(int(lo), int(hi if sep else lo) + 1))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"gpus {spec!r} names a GPU twice")
+    return ids
+
+
 def _check_name(what: str, name: str) -> None:
     from shared.wire.subjects import name_problem
 
@@ -298,7 +336,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type[msgspec.Struct]) ->
         help_text = f"{desc} (env {env}; default {defaults[name]!r})"
         if typing.get_origin(base) is Literal:
             parser.add_argument(flag, dest=name, choices=typing.get_args(base), help=help_text)
-        elif base is bool:
+        elif base in (bool, bool | None):
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(flag, dest=name, help=help_text)

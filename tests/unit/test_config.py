@@ -107,6 +107,12 @@ def test_unrelated_env_ignored():
         (BucketerConfig, ["--node", ""], {}),
         (EngineWorkerConfig, ["--replica", "r*"], {}),
         (EngineWorkerConfig, [], {"PFX_REPLICA": "x" * 65}),
+        (EngineWorkerConfig, ["--gpus", "a"], {}),
+        (EngineWorkerConfig, ["--gpus", "3-1"], {}),
+        (EngineWorkerConfig, ["--gpus", "1,1"], {}),
+        (EngineWorkerConfig, ["--gpus", "-1"], {}),
+        (EngineWorkerConfig, ["--gpus", "100", "--metrics-port-base", "65500"], {}),
+        (EngineWorkerConfig, ["--max-model-len=-1"], {}),
     ],
 )
 def test_invalid_values_exit(cls, argv, env, capsys):

@@ -84,3 +84,53 @@ def test_help_lists_vllms_own_engine_arguments():
     for flag in ("--replica", "--engine-args", "--max-num-batched-tokens", "--tensor-parallel-size",
                  "--gpu-memory-utilization", "--quantization", "--enable-lora", "--trust-remote-code"):
         assert flag in out, flag
+
+
+def test_gpu_defaults_follow_the_replicas_devices(tiny_model, monkeypatch):
+    """CUDA graphs on GPUs (enforce_eager only without one), tensor parallel over the
+    replica's GPUs (`run --tensor-parallel-size 2` gives each worker CUDA_VISIBLE_DEVICES
+    of two GPUs; the systemd unit `--gpus 4-7`); explicit arguments win. The engine args
+    only, no engine config: this machine has no GPU to build one for."""
+
+    def args(argv, visible):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        parsed = parse_args(["serve", "engine-worker", "--replica", "r0", "--model", str(tiny_model), *argv])
+        return make_engine(load_config("engine-worker", parsed)).engine_args()
+
+    a = args([], "0,1")
+    assert (a.tensor_parallel_size, a.enforce_eager) == (2, False)
+    a = args(["--gpus", "4-7"], "")
+    assert (a.tensor_parallel_size, a.enforce_eager) == (4, False)
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7", "set before vLLM starts"
+    a = args([], "")
+    assert (a.tensor_parallel_size, a.enforce_eager) == (1, True), "no GPU: eager, as on this machine"
+    a = args(["--enforce-eager", "--tensor-parallel-size", "1"], "0,1")
+    assert (a.tensor_parallel_size, a.enforce_eager) == (1, True), "explicit arguments win"
+    a = args(["--no-enforce-eager"], "")
+    assert a.enforce_eager is False
+
+
+def test_max_model_len_is_the_models_own(tiny_model, tmp_path):
+    """Unset, the context length is the model's (it was a fixed 4096): the engine's and the
+    ingestor's, which rejects a longer prompt as an error row before it reaches an engine."""
+    import json
+
+    from services.ingestor.model import load_model
+
+    model = tmp_path / "short-model"
+    model.mkdir()
+    for f in tiny_model.iterdir():
+        if f.name != "config.json":
+            (model / f.name).symlink_to(f)
+    config = json.loads((tiny_model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1536}))
+
+    parsed = parse_args(["serve", "engine-worker", "--replica", "r0", "--model", str(model)])
+    cfg = load_config("engine-worker", parsed)
+    assert cfg.max_model_len == 0
+    assert make_engine(cfg).engine_args().create_engine_config().model_config.max_model_len == 1536
+    assert load_model(str(model), 0, 16).max_model_len == 1536
+    assert load_model(str(model), 1024, 16).max_model_len == 1024, "a smaller setting wins"
+    assert load_model(str(model), 9999, 16).max_model_len == 1536, "never past the model's"

@@ -53,13 +53,35 @@ def test_dependencies_and_restart_policy(name):
     assert values(unit, "Install", "WantedBy") == ["prefixflow.target"]
 
 
+def engine_unit_config(instance: str):
+    argv = exec_argv(UNITS / "prefixflow-engine@.service", instance=instance, host=HOST)
+    return cfgmod.load(cfgmod.EngineWorkerConfig, build_parser().parse_args(argv[1:]), environ={})
+
+
 def test_engine_unit_is_one_instance_per_gpu():
-    path = UNITS / "prefixflow-engine@.service"
-    unit = parse_unit(path)
-    assert values(unit, "Service", "Environment") == ["CUDA_VISIBLE_DEVICES=%i"]
-    argv = exec_argv(path, instance="3", host=HOST)
-    args = build_parser().parse_args(argv[1:])
-    assert args.replica == f"{HOST}-gpu3", "each GPU's worker is its own replica"
+    cfg = engine_unit_config("3")
+    assert cfg.replica == f"{HOST}-gpu3", "each GPU's worker is its own replica"
+    assert cfg.gpus == "3", "the worker sets CUDA_VISIBLE_DEVICES=3 before its engine starts"
+    assert cfg.metrics_port == 9473
+
+
+@pytest.mark.parametrize("instance,port", [("0", 9470), ("9", 9479), ("10", 9480), ("15", 9485), ("127", 9597)])
+def test_engine_unit_metrics_ports_work_for_any_number_of_gpus(instance, port):
+    """The unit once said `--metrics-port 947%i`: GPU 10 became port 94710, invalid."""
+    assert engine_unit_config(instance).metrics_port == port
+
+
+def test_engine_unit_runs_tensor_parallel_over_a_range_of_gpus():
+    """`prefixflow-engine@4-7` (a unit name cannot hold a comma): one replica on GPUs 4-7,
+    vLLM's tensor-parallel size 4, CUDA graphs on."""
+    from services.engine_worker.engine_args import placement_defaults, visible_gpus
+
+    cfg = engine_unit_config("4-7")
+    assert (cfg.replica, cfg.gpus, cfg.metrics_port) == (f"{HOST}-gpu4-7", "4,5,6,7", 9474)
+    assert cfg.enforce_eager is None and cfg.max_model_len == 0, "the units leave both to the model and devices"
+    assert placement_defaults(visible_gpus({"CUDA_VISIBLE_DEVICES": cfg.gpus}), cfg.enforce_eager) == {
+        "enforce_eager": False, "tensor_parallel_size": 4,
+    }
 
 
 @pytest.fixture(scope="module")

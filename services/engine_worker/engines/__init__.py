@@ -19,6 +19,18 @@ __all__ = [
 ]
 
 
+def gpu_count() -> int:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES's count, else torch's."""
+    from services.engine_worker.engine_args import visible_gpus
+
+    n = visible_gpus(dict(os.environ))
+    if n is not None:
+        return n
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def make_engine(cfg) -> Engine:
     if cfg.engine == "echo":
         from services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine
@@ -29,7 +41,9 @@ def make_engine(cfg) -> Engine:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # Let vLLM's log records reach our structlog handler instead of its own.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    from services.engine_worker.engine_args import split as split_engine_args
+    if cfg.gpus:  # before vLLM (and torch's CUDA) start
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.gpus
+    from services.engine_worker.engine_args import placement_defaults, split as split_engine_args
     from services.engine_worker.engines.vllm import VllmEngine
 
     return VllmEngine(
@@ -37,7 +51,7 @@ def make_engine(cfg) -> Engine:
         max_model_len=cfg.max_model_len,
         kv_cache_blocks=cfg.kv_cache_blocks,
         max_num_seqs=cfg.max_num_seqs,
-        enforce_eager=cfg.enforce_eager,
+        placement=placement_defaults(gpu_count(), cfg.enforce_eager),
         engine_argv=split_engine_args(cfg.engine_args),
         task=cfg.task,
     )

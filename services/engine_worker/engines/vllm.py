@@ -28,16 +28,17 @@ class VllmEngine:
     """vLLM's `AsyncLLM` in this process, prefix caching on, fed with token ids."""
 
     def __init__(
-        self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int, enforce_eager: bool,
-        engine_argv: list[str] | None = None, task: str = "generate",
+        self, *, model: str, max_model_len: int, kv_cache_blocks: int, max_num_seqs: int,
+        placement: dict | None = None, engine_argv: list[str] | None = None, task: str = "generate",
     ) -> None:
         self.args = dict(
             # Priority scheduling; with priority 0 for every request it is FCFS.
             scheduling_policy="priority",
             model=model,
-            max_model_len=max_model_len,
+            max_model_len=max_model_len or None,  # 0: the model's own
             enable_prefix_caching=True,
-            enforce_eager=enforce_eager,
+            # enforce_eager and tensor_parallel_size from the replica's devices (engine_args.placement_defaults)
+            **(placement or {"enforce_eager": True}),
             max_num_seqs=max_num_seqs,
             num_gpu_blocks_override=kv_cache_blocks or None,
             disable_log_stats=False,
