@@ -59,9 +59,26 @@ class Watch:
             await asyncio.sleep(self.every)
 
 
-async def submit(url: str, path: Path, out: Path, job: str, max_tokens: int, priority: int = 1) -> float:
-    """`prefixflow submit` as a subprocess: its wall seconds (RuntimeError if it fails)."""
+def phases(out: Path, submitted: float, exited: float) -> dict[str, float]:
+    """Where a job's time went, from its rows' `started_at`/`finished_at` (wall clock):
+    submit to its first prompt entering an engine (the client's start-up and upload,
+    ingest, bucketing, the queue ahead of it), first start to last finish, last finish to
+    the client's exit."""
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(out, columns=["started_at", "finished_at"])
+    first, last = min(t.column("started_at").to_pylist()), max(t.column("finished_at").to_pylist())
+    return {"to_first_start_s": round(first - submitted, 2), "engines_s": round(last - first, 2),
+            "to_exit_s": round(exited - last, 2)}
+
+
+async def submit(url: str, path: Path, out: Path, job: str, max_tokens: int, priority: int = 1,
+                 times: dict | None = None) -> float:
+    """`prefixflow submit` as a subprocess: its wall seconds (RuntimeError if it fails);
+    `times` gets its wall-clock start and exit."""
     t0 = time.monotonic()
+    if times is not None:
+        times["submitted"] = time.time()
     proc = await asyncio.create_subprocess_exec(
         *SUBMIT, str(path), "--out", str(out), "--nats", url, "--job", job, "--no-progress",
         "--max-tokens", str(max_tokens), "--priority", str(priority),
@@ -69,6 +86,8 @@ async def submit(url: str, path: Path, out: Path, job: str, max_tokens: int, pri
     text, _ = await proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"submit {job} exited {proc.returncode}: {text.decode()[-2000:]}")
+    if times is not None:
+        times["exited"] = time.time()
     return time.monotonic() - t0
 
 
@@ -77,7 +96,9 @@ async def small_beside_large(url: str, small: Path, large: Path, out: Path, tag:
     """Scenario 1; returns the small job's times alone and beside the large one."""
     from client.submit import Submitter
 
-    alone = await submit(url, small, out / f"alone-{tag}", f"alone-{tag}", max_tokens)
+    t_alone: dict[str, float] = {}
+    t_beside: dict[str, float] = {}
+    alone = await submit(url, small, out / f"alone-{tag}", f"alone-{tag}", max_tokens, times=t_alone)
     big_job = f"large-{tag}"
     big = asyncio.create_task(submit(url, large, out / big_job, big_job, max_tokens))
     async with Submitter(url) as client:
@@ -89,12 +110,14 @@ async def small_beside_large(url: str, small: Path, large: Path, out: Path, tag:
                 big.result()  # raises what failed
                 raise RuntimeError("the large job ended before the small one started: make it larger")
             await asyncio.sleep(0.1)
-        beside = await submit(url, small, out / f"beside-{tag}", f"beside-{tag}", max_tokens)
+        beside = await submit(url, small, out / f"beside-{tag}", f"beside-{tag}", max_tokens, times=t_beside)
         st = await client.status(big_job)
         left = 1 - (st.rows if st else 0) / n_large
     large_s = await big
     return {"small_alone_s": round(alone, 2), "small_beside_s": round(beside, 2), "ratio": round(beside / alone, 2),
-            "large_left_at_small_done": round(left, 3), "large_s": round(large_s, 1)}
+            "large_left_at_small_done": round(left, 3), "large_s": round(large_s, 1),
+            "alone_phases": phases(out / f"alone-{tag}", t_alone["submitted"], t_alone["exited"]),
+            "beside_phases": phases(out / f"beside-{tag}", t_beside["submitted"], t_beside["exited"])}
 
 
 async def weighted(url: str, a: Path, b: Path, out: Path, tag: str, max_tokens: int, weight: int, n: int) -> dict[str, Any]:

@@ -282,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensor-parallel-size", type=int, default=1,
         help="GPUs per replica (CUDA_VISIBLE_DEVICES; on CPU each replica gets its share of the cores)",
     )
+    p.add_argument(
+        "--stagger", type=float, default=0.0, metavar="SECONDS",
+        help="start replica i's engine i x SECONDS after the first, as a fleet's GPUs come up apart (default 0)",
+    )
     p.add_argument("--workdir", default=None, help="cluster directory: logs/, JetStream store, pids.json (default: a new temporary directory)")
     p.set_defaults(fn=cmd_run)
 

@@ -140,6 +140,7 @@ def processes(
     extra_engine_args: list[str] | None = None,
     tensor_parallel_size: int = 1,
     devices: Devices | None = None,
+    stagger: float = 0.0,
 ) -> list[Process]:
     """nats-server, ingestor, one bucketer, router, `replicas` engine-workers, sink.
     The machine is divided among the engines (`assign_devices`): on CPU each gets its
@@ -157,6 +158,8 @@ def processes(
         if not devices.gpus:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
         args = ["serve", "engine-worker", "--replica", f"r{i}", "--engine", engine, *(extra_engine_args or [])]
+        if stagger and i:
+            args += ["--start-delay", f"{i * stagger:g}"]
         procs.append(Process(f"engine{i}", args, env))
     procs.append(Process("sink", ["serve", "sink"]))
     return procs

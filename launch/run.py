@@ -135,7 +135,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     devices = machine_devices()
     try:
         procs = processes(args.replicas, engine=args.engine, extra_engine_args=extra,
-                          tensor_parallel_size=args.tensor_parallel_size, devices=devices)
+                          tensor_parallel_size=args.tensor_parallel_size, devices=devices, stagger=args.stagger)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
+from services.engine_worker.admission import KvAdmission, Ticket
 from services.engine_worker.grouping import GroupPriorities
 from services.engine_worker.window import initial_window, next_window
 from services.router.policies import Fleet, make_policy
@@ -145,11 +146,12 @@ def memoized_sharding():
 class Worker:
     """One engine-worker and its engine."""
 
-    def __init__(self, sim: Sim, name: str, engine: Engine, prefix_groups: bool) -> None:
+    def __init__(self, sim: Sim, name: str, engine: Engine, prefix_groups: bool, admission: bool = False) -> None:
         self.sim = sim
         self.name = name
         self.engine = engine
-        self.queue: deque[list[int]] = deque()
+        self.queue: deque[tuple[list[int], tuple[int, ...]]] = deque()
+        """Work batches received: (prompt indexes, bucket key)."""
         self.inflight = 0
         self.inflight_tokens = 0
         self.done_tokens = 0
@@ -171,26 +173,42 @@ class Worker:
 
             self.probe = Window(cfg.window, True, cfg.first_result_seconds)
             self.window = self.probe.limit
-        self.pending: deque[int] = deque()
-        """Prompts of held work batches not yet submitted (probe mode feeds prompt by prompt)."""
+        self.admission: KvAdmission | None = None
+        """The worker's admission by KV memory (`admission.KvAdmission`), when simulated."""
+        self.tickets: dict[int, Ticket] = {}
+        if admission:
+            self.admission = KvAdmission()
+            self.admission.resize(engine.cfg.num_blocks, engine.cfg.block_size)
+        self.pending: deque[tuple[int, tuple[int, ...]]] = deque()
+        """Prompts of held work batches not yet submitted, with their bucket key (with the
+        probe or admission the worker feeds prompt by prompt)."""
 
     # feeding --------------------------------------------------------------------------
 
     def pull(self, now: float) -> None:
-        if self.probe is None:
+        if self.probe is None and self.admission is None:
             while self.queue and self.inflight < self.window:
-                self.submit(self.queue.popleft(), now)
+                self.submit(self.queue.popleft()[0], now)
             return
-        # As the worker with its adaptive window: held prompts go in one by one while
-        # the window (one prompt during the probe) has room.
+        # As the worker's feeder: held prompts go in one by one while the window (one
+        # prompt during the probe) and the KV cache (admission) have room.
         while self.queue:
-            self.pending.extend(self.queue.popleft())
+            batch, key = self.queue.popleft()
+            self.pending.extend((i, key) for i in batch)
         take: list[int] = []
-        while self.pending and self.inflight + len(take) < self.probe.limit:
-            if self.inflight + len(take) == 0:
-                i = self.pending[0]
-                self.probe.work_arrives(now, 0, int(self.sim.wl.output_len[i]), self.engine.stats.decode_tokens)
-            take.append(self.pending.popleft())
+        wl, admission, shared, probe = self.sim.wl, self.admission, self.sim.opts.worker.hash_block_size, self.probe
+        while self.pending and self.inflight + len(take) < (probe.limit if probe is not None else self.window):
+            i, key = self.pending[0]
+            if admission is not None:
+                ticket = admission.ticket(len(wl.tokens[i]) // 4, int(wl.output_len[i]), key, len(key) * shared)
+                if not admission.admits(ticket):
+                    break
+                admission.admit(ticket)
+                self.tickets[i] = ticket
+            if self.probe is not None and self.inflight + len(take) == 0:
+                self.probe.work_arrives(now, 0, int(wl.output_len[i]), self.engine.stats.decode_tokens)
+            take.append(i)
+            self.pending.popleft()
         if take:
             self.submit(take, now)
 
@@ -228,6 +246,8 @@ class Worker:
                 self.inflight_tokens -= work
                 self.done_tokens += work
                 self.completed += 1
+                if self.admission is not None:
+                    self.admission.release(self.tickets.pop(i), int(wl.output_len[i]))
                 sim.finish_time[i] = now
                 sim.replica_of[i] = self.index
                 sim.cached[i] = req.cached
@@ -287,7 +307,8 @@ class RouterSim:
         cfg = sim.opts.router
         self.sim = sim
         self.fleet = Fleet(dead_after=cfg.dead_after, cap_tokens=cfg.replica_cap_tokens, history=cfg.history,
-                           cap_windows=cfg.cap_windows, hash_block_size=cfg.hash_block_size)
+                           cap_windows=cfg.cap_windows, lead_seconds=cfg.lead_seconds,
+                           hash_block_size=cfg.hash_block_size)
         self.policy = make_policy(policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor)
         self.trace: list | None = [] if sim.opts.record else None
         self.decisions = 0
@@ -493,7 +514,7 @@ class BucketerSim:
             start += n
             w = self.sim.workers_by_name[name]
             for k in range(0, len(items), max_batch):
-                self.sim.at(now + 2 * hop, w.receive, [it.payload for it in items[k : k + max_batch]])
+                self.sim.at(now + 2 * hop, w.receive, [it.payload for it in items[k : k + max_batch]], tuple(bucket.key))
         self.sim.at(now + 3 * hop, self.sent)
 
     def sent(self, now: float) -> None:
@@ -535,16 +556,17 @@ class Sim:
             policy="priority" if prefix_groups else "fcfs",
         )
         self.workers = []
+        admission = prefix_groups and self.opts.worker.kv_admission  # the product's worker, not the reference's
         for k in range(replicas):
-            w = Worker(self, f"r{k}", Engine(ecfg, profile.step_seconds), prefix_groups)
+            w = Worker(self, f"r{k}", Engine(ecfg, profile.step_seconds), prefix_groups, admission)
             w.index = k
             w.receive = functools.partial(self._receive, w)
             self.workers.append(w)
         self.workers_by_name = {w.name: w for w in self.workers}
         self.t0 = 0.0
 
-    def _receive(self, w: Worker, now: float, batch: list[int]) -> None:
-        w.queue.append(batch)
+    def _receive(self, w: Worker, now: float, batch: list[int], key: tuple[int, ...] = ()) -> None:
+        w.queue.append((batch, key))
         w.pull(now)
 
     def at(self, t: float, fn: Callable, *args) -> None:
@@ -588,7 +610,7 @@ class Sim:
                     lanes[(i // WORK_BATCH) % R].extend(order[i : i + WORK_BATCH])
             for w, lane in zip(workers, lanes):
                 for i in range(0, len(lane), WORK_BATCH):
-                    w.queue.append(lane[i : i + WORK_BATCH])
+                    w.queue.append((lane[i : i + WORK_BATCH], ()))
                 self.at(t0, lambda now, w=w: self._kick(w, now))
         else:
             self.router = RouterSim(self, method)

@@ -26,6 +26,8 @@ KNOBS = {
     "load-slack-tokens": ("router", "load_slack_tokens", int),
     "history": ("router", "history", int),
     "cap-windows": ("router", "cap_windows", float),
+    "lead-seconds": ("router", "lead_seconds", float),
+    "kv-admission": ("worker", "kv_admission", lambda v: v.lower() in ("1", "true", "on", "yes")),
     "split-factor": ("router", "split_factor", float),
     "nodes": ("", "nodes", int),
 }
@@ -249,7 +251,7 @@ def sweep(args, wl, profile, opts, methods: list[str]) -> None:
     t0 = time.perf_counter()
     rows = run_many(jobs, args.jobs)
     out = []
-    print(f"\n{'setting':>28} {'method':>14} {'wall s':>9} {'vs current':>10} {'vs 482 s':>9} {'hit':>7} {'busy':>6} {'split':>6}")
+    print(f"\n{'setting':>28} {'method':>14} {'wall s':>9} {'vs current':>10} {'vs 482 s':>9} {'hit':>7} {'busy':>6} {'split':>6} {'preempted':>9}")
     base = {r["method"]: r["wall_seconds"] for r in rows[: len(methods)]}
     for k, (label, knob, _) in enumerate(settings):
         for r in rows[k * len(methods) : (k + 1) * len(methods)]:
@@ -257,7 +259,7 @@ def sweep(args, wl, profile, opts, methods: list[str]) -> None:
                      "vs_published_bucketing": round(seed.PUBLISHED["daft"][0] / r["wall_seconds"], 4)}
             out.append(r)
             print(f"{label:>28} {r['method']:>14} {r['wall_seconds']:9.1f} {r['vs_current']:9.3f}x {r['vs_published_bucketing']:8.3f}x "
-                  f"{r['hit_rate']:7.1%} {r['busy_fraction']:6.1%} {r['groups_split']:6d}")
+                  f"{r['hit_rate']:7.1%} {r['busy_fraction']:6.1%} {r['groups_split']:6d} {r['preemptions']:9d}")
     print(f"\n({time.perf_counter() - t0:.0f} s of simulation)")
     if args.json:
         write_json(args.json, {"title": f"{wl.name}, {args.replicas} x {profile.name}: sweeps", "workload": {"name": wl.name, **wl.meta},

@@ -51,7 +51,7 @@ class Lane:
 
 class Lanes:
     def __init__(self, make_buffer: Callable[[], PrefixBuffer], *, max_prompts: int, max_bytes: int,
-                 min_share: int = 64, slack: int = 0) -> None:
+                 min_share: int = 64, slack: int = 0, headroom: int = 0) -> None:
         self.make_buffer = make_buffer
         self.max_prompts = max_prompts
         self.max_bytes = max_bytes
@@ -60,6 +60,10 @@ class Lanes:
         self.slack = slack
         """Prompts past `max_prompts` that intake may bring in (it pulls whole messages
         while a lane is under its share) before the bound forces a release."""
+        self.headroom = headroom
+        """Prompts past `max_prompts` a lane under its share may still pull: a job that
+        arrives while another has filled the buffer starts at once, instead of after that
+        job's surplus has drained (its fair turns)."""
         self.lanes: dict[str, Lane] = {}
         self.clock = 0.0
         """Virtual time of the fair queue: the least vtime of the lanes holding prompts."""
@@ -78,7 +82,7 @@ class Lanes:
 
     def over(self) -> bool:
         """Past the bounds and the intake's slack: release regardless of fairness."""
-        return len(self) > self.max_prompts + self.slack or self.nbytes > self.max_bytes
+        return len(self) > self.max_prompts + self.headroom + self.slack or self.nbytes > self.max_bytes
 
     def oldest(self) -> float | None:
         """Arrival time of the oldest prompt held, in any lane."""
@@ -97,17 +101,18 @@ class Lanes:
 
     def room(self, job: str, weight: float = 1.0, competing: Collection[str] = ()) -> int:
         """Prompts intake may pull into `job`'s lane: up to its share, and up to the total
-        bound (a lane over its share - its job was alone until now - drains by its fair
-        turns, and the newcomer pulls as it does; 0: none)."""
-        if len(self) >= self.max_prompts or self.nbytes >= self.max_bytes:
+        bound plus `headroom` (a lane over its share - its job was alone until now - drains
+        by its fair turns while the newcomer pulls; 0: none)."""
+        total = len(self)
+        if total >= self.max_prompts + self.headroom or self.nbytes >= self.max_bytes:
             return 0
         prompts, nbytes = self.share(job, weight, competing)
         lane = self.lanes.get(job)
         if lane is None:
-            return min(prompts, self.max_prompts - len(self))
+            return max(0, min(prompts, self.max_prompts + self.headroom - total))
         if lane.buffer.nbytes >= nbytes:
             return 0
-        return max(0, min(prompts - len(lane.buffer), self.max_prompts - len(self)))
+        return max(0, min(prompts - len(lane.buffer), self.max_prompts + self.headroom - total))
 
     # --- intake -----------------------------------------------------------------------
 

@@ -70,7 +70,8 @@ class Bucketer:
             )
 
         self.lanes = Lanes(make_buffer, max_prompts=cfg.buffer_prompts, max_bytes=cfg.buffer_bytes,
-                           min_share=cfg.pool_size, slack=FETCH_MESSAGES * m.MAX_PROMPTS_PER_MESSAGE)
+                           min_share=cfg.pool_size, slack=FETCH_MESSAGES * m.MAX_PROMPTS_PER_MESSAGE,
+                           headroom=cfg.buffer_prompts // 4)
         """One prefix buffer per job, released by weight (fair sharing)."""
         self.pulls: dict[str, DurablePull] = {}
         """job -> the pull on its consumer of this node's prompts."""

@@ -5,6 +5,10 @@ while the engine's window (`window.Window`) has room, so the window (one prompt 
 a probe, then what the engine can run) is kept per prompt, not per message. Everything
 held counts as this replica's load (the router's view), submitted or not.
 
+A prompt goes in only while the engine's KV cache has room for it as well
+(`admission.KvAdmission`: its prompt blocks beyond its group's shared prefix, and its
+expected output), so vLLM rarely has to preempt.
+
 A suspect batch (`WorkBatch.strikes` set: prompts in flight when an engine died,
 `isolate.py`) runs alone: it goes in only when the engine is empty, and nothing else goes
 in until it is done, so a further death points at it alone.
@@ -17,8 +21,11 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+from services.engine_worker.admission import KvAdmission, Ticket
 from services.engine_worker.requests import prompt_sampling
 from services.engine_worker.window import Window
+from shared.prefix import tokens as tk
+from shared.prefix.block_keys import HASH_BLOCK_SIZE
 from shared.wire import messages as m
 
 if TYPE_CHECKING:  # the ledger's module talks to NATS; this one stays pure
@@ -54,8 +61,17 @@ def max_tokens(held: Held) -> int:
 
 
 class Feeder:
-    def __init__(self, window: Window, submit: Callable[[Held], None], generated: Callable[[], int]) -> None:
+    def __init__(
+        self, window: Window, submit: Callable[[Held], None], generated: Callable[[], int], *,
+        admission: KvAdmission | None = None, hash_block_size: int = HASH_BLOCK_SIZE,
+    ) -> None:
         self.window = window
+        self.admission = admission or KvAdmission(enabled=False)
+        """KV memory the prompts in the engine have reserved (`admission.py`)."""
+        self.hash_block_size = hash_block_size
+        """Tokens per block of a bucket key (its shared prefix is len(key) of them)."""
+        self.tickets: dict[int, Ticket] = {}
+        """id(prompt) -> what it reserved, for the prompts in the engine."""
         self.submit = submit
         """Starts one prompt in the engine (the worker's task per prompt)."""
         self.generated = generated
@@ -93,18 +109,36 @@ class Feeder:
             return held.lease is self.alone
         return not held.suspect
 
+    def ticket(self, held: Held) -> Ticket:
+        key = tuple(held.work.key) if held.work is not None else ()
+        return self.admission.ticket(tk.count(held.prompt.tokens), max_tokens(held), key,
+                                     len(key) * self.hash_block_size)
+
     def feed(self) -> None:
-        """Submit pending prompts while the window has room."""
+        """Submit pending prompts while the window and the KV cache have room."""
+        admission = self.admission
         while self.pending and self.open and self.inflight < self.window.limit and self.may_submit(self.pending[0]):
-            held = self.pending.popleft()
+            held = self.pending[0]
+            ticket = None
+            if admission.active:
+                ticket = self.ticket(held)
+                if not admission.admits(ticket):
+                    break  # in order: it goes in when earlier prompts leave room
+                admission.admit(ticket)
+                self.tickets[id(held.prompt)] = ticket
+            self.pending.popleft()
             if self.inflight == 0:
                 self.window.work_arrives(time.monotonic(), 0, max_tokens(held), self.generated())
             self.alone = held.lease if held.suspect else None
             self.inflight += 1
             self.submit(held)
 
-    def finished(self, prompt: m.Prompt, submitted: bool = True) -> None:
-        """A prompt is done (or, not submitted, handed back): it is no longer held."""
+    def finished(self, prompt: m.Prompt, submitted: bool = True, output_tokens: int | None = None) -> None:
+        """A prompt is done (or, not submitted, handed back): it is no longer held.
+        `output_tokens`: what it generated, if it finished (the expected output learns)."""
+        ticket = self.tickets.pop(id(prompt), None)
+        if ticket is not None:
+            self.admission.release(ticket, output_tokens)
         if submitted:
             self.inflight -= 1
             self.window.completed(time.monotonic())

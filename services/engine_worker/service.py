@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 
 from services.engine_worker import isolate
 from services.engine_worker.engines import Completion, EngineDead, RequestFailed, is_engine_death, make_engine
+from services.engine_worker.admission import KvAdmission
 from services.engine_worker.feeder import Feeder, Held
 from services.engine_worker.kv_events import KeyTranslator
 from services.engine_worker.kv_subscriber import CacheEventForwarder, KvEventSubscriber, events_config, ipc_endpoint
@@ -111,7 +112,8 @@ class EngineWorker:
         """Set when completed work (or a change of readiness) should reach the router now."""
         self.window = Window(cfg.window, cfg.adaptive, cfg.first_result_seconds)
         """The in-flight bound (`window.limit`), sized from measurements (`adapt_window`)."""
-        self.feeder = Feeder(self.window, self.submit, lambda: self.engine.snapshot().generated)
+        self.feeder = Feeder(self.window, self.submit, lambda: self.engine.snapshot().generated,
+                             admission=KvAdmission(enabled=cfg.kv_admission), hash_block_size=cfg.hash_block_size)
         """The prompts held here, submitted as the window allows."""
         self.kv: CacheEventForwarder | None = None
         """Sends the engine's KV-cache events to the router (`--kv-events`)."""
@@ -123,6 +125,13 @@ class EngineWorker:
                                           lambda data: self.nc.publish(subjects.cache_events(cfg.replica), data))
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.cfg.start_delay:
+            log.info("engine start delayed", seconds=self.cfg.start_delay)
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.start_delay)
+                return  # stopped while waiting
+            except TimeoutError:
+                pass
         await self.engine.start()
         nc = await connect(self.cfg.nats_url, f"engine-{self.cfg.replica}")
         self.nc, self.js = nc, nc.jetstream()
@@ -459,7 +468,7 @@ class EngineWorker:
                         return  # still in `in_engine`: it died in flight
                     error = f"{type(exc).__name__}: {exc}"
         finally:
-            self.feeder.finished(prompt)
+            self.feeder.finished(prompt, output_tokens=completion.output_tokens if completion is not None else None)
             self._track_idle()
             self.feeder.feed()
             self.window_free.set()
@@ -516,6 +525,7 @@ class EngineWorker:
     def adapt_window(self) -> None:
         """Size the window from what the engine runs and generates (`window.Window`)."""
         snap = self.engine.snapshot()
+        self.feeder.admission.resize(snap.kv_blocks, snap.block_size)
         self.window.observe(time.monotonic(), snap.kv_blocks, snap.running, snap.generated, self.feeder.inflight)
         self.feeder.feed()
 

@@ -26,7 +26,11 @@ Policies:
   replica's fair share is split.
 
 Flow control is the same for every policy: replicas that stopped reporting, are not
-ready, or hold their cap of outstanding work are never chosen.
+ready, or hold their cap of outstanding work are never chosen. A replica's cap is a
+bounded lead: its engine window of work plus `lead_seconds` of work at the rate it was
+measured to complete work (`cap_windows` windows until it has been busy long enough to be
+measured). What no replica has room for waits in the bucketers, where a job that comes
+later gets its share of it and a replica that comes up later finds work.
 
 Precise cache model: a replica that sends its KV-cache changes (`CacheEvents`, vLLM's KV
 events translated to prefix block keys by its worker) is scored by the blocks it actually
@@ -67,6 +71,10 @@ MIN_SPLIT_PROMPTS = 8
 its prefix once)."""
 MIN_HISTORY = 8
 """Keys kept per replica whatever the KV budget (the reference looks at the last 8)."""
+RATE_WARMUP = 2.0
+"""Busy seconds of a replica before its completion rate is taken as measured."""
+RATE_TAU = 5.0
+"""Time constant of the rate's moving average, seconds (completions come in waves)."""
 BLOCK_INDEX_ENTRIES = 1 << 20
 """Default bound of the precise cache model, in (replica, block) entries (200-300 MB when
 full, measured): 64 replicas of 16k hash blocks each (a 100k-block GPU cache of 16-token
@@ -134,6 +142,13 @@ class Replica:
     drained: tuple[float, int] | None = None
     """(since when, `routed_prompts` then) while it reports holding nothing but the
     router counts work outstanding on it (see `Fleet.observe`)."""
+    held: int = 0
+    """Work tokens it last reported holding (0: it was idle)."""
+    rate: float = 0.0
+    """Work tokens it completes per second while busy (measured; 0: not yet)."""
+    busy_seconds: float = 0.0
+    busy_done: int = 0
+    """Busy time and completed work tokens before the first `rate` (`RATE_WARMUP`)."""
 
 
 class _Prefix:
@@ -237,6 +252,7 @@ class Fleet:
         cap_tokens: int = 0,
         history: int = 64,
         cap_windows: float = 2.0,
+        lead_seconds: float = 1.0,
         hash_block_size: int = HASH_BLOCK_SIZE,
         block_index_entries: int = BLOCK_INDEX_ENTRIES,
         settle: float = 3.0,
@@ -245,7 +261,11 @@ class Fleet:
         self.cap_tokens = cap_tokens
         """Fixed cap on outstanding work tokens per replica; 0: automatic."""
         self.cap_windows = cap_windows
-        """Automatic cap: this many engine windows of average-sized prompts."""
+        """Automatic cap until a replica's rate is measured: this many engine windows of
+        average-sized prompts (also the prefix-aware policy's load slack)."""
+        self.lead_seconds = lead_seconds
+        """Automatic cap once its rate is measured: one engine window plus this many seconds
+        of work at that rate."""
         self.history = history
         """Keys kept per replica while its KV capacity is unknown."""
         self.hash_block_size = hash_block_size
@@ -296,9 +316,12 @@ class Fleet:
         if done_tokens < r.done_tokens:  # the worker restarted: its own count is the truth
             r.outstanding = outstanding
             self.forget_cache(name)  # its events (if it still sends them) start a new epoch
+            r.rate, r.busy_seconds, r.busy_done = 0.0, 0.0, 0
         else:
+            if r.held and r.ready and ready:  # it held work since its last status: busy
+                self.measure(r, now - r.last_seen, done_tokens - r.done_tokens)
             r.outstanding = max(r.outstanding - (done_tokens - r.done_tokens), outstanding, 0)
-        r.done_tokens = done_tokens
+        r.done_tokens, r.held = done_tokens, outstanding
         if cache_epoch and cache_epoch != r.cache_epoch:
             if r.cache_epoch:  # (KV events carry their own epochs)
                 self.forget_history(r)
@@ -313,6 +336,20 @@ class Fleet:
             r.history_budget = kv_tokens // self.hash_block_size
         else:
             r.history_budget = None
+
+    @staticmethod
+    def measure(r: Replica, dt: float, done: int) -> None:
+        """Fold `done` work tokens completed over `dt` busy seconds into r's rate: their
+        average over the first `RATE_WARMUP` busy seconds, then a moving average."""
+        if dt <= 0:
+            return
+        if not r.rate:
+            r.busy_seconds += dt
+            r.busy_done += done
+            if r.busy_seconds >= RATE_WARMUP and r.busy_done > 0:
+                r.rate = r.busy_done / r.busy_seconds
+            return
+        r.rate += min(dt / RATE_TAU, 1.0) * (done / dt - r.rate)
 
     def write_off(self, r: Replica, now: float, *, ready: bool, holds: int) -> None:
         """Heal the outstanding count: work routed to a replica that never reaches it
@@ -345,8 +382,20 @@ class Fleet:
         return [r for r in self.by_name() if r.ready and now - r.last_seen < dead_after]
 
     def cap(self, r: Replica) -> float:
+        """Outstanding work tokens r may hold: the fixed cap, else its bounded lead."""
         if self.cap_tokens:
             return self.cap_tokens
+        if r.window and self.avg_prompt_tokens:
+            return self._lead_cap(r, self.avg_prompt_tokens)
+        return math.inf
+
+    def _lead_cap(self, r: Replica, avg: float) -> float:
+        if r.rate:
+            return r.window * avg + self.lead_seconds * r.rate
+        return self.cap_windows * r.window * avg
+
+    def window_cap(self, r: Replica) -> float:
+        """`cap_windows` engine windows of average prompts (inf while unknown)."""
         if r.window and self.avg_prompt_tokens:
             return self.cap_windows * r.window * self.avg_prompt_tokens
         return math.inf
@@ -363,14 +412,14 @@ class Fleet:
         """Live replicas with room for more work, by name."""
         # NOTE: `is_live` and `cap` inlined: this pass over every replica runs for every
         # decision.
-        dead_after, cap_windows, avg = self.dead_after, self.cap_windows, self.avg_prompt_tokens
+        dead_after, avg, lead_cap = self.dead_after, self.avg_prompt_tokens, self._lead_cap
         if self.cap_tokens or not avg:
             cap = self.cap_tokens or math.inf  # the same for every replica
             return [r for r in self.by_name() if r.ready and now - r.last_seen < dead_after and r.outstanding < cap]
         return [
             r
             for r in self.by_name()
-            if r.ready and now - r.last_seen < dead_after and (not r.window or r.outstanding < cap_windows * r.window * avg)
+            if r.ready and now - r.last_seen < dead_after and (not r.window or r.outstanding < lead_cap(r, avg))
         ]
 
     def assign(self, r: Replica, prompts: int, tokens: int, key: Sequence[int]) -> None:
@@ -572,14 +621,14 @@ class PrefixAware(Policy):
     def __init__(self, slack_tokens: int = 0, split_factor: float = 2.0) -> None:
         self.slack_tokens = slack_tokens
         """Load slack within which a prefix match beats a lighter replica (0: automatic,
-        the replica's cap, or 64k tokens). NOTE: half a cap proved too little once the
+        the replica's fixed cap, else `cap_windows` of its windows, or 64k tokens). NOTE: half a cap proved too little once the
         feed window adapts to a small KV cache: balancing then overrode affinity."""
         self.split_factor = split_factor
 
     def slack(self, fleet: Fleet, r: Replica) -> float:
         if self.slack_tokens:
             return self.slack_tokens
-        cap = fleet.cap(r)
+        cap = fleet.cap_tokens or fleet.window_cap(r)
         return cap if math.isfinite(cap) else 65536
 
     def within_slack(self, fleet: Fleet, candidates: list[Replica]) -> list[Replica]:

@@ -43,6 +43,7 @@ class Router:
             cap_tokens=cfg.replica_cap_tokens,
             history=cfg.history,
             cap_windows=cfg.cap_windows,
+            lead_seconds=cfg.lead_seconds,
             hash_block_size=cfg.hash_block_size,
         )
         self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor)

@@ -146,7 +146,15 @@ class RouterConfig(CommonConfig, kw_only=True):
     replica_cap_tokens: Annotated[
         int, _d("outstanding work tokens per replica before retry-after (0: cap_windows engine windows)", ge=0)
     ] = 0
-    cap_windows: Annotated[float, _d("automatic cap: engine windows of average prompts per replica", gt=0)] = 2.0
+    cap_windows: Annotated[
+        float, _d("automatic cap until a replica's rate is measured: engine windows of average prompts (also "
+                  "the prefix-aware policy's load slack)", gt=0)
+    ] = 2.0
+    lead_seconds: Annotated[
+        float, _d("automatic cap once a replica's rate is measured: its engine window plus this many seconds of "
+                  "work at that rate; more waits in the bucketers (for jobs that come later, replicas that "
+                  "come up later)", gt=0)
+    ] = 1.0
     dead_after: Annotated[float, _d("seconds a replica may go without status (or stay not ready) before it is excluded and its queued work moved", gt=0)] = 5.0
     history: Annotated[int, _d("prefix keys remembered per replica when it reports no KV capacity", gt=0)] = 64
     load_slack_tokens: Annotated[
@@ -174,6 +182,12 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     first_result_seconds: Annotated[
         float, _d("the first prompt runs alone while it can finish within this many seconds (adaptive window)", gt=0)
     ] = 10.0
+    kv_admission: Annotated[
+        bool,
+        _d("admission by KV memory: a prompt goes into the engine only while the KV cache holds the blocks of "
+           "the prompts in it and its own (prompt beyond its group's shared prefix, expected output), so vLLM "
+           "rarely preempts (vllm engine)"),
+    ] = True
     kv_cache_blocks: Annotated[
         int, _d("cap the KV cache at this many blocks (0: as much as the memory budget allows)", ge=0)
     ] = 0
@@ -184,6 +198,10 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     echo_delay: Annotated[float, _d("echo engine: seconds per prompt (to simulate work)", ge=0)] = 0.0
     echo_start_seconds: Annotated[
         float, _d("echo engine: seconds each start takes, like a real engine loading its model (tests of start-up)", ge=0)
+    ] = 0.0
+    start_delay: Annotated[
+        float, _d("seconds to wait before the engine starts loading, as a fleet's GPUs come up apart "
+                  "(`run --stagger`; tests and benchmarks of start-up)", ge=0)
     ] = 0.0
     echo_crash_token: Annotated[
         int,

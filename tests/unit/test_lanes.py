@@ -19,11 +19,11 @@ pytestmark = pytest.mark.unit
 _ids = itertools.count()
 
 
-def make_lanes(max_prompts: int = 1000, min_share: int = 8) -> Lanes:
+def make_lanes(max_prompts: int = 1000, min_share: int = 8, headroom: int = 0) -> Lanes:
     def buffer() -> PrefixBuffer:
         return PrefixBuffer(max_prompts=max_prompts, min_bucket=4, max_wait=5.0, block_size=4, pool_size=4, max_bucket=16)
 
-    return Lanes(buffer, max_prompts=max_prompts, max_bytes=1 << 30, min_share=min_share)
+    return Lanes(buffer, max_prompts=max_prompts, max_bytes=1 << 30, min_share=min_share, headroom=headroom)
 
 
 def item(job: str, prefix: int, now: float = 0.0, length: int = 16) -> Item:
@@ -99,6 +99,13 @@ def test_share_splits_the_bounds_by_weight_and_gates_intake():
     assert lanes.room("b") == 390 and not lanes.room("a")  # b up to the total bound, a drains first
     fill(lanes, "a", 1, 390)
     assert not lanes.room("b")  # the buffer is full: nobody pulls until a's turns drain it
+    # With headroom, a job that arrives at a full buffer starts at once (up to its share,
+    # and the bound plus the headroom), while the job that filled it drains.
+    roomy = make_lanes(max_prompts=1000, min_share=8, headroom=250)
+    fill(roomy, "a", 1, 1000)
+    assert roomy.room("a") == 0 and roomy.room("b") == 250
+    fill(roomy, "b", 1, 250)
+    assert roomy.room("b") == 0 and roomy.room("c") == 0 and not roomy.over()
     assert lanes.share("c", competing=[f"j{i}" for i in range(500)])[0] == 8  # never below min_share
 
 

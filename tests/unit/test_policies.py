@@ -12,6 +12,7 @@ from services.router.policies import (
     MIN_HISTORY,
     MIN_SPLIT_PROMPTS,
     POLICIES,
+    RATE_WARMUP,
     Daft,
     Fleet,
     LeastLoaded,
@@ -117,6 +118,96 @@ def test_automatic_cap():
     f.observe("w0", NOW, ready=True, outstanding=0, done_tokens=0, window=0)
     assert f.cap(f.replicas["w0"]) == math.inf  # window unknown
     assert Fleet(cap_tokens=5).cap(r) == 5
+
+
+def busy(f, name, seconds, rate, *, start=NOW, window=4):
+    """`seconds` of status messages from a replica completing `rate` work tokens per second
+    with work outstanding throughout (the router routes it 100-token prompts as fast)."""
+    step = 100 / rate
+    r = f.replicas[name]
+    t, done = start, r.done_tokens
+    while t < start + seconds - 1e-9:
+        f.assign(r, 1, 100, [])  # routed as fast as it completes
+        t += step
+        done += 100
+        f.observe(name, t, ready=True, outstanding=50, done_tokens=done, window=window)
+    return t
+
+
+def test_cap_is_a_bounded_lead_once_the_rate_is_measured():
+    """Windows of work until the replica has been busy RATE_WARMUP seconds; then its window
+    plus lead_seconds of work at its measured rate (issue #26: a replica holds no more than
+    a few seconds of work beyond what it runs)."""
+    f = Fleet(cap_windows=2.0, lead_seconds=1.5)
+    f.observe("r", NOW, ready=True, outstanding=0, done_tokens=0, window=4)
+    r = f.replicas["r"]
+    f.assign(r, 10, 1000, [])  # 100 tokens per prompt
+    f.observe("r", NOW, ready=True, outstanding=1000, done_tokens=0, window=4)
+    t = busy(f, "r", RATE_WARMUP - 0.5, 400.0)
+    assert r.rate == 0 and f.cap(r) == pytest.approx(2.0 * 4 * f.avg_prompt_tokens), "not measured yet"
+    t = busy(f, "r", 1.0, 400.0, start=t)
+    assert r.rate == pytest.approx(400.0)
+    assert f.cap(r) == pytest.approx(4 * f.avg_prompt_tokens + 1.5 * 400.0)
+    busy(f, "r", 30, 1000.0, start=t)  # it speeds up: the moving average follows
+    assert r.rate == pytest.approx(1000.0, rel=0.01)
+    assert PrefixAware().slack(f, r) == pytest.approx(2.0 * 4 * f.avg_prompt_tokens), "the slack stays in windows"
+
+
+def test_rate_counts_busy_time_only_and_restarts_with_the_worker():
+    f = Fleet(lead_seconds=1.0)
+    f.observe("r", NOW, ready=True, outstanding=0, done_tokens=0, window=4)
+    r = f.replicas["r"]
+    for i in range(1, 100):  # idle: nothing routed, nothing done
+        f.observe("r", NOW + i, ready=True, outstanding=0, done_tokens=0, window=4)
+    assert r.busy_seconds == 0 and r.rate == 0
+    f.assign(r, 1, 100, [])
+    f.observe("r", NOW + 100, ready=True, outstanding=100, done_tokens=0, window=4)  # it pulled the work
+    t = busy(f, "r", 3, 200.0, start=NOW + 100)
+    assert r.rate == pytest.approx(200.0)
+    f.observe("r", t + 1, ready=True, outstanding=0, done_tokens=0, window=4)  # a new worker: counts from 0
+    assert r.rate == 0 and r.busy_seconds == 0
+
+
+@given(st.lists(st.tuples(st.floats(0.01, 3), st.integers(0, 10_000), st.booleans()), max_size=60))
+def test_rate_and_lead_cap_property(steps):
+    """Whatever the statuses: the rate is never negative nor above the fastest completion
+    seen, and the cap never falls below one window of work."""
+    f = Fleet(lead_seconds=1.0)
+    f.observe("r", NOW, ready=True, outstanding=0, done_tokens=0, window=8)
+    r = f.replicas["r"]
+    f.assign(r, 1, 50, [])
+    t, done, fastest = NOW, 0, 0.0
+    for dt, d, route in steps:
+        if route:
+            f.assign(r, 1, 50, [])
+        t += dt
+        done += d
+        f.observe("r", t, ready=True, outstanding=50 * route, done_tokens=done, window=8)
+        fastest = max(fastest, d / dt)
+        assert 0 <= r.rate <= fastest + 1e-6
+        assert f.cap(r) >= 8 * f.avg_prompt_tokens - 1e-6
+
+
+def test_work_waits_for_a_replica_that_comes_up_later():
+    """A replica ready first holds its window plus its lead, no more: the rest of a job
+    stays unrouted (in the bucketers) and goes to the one that comes up later."""
+    f = Fleet(lead_seconds=1.0)
+    policy = PrefixAware()
+    f.observe("a", NOW, ready=True, outstanding=0, done_tokens=0, window=4)
+    a = f.replicas["a"]
+    f.assign(a, 4, 400, [])
+    f.observe("a", NOW, ready=True, outstanding=400, done_tokens=0, window=4)
+    t = busy(f, "a", 3, 200.0)
+    routed = {"a": 0, "b": 0}
+    for _ in range(200):  # a 200-bucket job, 100 tokens each, while only `a` is up
+        got = policy.route(f, t, 1, 100, [7, 7])
+        if got is None:
+            break
+        routed[got[0][0].name] += 1
+    assert a.outstanding <= f.cap(a) + 100 and routed["a"] < 20, "a holds its lead, not the job"
+    f.observe("b", t, ready=True, outstanding=0, done_tokens=0, window=4)
+    got = policy.route(f, t, 1, 100, [7, 7])
+    assert got is not None and got[0][0].name == "b", "the later replica takes what a has no room for"
 
 
 def test_make_policy():
