@@ -80,7 +80,7 @@ async def submit(url: str, path: Path, out: Path, job: str, max_tokens: int, pri
     if times is not None:
         times["submitted"] = time.time()
     proc = await asyncio.create_subprocess_exec(
-        *SUBMIT, str(path), "--out", str(out), "--nats", url, "--job", job, "--no-progress",
+        *SUBMIT, str(path), "--out", str(out), "--nats", url, "--job", job, "--no-progress", "--no-report",
         "--max-tokens", str(max_tokens), "--priority", str(priority),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     text, _ = await proc.communicate()

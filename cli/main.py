@@ -123,6 +123,8 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
                    help="the job's weight while other jobs share the cluster: a job of weight 3 gets three times "
                         "the engine work of a job of weight 1 (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-report", action="store_true",
+                   help="no end-of-job report in OUT/_report (write it later: `prefixflow report OUT`)")
     p.add_argument("--task", choices=("generate", "embed"), default="generate",
                    help="generate text, or embed (an `embedding` column; `run` starts pooling engines) (default generate)")
     add_sampling_args(p)
@@ -219,9 +221,10 @@ def cmd_submit(args: argparse.Namespace) -> None:
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     if status.summary:
         print_summary(status.summary)
-    from report.job_report import auto_report
+    if not args.no_report:
+        from report.job_report import auto_report
 
-    auto_report(args.out, status.rows)  # when the output directory is on this machine
+        auto_report(args.out, status.rows)  # when the output directory is on this machine
 
 
 def build_parser() -> argparse.ArgumentParser:

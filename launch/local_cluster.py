@@ -132,6 +132,10 @@ def describe_placement(env: dict[str, str]) -> str:
     return f"core{'s' if (',' in ids or '-' in ids) else ''} {ids}" if ids else "no placement"
 
 
+CPU_ENGINE_NICE = 10
+"""Niceness of CPU engines under `run`: their cores are shared with every other process."""
+
+
 def processes(
     replicas: int = 2,
     *,
@@ -157,6 +161,9 @@ def processes(
         env = dict(placement)
         if not devices.gpus:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
+            # The engines take every core: the services beside them (ingest, bucketing,
+            # routing, the sink) would wait for CPU, and every job's latency with them.
+            env["PFX_NICE"] = str(CPU_ENGINE_NICE)
         args = ["serve", "engine-worker", "--replica", f"r{i}", "--engine", engine, *(extra_engine_args or [])]
         if stagger and i:
             args += ["--start-delay", f"{i * stagger:g}"]

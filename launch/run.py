@@ -240,6 +240,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     if summary:
         print_summary(summary)
         print(json.dumps(summary, indent=2))
-    from report.job_report import auto_report
+    if not args.no_report:
+        from report.job_report import auto_report
 
-    auto_report(args.out, status.rows, model)
+        auto_report(args.out, status.rows, model)

@@ -378,7 +378,8 @@ class Bucketer:
                     await self.hand_back(bucket.items[start - a.prompts + batch.start :])
                     return
                 await self.release(part)
-        log.debug("bucket sent", bucket=bucket_id, prompts=len(bucket.items), keyed=bool(bucket.key),
+        log.debug("bucket sent", bucket=bucket_id, job=bucket.items[0].payload.job if bucket.items else "",
+                  prompts=len(bucket.items), keyed=bool(bucket.key),
                   prefix_tokens=bucket.prefix_len, to=[a.replica for a in assignments])
 
     async def too_large(self, item: Item, size: int, limit: int) -> None:

@@ -28,6 +28,7 @@ and ends the process with a non-zero exit, never leaving a batch leased.
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
 import uuid
@@ -125,6 +126,8 @@ class EngineWorker:
                                           lambda data: self.nc.publish(subjects.cache_events(cfg.replica), data))
 
     async def run(self, stop: asyncio.Event) -> None:
+        if self.cfg.nice:
+            os.nice(self.cfg.nice)  # before the engine core starts: it inherits it
         if self.cfg.start_delay:
             log.info("engine start delayed", seconds=self.cfg.start_delay)
             try:

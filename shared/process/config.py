@@ -199,6 +199,11 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     echo_start_seconds: Annotated[
         float, _d("echo engine: seconds each start takes, like a real engine loading its model (tests of start-up)", ge=0)
     ] = 0.0
+    nice: Annotated[
+        int, _d("lower this process's CPU priority by this much (and its engine core's): on CPU, where the "
+                "engines take every core, the services beside them stay responsive (`run` on CPU: 10)",
+                ge=0, le=19),
+    ] = 0
     start_delay: Annotated[
         float, _d("seconds to wait before the engine starts loading, as a fleet's GPUs come up apart "
                   "(`run --stagger`; tests and benchmarks of start-up)", ge=0)

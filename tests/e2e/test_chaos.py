@@ -3,8 +3,8 @@ replicas, and every ~8 s a SIGKILL of one randomly chosen process: ingestor, buc
 router, an engine-worker, sink, a vLLM engine-core child of an engine-worker, or
 nats-server. Each kind is killed at least once (a shuffled list of every kind plus
 extras). The run must supervise its way through: exit 0, every id exactly once, no error
-rows, and no process of the run left behind. Then the same job without faults, for the
-slowdown.
+rows, and no process of the run left behind. With PFX_CHAOS_CALM=1, then the same job
+without faults, for the slowdown (a benchmark figure: ~90 s more).
 
 Printed (`pytest -s`): the seed (rerun with PFX_CHAOS_SEED), per kill the time from the
 kill to the process being back (restarted and ready; for an engine core, its worker
@@ -316,6 +316,9 @@ def test_chaos_through_prefixflow_run(tmp_path, tiny_model):
     for kind in KINDS:
         print(f"  {kind:14} " + ", ".join(f"{s:.1f}" for s in by_kind[kind]))
     chaos_job = chaos.job_seconds()
+    print(f"chaos run total (start-up, job, stop): {chaos_total:.1f} s; job {chaos_job:.1f} s")
+    if not os.environ.get("PFX_CHAOS_CALM"):
+        return  # the slowdown is a benchmark figure (~90 s more): PFX_CHAOS_CALM=1 measures it
 
     # 2. The same job without faults.
     calm = Run(tmp_path, "calm", data, tiny_model)
@@ -329,4 +332,3 @@ def test_chaos_through_prefixflow_run(tmp_path, tiny_model):
     calm_job = calm.job_seconds()
     print(f"job wall time (replicas ready -> job done): {chaos_job:.1f} s with {len(kills)} kills, "
           f"{calm_job:.1f} s without faults: slowdown x{chaos_job / calm_job:.2f}")
-    print(f"chaos run total (start-up, job, stop): {chaos_total:.1f} s")

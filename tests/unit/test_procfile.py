@@ -106,7 +106,7 @@ def test_gpu_replicas_get_tensor_parallel_devices():
 def test_one_replica_gets_both_cores_of_this_machine(monkeypatch):
     monkeypatch.setattr(cluster, "machine_devices", lambda: TWO_CORES)
     (engine,) = [p for p in cluster.processes(1) if p.is_engine]
-    assert engine.env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert engine.env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2", "PFX_NICE": "10"}
     assert cluster.describe_placement(engine.env) == "cores 0-1"
 
 
