@@ -17,14 +17,14 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-N = 480
+N = 960
 STAGGER = 10
 
 
 def test_replicas_ready_apart_both_get_work_and_the_hit_rate_holds(tmp_path, tiny_model):
     data = tmp_path / "prompts.parquet"
     table = write_prefix_repetition(data, tokenizer_dir=tiny_model, num_prompts=N, prefix_len=256, suffix_len=64,
-                                    num_prefixes=12, output_len=96, seed=11)
+                                    num_prefixes=24, output_len=96, seed=11)
     ideal = ideal_hit_rate(table, block_size=128)
     out = tmp_path / "out"
     res = run_cli("run", str(data), "--out", str(out), "--replicas", "2", "--stagger", str(STAGGER),
