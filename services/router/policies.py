@@ -144,6 +144,8 @@ class Replica:
     router counts work outstanding on it (see `Fleet.observe`)."""
     held: int = 0
     """Work tokens it last reported holding (0: it was idle)."""
+    last_ts: float = 0.0
+    """Its last status's timestamp, by its own clock."""
     rate: float = 0.0
     """Work tokens it completes per second while busy (measured; 0: not yet)."""
     busy_seconds: float = 0.0
@@ -303,10 +305,13 @@ class Fleet:
         window: int = 0,
         engine_block_size: int = 0,
         cache_epoch: str = "",
+        ts: float | None = None,
     ) -> None:
         """Apply a status message: completed work leaves the outstanding count, which is
         never below what the replica itself reports in flight. `kv_blocks` counts engine
-        blocks of `engine_block_size` tokens (0: not reported, taken as hash blocks). A new
+        blocks of `engine_block_size` tokens (0: not reported, taken as hash blocks). `ts`:
+        when the replica wrote the status, by its clock (its rate is measured on that clock,
+        not on when statuses arrive; default `now`). A new
         `cache_epoch` (its engine's cache started empty) forgets its history: its
         prefixes are no longer there."""
         r = self.replicas.get(name)
@@ -319,9 +324,9 @@ class Fleet:
             r.rate, r.busy_seconds, r.busy_done = 0.0, 0.0, 0
         else:
             if r.held and r.ready and ready:  # it held work since its last status: busy
-                self.measure(r, now - r.last_seen, done_tokens - r.done_tokens)
+                self.measure(r, (now if ts is None else ts) - r.last_ts, done_tokens - r.done_tokens)
             r.outstanding = max(r.outstanding - (done_tokens - r.done_tokens), outstanding, 0)
-        r.done_tokens, r.held = done_tokens, outstanding
+        r.done_tokens, r.held, r.last_ts = done_tokens, outstanding, now if ts is None else ts
         if cache_epoch and cache_epoch != r.cache_epoch:
             if r.cache_epoch:  # (KV events carry their own epochs)
                 self.forget_history(r)

@@ -69,6 +69,7 @@ class Router:
             engine_block_size=status.block_size,
             window=status.window,
             cache_epoch=status.cache_epoch,
+            ts=status.ts,
         )
         r = self.fleet.replicas[status.replica]
         if self.fleet.written_off > written_off:
