@@ -59,8 +59,6 @@ class KvAdmission:
     """Group -> [prompts in the engine, shared blocks reserved for it]."""
     admitted: int = 0
     """Prompts in the engine (with a ticket)."""
-    held_back: int = 0
-    """Times a prompt had to wait for blocks (a metric: admission at work)."""
 
     def resize(self, blocks: int, block_size: int) -> None:
         """The engine's capacity, as it reports it (after a start or a rebuild); one of
@@ -87,12 +85,7 @@ class KvAdmission:
         return t.own + max(t.shared - live[1], 0) if live else t.own + t.shared
 
     def admits(self, t: Ticket) -> bool:
-        if not self.active or self.admitted == 0:
-            return True
-        if self.reserved + self.need(t) <= self.blocks:
-            return True
-        self.held_back += 1
-        return False
+        return not self.active or self.admitted == 0 or self.reserved + self.need(t) <= self.blocks
 
     def admit(self, t: Ticket) -> None:
         self.reserved += self.need(t)

@@ -119,7 +119,6 @@ class Feeder:
         admission = self.admission
         while self.pending and self.open and self.inflight < self.window.limit and self.may_submit(self.pending[0]):
             held = self.pending[0]
-            ticket = None
             if admission.active:
                 ticket = self.ticket(held)
                 if not admission.admits(ticket):
