@@ -71,5 +71,5 @@ def serve(args=None) -> None:
     configure(NatsOptions.from_config(cfg))
     setup_logging("api", fmt=cfg.log_format, level=cfg.log_level)
     service = Api(cfg)
-    metrics.serve("api", cfg.metrics_port, [])
+    metrics.serve("api", cfg.metrics_port, [], addr=cfg.metrics_host)
     run_service(service.run)

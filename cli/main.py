@@ -7,7 +7,8 @@
     prefixflow run INPUT --out DIR [...]            all-in-one: local cluster + job + summary
     prefixflow submit INPUT --out DIR [--nats URL]  submit a job to a running cluster
     prefixflow bench methods|pipeline|router|batching ...   benchmarks (docs/benchmarks.md)
-    prefixflow cluster config --out DIR ...        NATS configs and env files for a fleet
+    prefixflow cluster config --out DIR ...        NATS configs, certificates and env files for a fleet
+    prefixflow cluster provision                    create the fleet's streams and buckets (admin)
     prefixflow status [JOB] [--nats URL]            jobs: rows, errors, rate, hit rate, ETA
     prefixflow top [--nats URL]                     live view of replicas, bucketers, jobs
     prefixflow report OUTDIR                        plots of a job (OUTDIR/_report/)
@@ -28,6 +29,7 @@ import msgspec
 
 from client.window import IN_FLIGHT_ROWS
 from shared.process import config as cfgmod
+from shared.wire import subjects
 from shared.wire.messages import SamplingSpec
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -190,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 def cmd_submit(args: argparse.Namespace) -> None:
     from client.submit import AlreadyDone, DirTaken, JobFailed, submit
 
-    job = args.job or default_job_id(args.input)
+    job = args.job or subjects.qualify(default_job_id(args.input), getattr(args, "tenant", ""))
     try:
         status = asyncio.run(
             submit(
@@ -328,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
         from shared.process.logs import setup_logging
 
         setup_logging("prefixflow", fmt="console", level="warning")
+        if (tenant := os.environ.get("PFX_TENANT", "")) and args.command in ("submit", "status", "cancel", "top"):
+            args.tenant = tenant  # a tenant's credentials (`cluster config --tenant`): its jobs are TENANT.JOB
+            if getattr(args, "job", None):
+                args.job = subjects.qualify(args.job, tenant)
     args.fn(args)
 
 

@@ -114,7 +114,7 @@ async def read_jobs(nc, job: str | None = None) -> list[JobView]:
     except NotFoundError:  # no service has provisioned the buckets yet: no job ever ran
         return []
     names = [job] if job else sorted(set(await _all_keys(status_kv)) | set(await _all_keys(jobs_kv)))
-    names = [n for n in names if not n.startswith(subjects.DIR_KEY_PREFIX)]  # output directories' owners
+    names = [n for n in names if not subjects.is_dir_key(n)]  # output directories' owners
 
     async def one(name: str) -> JobView | None:
         status = spec = None

@@ -211,7 +211,7 @@ class Submitter:
     async def claim_dir(self, out_dir: str, job: str, *, overwrite: bool = False) -> str | None:
         """Bind `out_dir` to `job` in the jobs bucket (`subjects.dir_key`). Bound to
         another job: `DirTaken`, or with `overwrite` rebound (returns the other job)."""
-        key = subjects.dir_key(out_dir)
+        key = subjects.dir_key(out_dir, subjects.tenant_of(job))
         try:
             await self.jobs_kv.create(key, job.encode())
             return None
@@ -285,7 +285,9 @@ class Submitter:
             except msgspec.DecodeError:
                 return
 
-        status_sub = await self.nc.subscribe(subjects.ALL_STATUS, cb=on_status)
+        # A tenant may not read the replicas' status (it names every tenant's jobs): its
+        # progress line shows rows only.
+        status_sub = None if subjects.tenant_of(job) else await self.nc.subscribe(subjects.ALL_STATUS, cb=on_status)
         st = None
         try:
             while True:
@@ -318,7 +320,8 @@ class Submitter:
         finally:
             bar.close()
             try:
-                await status_sub.unsubscribe()
+                if status_sub is not None:
+                    await status_sub.unsubscribe()
             except nats.errors.Error:
                 pass
 
@@ -351,8 +354,9 @@ async def submit(
     then replaces that job's output), `AlreadyDone` when the job has every row already,
     `JobFailed` when the cluster marks it failed. Only the rows the sink does not have are
     published; `resume` (or a job the cluster knows) prints how many were skipped."""
-    if (problem := subjects.name_problem(job)) is not None:
-        raise SystemExit(f"invalid job id {job!r}: {problem} (a job id is one NATS subject token: letters, digits, '-' and '_', at most 64)")
+    if (problem := subjects.job_problem(job)) is not None:
+        raise SystemExit(f"invalid job id {job!r}: {problem} (a job id is letters, digits, '-' and '_', at most 64, "
+                         "after its tenant and a '.' on a fleet with tenants)")
     # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
     out_dir = str(Path(out_dir).resolve()) if resolve_out else str(out_dir)
     from client import openai_batch

@@ -103,7 +103,7 @@ def serve_metrics(name: str, cfg, service) -> None:
     collectors = []
     if name == "engine-worker":
         collectors.append(metrics.EngineCollector(service.status, lambda: getattr(service, "rebuilds", 0)))
-    metrics.serve(name, cfg.metrics_port, collectors)
+    metrics.serve(name, cfg.metrics_port, collectors, addr=cfg.metrics_host)
 
 
 def main_for(name: str) -> None:

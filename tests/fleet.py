@@ -218,11 +218,18 @@ class Fleet:
     """`nodes` nodes, each a nats-server of one JetStream cluster; services are added
     per node with `service()`."""
 
-    def __init__(self, workdir: Path, nodes: int = 3, *, tls: dict[str, Path] | None = None, model: Path | None = None,
-                 netns: bool | None = None) -> None:
+    def __init__(self, workdir: Path, nodes: int = 3, *, tls: dict[str, Path] | None = None, no_tls: bool = False,
+                 model: Path | None = None, netns: bool | None = None, head: int = -1,
+                 tenants: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.n = nodes
         self.tls = tls
+        """Certificates to give `cluster config` (None: it makes its own, unless `no_tls`)."""
+        self.no_tls = no_tls
+        self.tenants = tenants
+        """`cluster config --tenant` for each: clients/tenant-<name>.env."""
+        self.head = head % nodes
+        """The node that runs the ingestor, router, sink and API (`--head`): the last."""
         self.model = model
         self.lan = Lan(nodes) if (netns_available() if netns is None else netns) else None
         self.names = [f"nats-{i + 1}" for i in range(nodes)]
@@ -249,8 +256,13 @@ class Fleet:
         argv = [
             str(VENV_BIN / "prefixflow"), "cluster", "config", "--out", str(self.etc_root), "--hosts", hosts, *listen,
             "--store-dir", str(self.workdir / "var" / "{node}" / "nats"), "--out-root", str(self.out_root),
+            "--etc-dir", str(self.etc_root / "{node}"), "--head", self.names[self.head],
         ]
-        if self.tls:
+        for tenant in self.tenants:
+            argv += ["--tenant", tenant]
+        if self.no_tls:
+            argv.append("--no-tls")
+        elif self.tls:
             argv += ["--tls-cert", str(self.tls["cert"]), "--tls-key", str(self.tls["key"]), "--tls-ca", str(self.tls["ca"])]
         if self.model:
             argv += ["--model", str(self.model)]
@@ -265,6 +277,7 @@ class Fleet:
             for i in range(self.n):
                 self.start_server(i)
             self.wait_servers(timeout)
+            self.provision()
             self.supervisor.start()
         except BaseException:
             self.stop()
@@ -273,6 +286,14 @@ class Fleet:
 
     def etc(self, i: int) -> Path:
         return self.etc_root / self.names[i]
+
+    def provision(self) -> None:
+        """README step: the operator creates the streams and buckets (`prefixflow cluster
+        provision` with clients/env and clients/admin.env); the services may not."""
+        res = subprocess.run([str(VENV_BIN / "prefixflow"), "cluster", "provision"], env=self.cli_env(self.head, "admin"),
+                             capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"cluster provision failed:\n{res.stdout}\n{res.stderr}")
 
     def prefix(self, i: int) -> list[str]:
         return self.lan.prefix(i) if self.lan is not None else []
@@ -325,6 +346,12 @@ class Fleet:
     # 3. clients ----------------------------------------------------------------------
 
     def env(self, i: int, role: str) -> dict[str, str]:
+        """The environment of `role` on node i: a service's (the node's env and its env
+        file: `engine-worker-0`, `bucketer`, ...), or a person's (`admin`, `submitter`,
+        `tenant-<name>`: from clients/, on no node)."""
+        if role in ("admin", "submitter") or role.startswith("tenant-"):
+            clients = self.etc_root / "clients"
+            return {**read_env_file(clients / "env"), **read_env_file(clients / f"{role}.env")}
         return {**read_env_file(self.etc(i) / "env"), **read_env_file(self.etc(i) / f"{role}.env")}
 
     def url(self, i: int) -> str:
@@ -335,7 +362,7 @@ class Fleet:
         return NatsOptions.from_env(self.env(i, role))
 
     def cli_env(self, i: int, role: str = "submitter") -> dict[str, str]:
-        """A user's shell on node i after `set -a; . env; . submitter.env`."""
+        """A user's shell after `set -a; . clients/env; . clients/submitter.env`."""
         return {**clean_env(), **self.env(i, role)}
 
     # 4. faults and teardown ----------------------------------------------------------
@@ -401,24 +428,3 @@ class Fleet:
 async def wait_ready(url: str, options: NatsOptions, replicas: list[str], timeout: float, alive=lambda: None) -> float:
     """Wait until every replica reports ready (status subject); seconds waited."""
     return await wait_replicas_ready(url, replicas, timeout, alive, options=options)
-
-
-def make_certs(d: Path, ips: list[str]) -> dict[str, Path]:
-    """A CA and one server certificate (also usable as a route client certificate) for
-    `ips` and localhost, made with openssl."""
-    d.mkdir(parents=True, exist_ok=True)
-    ca_key, ca, key, csr, cert = (d / n for n in ("ca.key", "ca.pem", "server-key.pem", "server.csr", "server-cert.pem"))
-    ext = d / "ext.cnf"
-    ext.write_text(
-        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-        "extendedKeyUsage=serverAuth,clientAuth\n"
-        f"subjectAltName={','.join([*(f'IP:{ip}' for ip in ips), 'IP:127.0.0.1', 'DNS:localhost'])}\n"
-    )
-    run = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True, timeout=60)  # noqa: E731
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
-        "-subj", "/CN=prefixflow test CA", "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", "/CN=prefixflow nats")
-    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-out", str(cert),
-        "-days", "2", "-extfile", str(ext))
-    return {"ca": ca, "cert": cert, "key": key}

@@ -51,7 +51,7 @@ class Lane:
 
 class Lanes:
     def __init__(self, make_buffer: Callable[[], PrefixBuffer], *, max_prompts: int, max_bytes: int,
-                 min_share: int = 64, slack: int = 0, headroom: int = 0) -> None:
+                 min_share: int = 64, slack: int = 0, headroom: int = 0, burst: int = 0) -> None:
         self.make_buffer = make_buffer
         self.max_prompts = max_prompts
         self.max_bytes = max_bytes
@@ -64,6 +64,8 @@ class Lanes:
         """Prompts past `max_prompts` a lane under its share may still pull: a job that
         arrives while another has filled the buffer starts at once, instead of after that
         job's surplus has drained (its fair turns)."""
+        self.burst = burst
+        """Work tokens a new job may release ahead of the jobs already flowing (0: none)."""
         self.lanes: dict[str, Lane] = {}
         self.clock = 0.0
         """Virtual time of the fair queue: the least vtime of the lanes holding prompts."""
@@ -181,10 +183,13 @@ class Lanes:
         """`lane` starts to release: it competes from the virtual time of the lanes that
         already flow (not from when its first prompts arrived: what the others were given
         while it was still landing its input, engines that would have idled otherwise, is
-        no debt of theirs)."""
+        no debt of theirs). A new job (nothing released yet) enters `burst` tokens behind
+        them: its first tokens go out first."""
         flowing = [ln.vtime for ln in self.lanes.values() if ln.flowing and len(ln.buffer)]
         if flowing:
             lane.vtime = max(lane.vtime, min(flowing))
+            if not lane.released:
+                lane.vtime -= self.burst / lane.weight
         lane.flowing = True
 
     def _emit(self, out: list[tuple[str, Bucket]], lane: Lane, buckets: list[Bucket]) -> int:

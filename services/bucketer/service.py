@@ -71,7 +71,7 @@ class Bucketer:
 
         self.lanes = Lanes(make_buffer, max_prompts=cfg.buffer_prompts, max_bytes=cfg.buffer_bytes,
                            min_share=cfg.pool_size, slack=FETCH_MESSAGES * m.MAX_PROMPTS_PER_MESSAGE,
-                           headroom=cfg.buffer_prompts // 4)
+                           headroom=cfg.buffer_prompts // 4, burst=cfg.new_job_burst)
         """One prefix buffer per job, released by weight (fair sharing)."""
         self.pulls: dict[str, DurablePull] = {}
         """job -> the pull on its consumer of this node's prompts."""
@@ -130,7 +130,7 @@ class Bucketer:
         """Messages per job on this node's bucket subjects and on the ingest subjects."""
         try:
             own = await self.js.stream_info(subjects.BUCKET_STREAM.name, subjects_filter=subjects.node_bucket(self.cfg.node))
-            ingest = await self.js.stream_info(subjects.INGEST_STREAM.name, subjects_filter=subjects.ingest("*"))
+            ingest = await self.js.stream_info(subjects.INGEST_STREAM.name, subjects_filter=subjects.ingest(">"))
         except Exception as exc:  # noqa: BLE001 - not provisioned yet or reconnecting: keep the last view
             log.debug("stream scan failed", error=repr(exc))
             return

@@ -50,10 +50,14 @@ BUCKETER_LIVE_FOR = 3.0
 
 
 def same_model(a: str, b: str) -> bool:
-    """Whether two model names (directories or hub ids) are the same model."""
-    if a == b:
-        return True
-    return os.path.exists(a) and os.path.exists(b) and os.path.realpath(a) == os.path.realpath(b)
+    """Whether two model names (directories or hub ids) name the same model: equal, or
+    the same last path component (`/models/Qwen3-8B`, `Qwen/Qwen3-8B`). By name only: a
+    job's model never makes the ingestor look at its own file system (a submitter
+    could otherwise probe for paths there)."""
+    def name(x: str) -> str:
+        return os.path.basename(os.path.normpath(x.strip()))
+
+    return a == b or (bool(name(a)) and name(a) == name(b))
 
 
 class Ingestor:

@@ -254,7 +254,7 @@ class Fleet:
         cap_tokens: int = 0,
         history: int = 64,
         cap_windows: float = 2.0,
-        lead_seconds: float = 1.0,
+        lead_seconds: float = 0.4,
         hash_block_size: int = HASH_BLOCK_SIZE,
         block_index_entries: int = BLOCK_INDEX_ENTRIES,
         settle: float = 3.0,

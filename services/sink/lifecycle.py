@@ -70,7 +70,7 @@ class Reconciler:
 
     def note(self, key: str, value: bytes, op: str | None) -> str | None:
         """A change of the jobs bucket; returns the job whose spec was written, if any."""
-        if key.startswith(subjects.DIR_KEY_PREFIX):
+        if subjects.is_dir_key(key):
             return None  # an output directory's binding (the client's), not a job
         if op in (KV_DEL, KV_PURGE):
             self.forget(key)

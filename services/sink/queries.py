@@ -23,6 +23,7 @@ from nats.aio.subscription import Subscription
 
 from shared.bus.jobs import JobCache
 from shared.wire import messages as m
+from shared.wire import subjects
 from shared.wire.ids import IdSet
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ async def answer(sink: Outputs, sub: Subscription, stop: asyncio.Event) -> None:
             continue
         except nats.errors.ConnectionClosedError:
             return
-        job = msg.subject.rsplit(".", 1)[-1]
+        job = subjects.job_of_done_query(msg.subject)
         reply = await reply_for(sink, job, msg.data)
         if not msg.reply:
             continue

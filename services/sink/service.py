@@ -164,7 +164,10 @@ class Sink:
             if spec is None:
                 return None
             try:
-                out_dir = confine(self.root, spec.out_dir)
+                # A tenant's jobs write under its own part of the root: another tenant's
+                # directories are outside it.
+                tenant = subjects.tenant_of(job)
+                out_dir = confine(self.root / tenant if tenant else self.root, spec.out_dir)
             except OutsideRoot as exc:
                 await self.refuse(job, str(exc))
                 return None

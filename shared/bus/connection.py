@@ -40,6 +40,9 @@ class NatsOptions:
     """0: automatic (`provision.replicas_for`)."""
     job_retention: float = 0.0
     """Seconds job specs, statuses and dead letters are kept (0: `subjects.JOB_RETENTION`)."""
+    provision: bool = True
+    """Create or update streams and buckets at start-up (False: only check they exist; a
+    fleet's services have no right to change them, `prefixflow cluster provision` does)."""
 
     @classmethod
     def from_config(cls, cfg: object) -> NatsOptions:
@@ -51,6 +54,7 @@ class NatsOptions:
         raw = {f.name: environ.get("PFX_" + f.name.upper(), "") for f in fields(cls)}
         raw["stream_replicas"] = int(raw["stream_replicas"] or 0)
         raw["job_retention"] = float(raw["job_retention"] or 0)
+        raw["provision"] = raw["provision"].strip().lower() not in ("0", "false", "no", "off")
         return cls(**raw)
 
     def tls_context(self) -> ssl.SSLContext | None:

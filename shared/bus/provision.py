@@ -6,6 +6,11 @@ stream whose limits changed in `shared.wire.subjects` is updated in place, a mis
 is created. So services can start in any order and a fresh nats-server needs no separate
 setup step.
 
+On a fleet (`prefixflow cluster config`) services may not create or change streams
+(`PFX_PROVISION=false`, and no grant for it): there `prefixflow cluster provision`, with
+the admin user, does this once (and after an upgrade), and the services only check:
+they wait for a missing stream or bucket, and log a stream whose settings differ.
+
 Replicas: on a JetStream cluster of 3 or more servers, streams and key-value buckets get
 3 replicas (any one server can die without losing or stalling anything); on a single
 server, 1. `stream_replicas` (`PFX_STREAM_REPLICAS`) sets it explicitly; automatic mode
@@ -90,6 +95,22 @@ def differs(have: js_api.StreamConfig, want: js_api.StreamConfig) -> list[str]:
     return [k for k in COMPARED if norm(k, getattr(have, k)) != norm(k, getattr(want, k))]
 
 
+class NotProvisioned(NotFoundError):
+    """A stream or bucket is missing and this process may not create it."""
+
+
+async def check_stream(js: JetStreamContext, spec: StreamSpec) -> None:
+    """Check only (no right to change streams): it exists; differing settings are logged."""
+    try:
+        have = (await js.stream_info(spec.name)).config
+    except NotFoundError:
+        raise NotProvisioned(description=f"stream {spec.name} missing: run `prefixflow cluster provision`") from None
+    changed = [k for k in differs(have, stream_config(spec, have.num_replicas or 1)) if k not in ("num_replicas", "max_age")]
+    if changed:
+        log.warning("stream differs from this version's settings; `prefixflow cluster provision` updates it",
+                    stream=spec.name, changed=changed)
+
+
 async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: tuple[int, bool] = (1, True),
                         *, keep_age: bool = False) -> None:
     """`keep_age`: an existing stream keeps its max_age (a default, not a setting)."""
@@ -120,6 +141,9 @@ async def ensure_stream(js: JetStreamContext, spec: StreamSpec, replicas: tuple[
 
 async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> None:
     config = js_api.ConsumerConfig(
+        # Named too: created through the API subject that carries the filter, which a
+        # grant can restrict (`shared/wire/permissions.py`: `consume(filtered=True)`).
+        name=spec.durable,
         durable_name=spec.durable,
         filter_subject=spec.filter_subject,
         ack_policy=js_api.AckPolicy.EXPLICIT,
@@ -166,12 +190,17 @@ async def ensure_kv(js: JetStreamContext, bucket: str, replicas: tuple[int, bool
     try:
         have = (await js.stream_info(f"KV_{bucket}")).config
     except NotFoundError:
+        # Direct gets name the key in the API subject (`$JS.API.DIRECT.GET.KV_<b>.$KV.<b>.<key>`),
+        # so a tenant's grant can allow its own keys only (`shared/wire/permissions.py`).
         return await js.create_key_value(
             bucket=bucket, history=1, storage=js_api.StorageType.FILE, max_bytes=256 * 1024 * 1024, replicas=n,
-            ttl=ttl or None,
+            ttl=ttl or None, direct=True,
         )
     current = have.num_replicas or 1
     changed = []
+    if not have.allow_direct:
+        have.allow_direct = True
+        changed.append("direct gets on")
     if current != n and (explicit or n > current):
         have.num_replicas = n
         changed.append(f"replicas {current} -> {n}")
@@ -198,11 +227,29 @@ async def ensure_files(js: JetStreamContext, replicas: int, ttl: float):
         )
 
 
-async def provision(js: JetStreamContext, replicas: int | None = None) -> None:
-    """Create (or update) every stream and KV bucket the project uses. `replicas`:
-    0 automatic, None the process's `stream_replicas` setting."""
-    for attempt in range(60):
+async def check(js: JetStreamContext) -> None:
+    """Every stream and bucket exists (raises `NotProvisioned` for the first that does not)."""
+    for spec in subjects.STREAMS:
+        await check_stream(js, spec)
+    for name in (f"KV_{subjects.JOBS_KV}", f"KV_{subjects.JOB_STATUS_KV}", f"KV_{subjects.BATCHES_KV}",
+                 f"OBJ_{subjects.FILES_OBJ}"):
         try:
+            await js.stream_info(name)
+        except NotFoundError:
+            raise NotProvisioned(description=f"{name} missing: run `prefixflow cluster provision`") from None
+
+
+async def provision(js: JetStreamContext, replicas: int | None = None, create: bool | None = None,
+                    attempts: int = 60) -> None:
+    """Create (or update) every stream and KV bucket the project uses. `replicas`:
+    0 automatic, None the process's `stream_replicas` setting. `create` False (None: the
+    process's `provision` setting): only check that they exist, waiting for them."""
+    create = current_options().provision if create is None else create
+    for attempt in range(attempts):
+        try:
+            if not create:
+                await check(js)
+                return
             n = replicas_for(js, replicas)
             keep = retention_setting()
             for spec in subjects.STREAMS:
@@ -226,7 +273,8 @@ async def provision(js: JetStreamContext, replicas: int | None = None) -> None:
             # replicas: they are coming.
             log.warning("jetstream refused provisioning; retrying", attempt=attempt, error=repr(exc))
             await asyncio.sleep(0.5)
-    raise RuntimeError("JetStream did not become available")
+    raise RuntimeError("JetStream did not become available" if create else
+                       "the streams were not provisioned: run `prefixflow cluster provision` with admin credentials")
 
 
 async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec) -> JetStreamContext.PullSubscription:

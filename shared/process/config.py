@@ -42,8 +42,12 @@ class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _d("log level")] = "info"
     drain_timeout: Annotated[float, _d("seconds to finish in-flight work on SIGTERM", gt=0)] = 4.0
     metrics_port: Annotated[
-        int, _d("serve Prometheus metrics on this port, all interfaces (0: off; shared/process/metrics.py)", ge=0, le=65535)
+        int, _d("serve Prometheus metrics on this port (0: off; shared/process/metrics.py)", ge=0, le=65535)
     ] = 0
+    metrics_host: Annotated[
+        str, _d("address the metrics server listens on (a fleet's nodes: their own address; 0.0.0.0: every "
+                "interface, unauthenticated)")
+    ] = "127.0.0.1"
     nats_user: Annotated[str, _d("NATS user (`prefixflow cluster config` writes one per role); empty: no authentication")] = ""
     nats_password: Annotated[str, _d("the NATS user's password (keep it in a 0600 env file)")] = ""
     nats_tls_ca: Annotated[str, _d("CA file that signs the NATS servers' certificates; set: connect with TLS")] = ""
@@ -56,6 +60,10 @@ class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         float, _d("seconds job specs, statuses and dead letters are kept after their last write "
                   "(0: 7 days); output files stay", ge=0)
     ] = 0.0
+    provision: Annotated[
+        bool, _d("create or update the streams and buckets at start-up (off: only check they exist, as a "
+                 "fleet's services do: `prefixflow cluster provision` creates them with admin credentials)")
+    ] = True
 
     def check_connection(self) -> None:
         """Credentials and TLS files that cannot work fail at start-up (`load` calls
@@ -131,6 +139,10 @@ class BucketerConfig(CommonConfig, kw_only=True):
         _d("eager release starts once no input is left upstream (the ingest stream and this node's "
            "bucket stream are drained), or at the latest when the oldest prompt has waited this long, seconds", ge=0),
     ] = 2.0
+    new_job_burst: Annotated[
+        int, _d("work tokens a new job may release ahead of the jobs already running (a small job beside a "
+                "large one runs nearly as if alone; 0: a new job starts at its fair share)", ge=0),
+    ] = 32768
 
     def __post_init__(self) -> None:
         _check_name("node", self.node)
@@ -154,7 +166,7 @@ class RouterConfig(CommonConfig, kw_only=True):
         float, _d("automatic cap once a replica's rate is measured: its engine window plus this many seconds of "
                   "work at that rate; more waits in the bucketers (for jobs that come later, replicas that "
                   "come up later)", gt=0)
-    ] = 1.0
+    ] = 0.4
     dead_after: Annotated[float, _d("seconds a replica may go without status (or stay not ready) before it is excluded and its queued work moved", gt=0)] = 5.0
     history: Annotated[int, _d("prefix keys remembered per replica when it reports no KV capacity", gt=0)] = 64
     load_slack_tokens: Annotated[

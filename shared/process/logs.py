@@ -13,6 +13,10 @@ import sys
 import structlog
 
 
+def _quiet_tls_eof(record: logging.LogRecord) -> bool:
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
 def setup_logging(service: str, *, fmt: str = "auto", level: str = "info", **context: str) -> None:
     json_output = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     shared = [
@@ -49,5 +53,8 @@ def setup_logging(service: str, *, fmt: str = "auto", level: str = "info", **con
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.handlers[:] = []
     vllm_logger.propagate = True
+    # asyncio says this whenever a server closes a TLS connection that nats.py's protocol
+    # handles (its eof_received returns True): noise on every TLS client's exit.
+    logging.getLogger("asyncio").addFilter(_quiet_tls_eof)
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(service=service, **context)

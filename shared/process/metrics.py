@@ -185,7 +185,7 @@ def register(metrics: Iterable[Any], registry=REGISTRY) -> None:
                 _registered.add(id(metric))
 
 
-def serve(service: str, port: int, collectors: Iterable[Collector] = (), addr: str = "0.0.0.0") -> None:
+def serve(service: str, port: int, collectors: Iterable[Collector] = (), addr: str = "127.0.0.1") -> None:
     """Register `service`'s metrics (and `collectors`) and serve them on `port` (0: no
     server; the metrics still count, cheaply, in memory)."""
     if not port:

@@ -3,6 +3,12 @@
 This is the only module that spells a subject. Services call the helpers here instead of
 formatting strings themselves, so renaming a subject is a one-line change.
 
+A job id is a name (`nightly`), or on a fleet with tenants `<tenant>.<name>`
+(`alice.nightly`): the tenant is a subject token of its own in every subject and a key
+segment in every key-value key of the job, so a tenant's NATS grant can name exactly
+its own (`shared/wire/permissions.py`, role `tenant`). Stream subjects and consumer
+filters therefore end in `>` where a job id goes.
+
 Flow (see docs/architecture.md):
 
     pfx.ingest.<job>     users / `prefixflow submit`   -> ingestor
@@ -36,15 +42,15 @@ def bucket(node: str, job: str) -> str:
 
 def node_bucket(node: str) -> str:
     """Every job's prompts for `node` (a filter: stream info, not a consumer)."""
-    return f"{PREFIX}.bucket.{node}.*"
+    return f"{PREFIX}.bucket.{node}.>"
 
 
 def bucket_parts(subject: str) -> tuple[str, str] | None:
     """(node, job) of a bucket subject; None for any other subject."""
     parts = subject.split(".")
-    if len(parts) != 4 or parts[:2] != [PREFIX, "bucket"] or not parts[2] or not parts[3]:
+    if len(parts) not in (4, 5) or parts[:2] != [PREFIX, "bucket"] or not all(parts[2:]):
         return None
-    return parts[2], parts[3]
+    return parts[2], ".".join(parts[3:])
 
 
 def work(replica: str) -> str:
@@ -96,14 +102,19 @@ def done_query(job: str) -> str:
     return f"{PREFIX}.sink.done.{job}"
 
 
+def job_of_done_query(subject: str) -> str:
+    """The job id of a `done_query` subject."""
+    return subject.split(".", 3)[-1]
+
+
 def dead(original_subject: str) -> str:
     """Dead-letter subject for a message that can never be processed."""
     return f"{PREFIX}.dead.{original_subject}"
 
 
 def job_from_subject(subject: str) -> str:
-    """The last token of an `ingest`/`results` subject is the job id."""
-    return subject.rsplit(".", 1)[-1]
+    """The job id of an `ingest`/`results` subject: its tokens after the second."""
+    return subject.split(".", 2)[-1]
 
 
 ROUTE = f"{PREFIX}.route"
@@ -121,7 +132,7 @@ ROUTER_POLICY = f"{PREFIX}.router.policy"
 ALL_STATUS = f"{PREFIX}.status.*"
 ALL_CACHE_EVENTS = f"{PREFIX}.cache.*"
 ALL_BUCKETER_HEARTBEATS = f"{PREFIX}.hb.bucketer.*"
-ALL_DONE_QUERIES = f"{PREFIX}.sink.done.*"
+ALL_DONE_QUERIES = f"{PREFIX}.sink.done.>"
 
 # Job ids and node/replica names become subject tokens: keep them to a safe alphabet.
 NAME_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
@@ -157,6 +168,54 @@ def is_valid_name(name: str) -> bool:
     return 0 < len(name) <= NAME_MAX and all(c in NAME_ALPHABET for c in name)
 
 
+RESERVED_TENANTS = ("dir",)
+"""`dir.<hash>` keys of `JOBS_KV` bind output directories (`dir_key`)."""
+
+
+def tenant_problem(tenant: str) -> str | None:
+    """Why `tenant` cannot be a tenant name, or None."""
+    if (problem := name_problem(tenant)) is not None:
+        return problem
+    if tenant in RESERVED_TENANTS:
+        return f"{tenant!r} is reserved"
+    return None
+
+
+def job_id(tenant: str, name: str) -> str:
+    """The job id of `name` for `tenant` ('' : no tenant, the name itself)."""
+    return f"{tenant}.{name}" if tenant else name
+
+
+def qualify(job: str, tenant: str) -> str:
+    """A job id as `tenant` means it: a bare name becomes `tenant.name`; an id that names
+    a tenant already is left as it is (the server refuses another tenant's)."""
+    return job_id(tenant, job) if tenant and "." not in job else job
+
+
+def tenant_of(job: str) -> str:
+    """The tenant of a job id ('' for a job without one)."""
+    return job.split(".", 1)[0] if "." in job else ""
+
+
+def job_problem(job: str) -> str | None:
+    """Why `job` cannot be a job id (`name`, or `tenant.name`), or None."""
+    if job.count(".") > 1:
+        return "it contains more than one '.' (a job id is NAME, or TENANT.NAME)"
+    if "." in job:
+        tenant, name = job.split(".")
+        if (problem := tenant_problem(tenant)) is not None:
+            return f"its tenant {tenant!r}: {problem}"
+        if (problem := name_problem(name)) is not None:
+            return f"its name {name!r}: {problem}"
+        return None
+    return name_problem(job)
+
+
+def durable_token(job: str) -> str:
+    """A job id as part of a consumer name (which cannot hold '.'; '~' is in no name)."""
+    return job.replace(".", "~")
+
+
 def inbox_prefix(user: str) -> str:
     """Reply inbox prefix of a NATS user (`connect` sets it, `shared.wire.permissions`
     lets only that user subscribe there): no user can read another's replies."""
@@ -188,12 +247,12 @@ class StreamSpec(msgspec.Struct, frozen=True):
 
 MiB = 1024 * 1024
 
-INGEST_STREAM = StreamSpec("PFX_INGEST", (f"{PREFIX}.ingest.*",), 1024 * MiB, 2_000_000)
-BUCKET_STREAM = StreamSpec("PFX_BUCKET", (f"{PREFIX}.bucket.*.*",), 1024 * MiB, 200_000, max_consumers=16384)
+INGEST_STREAM = StreamSpec("PFX_INGEST", (f"{PREFIX}.ingest.>",), 1024 * MiB, 2_000_000)
+BUCKET_STREAM = StreamSpec("PFX_BUCKET", (f"{PREFIX}.bucket.*.>",), 1024 * MiB, 200_000, max_consumers=16384)
 """One consumer per (node, job) pulled at once: `--max-job-consumers` (64) per bucketer,
 so up to 256 nodes at the default."""
 WORK_STREAM = StreamSpec("PFX_WORK", (f"{PREFIX}.work.*",), 1024 * MiB, 200_000)
-RESULTS_STREAM = StreamSpec("PFX_RESULTS", (f"{PREFIX}.results.*",), 1024 * MiB, 200_000)
+RESULTS_STREAM = StreamSpec("PFX_RESULTS", (f"{PREFIX}.results.>",), 1024 * MiB, 200_000)
 DEAD_STREAM = StreamSpec("PFX_DEAD", (f"{PREFIX}.dead.>",), 256 * MiB, 100_000, work_queue=False, discard_old=True)
 """Poison messages, kept for inspection (limits retention: the oldest go first)."""
 BLOB_RETENTION = 7 * 24 * 3600.0
@@ -239,7 +298,7 @@ IN_PROGRESS_EVERY = 3.0
 
 def ingestor_consumer() -> ConsumerSpec:
     # One durable shared by every ingestor: pull consumers load-balance by themselves.
-    return ConsumerSpec(INGEST_STREAM.name, "ingestor", f"{PREFIX}.ingest.*", 4096, ack_wait=10.0)
+    return ConsumerSpec(INGEST_STREAM.name, "ingestor", f"{PREFIX}.ingest.>", 4096, ack_wait=10.0)
 
 
 BUCKET_CONSUMER_IDLE = 120.0
@@ -249,7 +308,7 @@ bucketer closes its finished jobs' at once, this is for one that died)."""
 
 def bucketer_consumer(node: str, job: str) -> ConsumerSpec:
     """One job's prompts for one node: the bucketer holds one per job with prompts there."""
-    return ConsumerSpec(BUCKET_STREAM.name, f"bucketer-{node}-{job}", bucket(node, job), 256, ack_wait=10.0,
+    return ConsumerSpec(BUCKET_STREAM.name, f"bucketer-{node}-{durable_token(job)}", bucket(node, job), 256, ack_wait=10.0,
                         inactive_threshold=BUCKET_CONSUMER_IDLE)
 
 
@@ -258,7 +317,7 @@ def engine_consumer(replica: str) -> ConsumerSpec:
 
 
 def sink_consumer() -> ConsumerSpec:
-    return ConsumerSpec(RESULTS_STREAM.name, "sink", f"{PREFIX}.results.*", 2048, ack_wait=10.0)
+    return ConsumerSpec(RESULTS_STREAM.name, "sink", f"{PREFIX}.results.>", 2048, ack_wait=10.0)
 
 
 # --- key-value buckets ---------------------------------------------------------------
@@ -280,13 +339,20 @@ JOB_RETENTION = 7 * 24 * 3600.0
 """Default seconds a job's spec, status and dead letters are kept after their last write
 (`--job-retention` / `PFX_JOB_RETENTION`); output files are the user's and stay."""
 DIR_KEY_PREFIX = "dir."
-"""Keys of `JOBS_KV` that bind an output directory to a job (`dir_key`); a job id never
-contains '.', so they never meet a job's key."""
+"""Keys of `JOBS_KV` that bind an output directory to a job (`dir_key`); no tenant is
+called `dir` (`RESERVED_TENANTS`), so they never meet a job's key."""
 
 
-def dir_key(out_dir: str) -> str:
+def dir_key(out_dir: str, tenant: str = "") -> str:
     """The `JOBS_KV` key that holds which job owns `out_dir` (an absolute path as the
-    client resolved it), its value the job id."""
+    client resolved it), its value the job id; a tenant's under its own keys
+    (`<tenant>.dir.<hash>`: its grant covers them, its directories are its own)."""
     import hashlib
 
-    return DIR_KEY_PREFIX + hashlib.sha256(out_dir.encode()).hexdigest()[:40]
+    key = DIR_KEY_PREFIX + hashlib.sha256(out_dir.encode()).hexdigest()[:40]
+    return f"{tenant}.{key}" if tenant else key
+
+
+def is_dir_key(key: str) -> bool:
+    """Whether a `JOBS_KV` key binds a directory (not a job's spec)."""
+    return key.startswith(DIR_KEY_PREFIX) or key.split(".", 1)[-1].startswith(DIR_KEY_PREFIX)

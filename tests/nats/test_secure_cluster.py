@@ -1,13 +1,20 @@
 """One secure cluster: 3 nats-servers (a JetStream cluster) configured by
 `prefixflow cluster config`, each node its own network namespace (as root; else the
-nodes share 127.0.0.1), the services started
-from the systemd units with the generated env files (`tests/fleet.py`), once with
-authentication and once with authentication and TLS (certificates made here with
-openssl, for clients and routes).
+nodes share 127.0.0.1), streams provisioned by the operator (`prefixflow cluster
+provision`, admin), the services started from the systemd units with the generated env
+files (`tests/fleet.py`), once as generated (TLS by default: the command's own CA and
+node certificates, for clients and routes) and once with `--no-tls`.
 
 - a client without credentials, or with a wrong password, is refused at once;
 - the submitter role cannot subscribe to `pfx.results.>` (nor one job's results), cannot
   create a consumer on the results stream, cannot publish to `pfx.work.*`;
+- an engine-worker's credentials cannot publish another replica's status or pull its
+  work, nor create, update or delete a stream;
+- tenants (`cluster config --tenant alice --tenant bob`): alice's job (`prefixflow submit`
+  with her env file: job id `alice.<name>`, output under the root's `alice/`) runs; bob's
+  credentials can neither read nor write alice's job spec or status, publish prompts into
+  her job, ask the sink about it nor read its results (each refused by the server), and
+  her job's output and status are unchanged by his attempts;
 - a job submitted with `prefixflow submit` as the submitter runs end to end (every id
   exactly once), with R3 streams and buckets, and no service hits a permission error;
 - a job whose `--out` escapes the sink's root fails with the reason, writing nothing.
@@ -16,7 +23,6 @@ openssl, for clients and routes).
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import time
 
@@ -30,7 +36,7 @@ from shared.bus.connection import NatsOptions, NatsRefused, close, connect
 from shared.wire import subjects
 from shared.wire.permissions import kv_stream
 from tests.conftest import VENV_BIN
-from tests.fleet import Fleet, make_certs, wait_ready
+from tests.fleet import Fleet, wait_ready
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(240)]
 
@@ -48,9 +54,7 @@ def data(tiny_model, tmp_path_factory):
 
 def start_fleet(tmp_path, tiny_model, tls: bool) -> Fleet:
     """Nodes 1 and 2: a bucketer and an engine-worker each; node 3: ingestor, router, sink."""
-    fleet = Fleet(tmp_path / "fleet", 3, model=tiny_model)
-    if tls:
-        fleet.tls = make_certs(tmp_path / "pki", fleet.lan.addrs if fleet.lan else [])
+    fleet = Fleet(tmp_path / "fleet", 3, model=tiny_model, no_tls=not tls, tenants=("alice", "bob"))
     fleet.start()
     try:
         for i in (0, 1):
@@ -85,16 +89,23 @@ async def check_refusals(fleet: Fleet, tls: bool) -> None:
         await refused(url, NatsOptions(**{**fleet.options("submitter").__dict__, "nats_tls_ca": ""}))
 
 
-async def check_submitter_is_confined(fleet: Fleet) -> None:
-    """The submitter's forbidden operations are denied by the server itself."""
-    opts = fleet.options("submitter")
-    urls = fleet.url(2).split(",")
+async def connect_collecting(opts: NatsOptions, urls: list[str]) -> tuple[nats.NATS, list[str]]:
+    """A raw connection whose asynchronous errors (the server's permission denials) are
+    kept in the returned list."""
     errors: list[str] = []
 
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc))
 
     nc = await nats.connect(servers=urls, error_cb=on_error, connect_timeout=3, **opts.connect_kwargs(urls))
+    return nc, errors
+
+
+async def check_submitter_is_confined(fleet: Fleet) -> None:
+    """The submitter's forbidden operations are denied by the server itself."""
+    opts = fleet.options("submitter")
+    urls = fleet.url(2).split(",")
+    nc, errors = await connect_collecting(opts, urls)
     js = nc.jetstream()
     got = []
 
@@ -129,6 +140,102 @@ async def check_submitter_is_confined(fleet: Fleet) -> None:
         await close(admin)
 
 
+async def check_engine_worker_is_confined(fleet: Fleet) -> None:
+    """nats-1-gpu0's own credentials: another replica's status, work and stream changes
+    are denied by the server."""
+    opts = fleet.options("engine-worker-0", 0)
+    assert opts.nats_user == "engine-nats-1-gpu0"
+    urls = fleet.url(0).split(",")
+    nc, errors = await connect_collecting(opts, urls)
+    js = nc.jetstream()
+    try:
+        await nc.publish(subjects.status("nats-2-gpu0"), b"a forged status")
+        await nc.publish(subjects.cache_events("nats-2-gpu0"), b"forged events")
+        for call in (
+            js.update_stream(name=subjects.WORK_STREAM.name, subjects=list(subjects.WORK_STREAM.subjects), max_msgs=1),
+            js.delete_stream(subjects.INGEST_STREAM.name),
+            js.add_stream(name="PFX_MINE", subjects=["mine.>"]),
+            js.pull_subscribe_bind(durable="engine-nats-2-gpu0", stream=subjects.WORK_STREAM.name),
+        ):
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError,
+                                nats.js.errors.APIError)):
+                sub = await asyncio.wait_for(call, 3)
+                await sub.fetch(1, timeout=2)  # only the bind gets here: pulling is what is denied
+        await nc.flush()
+        await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+    denied = "\n".join(errors).lower()
+    print("\nengine-worker nats-1-gpu0 denied:\n" + denied)
+    assert 'permissions violation for publish to "pfx.status.nats-2-gpu0"' in denied
+    assert 'permissions violation for publish to "pfx.cache.nats-2-gpu0"' in denied
+    assert 'permissions violation for publish to "$js.api.stream.update.pfx_work"' in denied
+    assert 'permissions violation for publish to "$js.api.stream.delete.pfx_ingest"' in denied
+    assert 'permissions violation for publish to "$js.api.stream.create.pfx_mine"' in denied
+    assert 'permissions violation for publish to "$js.api.consumer.msg.next.pfx_work.engine-nats-2-gpu0"' in denied
+    admin = await connect(fleet.url(2), "admin", options=fleet.options("admin"))
+    try:
+        ajs = admin.jetstream()
+        info = await ajs.stream_info(subjects.WORK_STREAM.name)
+        assert info.config.max_msgs == subjects.WORK_STREAM.max_msgs, "the work stream is as provisioned"
+        await ajs.stream_info(subjects.INGEST_STREAM.name)
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await ajs.stream_info("PFX_MINE")
+    finally:
+        await close(admin)
+
+
+async def check_tenants_are_apart(fleet: Fleet, job: str) -> None:
+    """Bob's credentials against alice's job `job` (done): every attempt is refused by
+    the server, and nothing of hers changes."""
+    opts = fleet.options("tenant-bob")
+    assert opts.nats_user == "tenant-bob"
+    urls = fleet.url(2).split(",")
+    admin = await connect(fleet.url(2), "admin", options=fleet.options("admin"))
+    ajs = admin.jetstream()
+    spec_before = (await (await ajs.key_value(subjects.JOBS_KV)).get(job)).value
+    status_before = (await (await ajs.key_value(subjects.JOB_STATUS_KV)).get(job)).value
+
+    nc, errors = await connect_collecting(opts, urls)
+    js = nc.jetstream()
+    got = []
+
+    async def on_msg(msg) -> None:
+        got.append(msg)
+
+    denied_calls = (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError, nats.js.errors.APIError)
+    try:
+        await nc.subscribe(subjects.results(job), cb=on_msg)
+        jobs_kv = await js.key_value(subjects.JOBS_KV)  # stream info: allowed
+        status_kv = await js.key_value(subjects.JOB_STATUS_KV)
+        for call in (jobs_kv.get(job), status_kv.get(job), jobs_kv.put(job, b'{"job": "hijacked"}'),
+                     js.publish(subjects.ingest(job), b"[]", timeout=2),
+                     nc.request(subjects.done_query(job), b"", timeout=2)):
+            with pytest.raises(denied_calls):
+                await asyncio.wait_for(call, 3)
+        await nc.flush()
+        await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+    denied = "\n".join(errors).lower()
+    print(f"\ntenant bob denied on alice's job {job}:\n" + denied)
+    j = job.lower()
+    assert f'permissions violation for subscription to "pfx.results.{j}"' in denied
+    for bucket in (subjects.JOBS_KV, subjects.JOB_STATUS_KV):
+        b = bucket.lower()
+        assert f'permissions violation for publish to "$js.api.direct.get.kv_{b}.$kv.{b}.{j}"' in denied, bucket
+    assert f'permissions violation for publish to "$kv.{subjects.JOBS_KV.lower()}.{j}"' in denied
+    assert f'permissions violation for publish to "{subjects.ingest(job).lower()}"' in denied
+    assert f'permissions violation for publish to "{subjects.done_query(job).lower()}"' in denied
+    assert got == []
+    try:
+        assert (await (await ajs.key_value(subjects.JOBS_KV)).get(job)).value == spec_before
+        assert (await (await ajs.key_value(subjects.JOB_STATUS_KV)).get(job)).value == status_before
+        assert (await ajs.stream_info(subjects.INGEST_STREAM.name)).state.messages == 0
+    finally:
+        await close(admin)
+
+
 async def replicas(fleet: Fleet) -> dict[str, int]:
     nc = await connect(fleet.url(2), "admin", options=fleet.options("admin"))
     try:
@@ -146,14 +253,14 @@ def submit(fleet: Fleet, data, out, job: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=180, env=fleet.cli_env(2))
 
 
-@pytest.mark.parametrize("tls", [False, True], ids=["auth", "auth+tls"])
+@pytest.mark.parametrize("tls", [True, False], ids=["default-tls", "no-tls"])
 def test_secure_cluster(tmp_path, tiny_model, data, tls):
-    if tls and shutil.which("openssl") is None:
-        pytest.skip("openssl not installed (the test makes its certificates with it)")
     fleet = start_fleet(tmp_path, tiny_model, tls)
     try:
+        assert fleet.url(2).startswith("tls://" if tls else "nats://")
         asyncio.run(check_refusals(fleet, tls))
         asyncio.run(check_submitter_is_confined(fleet))
+        asyncio.run(check_engine_worker_is_confined(fleet))
 
         out = fleet.out_root / "job"
         res = submit(fleet, data, out, "secure")
@@ -164,6 +271,26 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
         assert table.column("error").null_count == N
         assert set(table.column("replica").to_pylist()) <= {"nats-1-gpu0", "nats-2-gpu0"}
         assert asyncio.run(replicas(fleet)) == dict.fromkeys(asyncio.run(replicas(fleet)), 3), "R3 on a 3-server cluster"
+
+        # Tenants: alice's job runs under her own id and part of the root; bob cannot touch it.
+        res = subprocess.run(
+            [str(VENV_BIN / "prefixflow"), "submit", str(data), "--out", str(fleet.out_root / "alice" / "report"),
+             "--job", "report", "--max-tokens", "4", "--no-progress", "--timeout", "120"],
+            capture_output=True, text=True, timeout=180, env=fleet.cli_env(2, "tenant-alice"))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"job alice.report: {N} rows (0 errors)" in res.stdout, res.stdout
+        assert "permission" not in res.stderr.lower(), res.stderr
+        alice_out = fleet.out_root / "alice" / "report"
+        assert sorted(pq.read_table(alice_out).column("id").to_pylist()) == list(range(N))
+        asyncio.run(check_tenants_are_apart(fleet, "alice.report"))
+        assert sorted(pq.read_table(alice_out).column("id").to_pylist()) == list(range(N)), "her output unchanged"
+        # bob's own job may not write into alice's part of the output root
+        res = subprocess.run(
+            [str(VENV_BIN / "prefixflow"), "submit", str(data), "--out", str(fleet.out_root / "alice" / "mine"),
+             "--job", "mine", "--max-tokens", "4", "--no-progress", "--timeout", "120"],
+            capture_output=True, text=True, timeout=180, env=fleet.cli_env(2, "tenant-bob"))
+        assert res.returncode != 0 and "outside the sink's output root" in res.stderr, res.stdout + res.stderr
+        assert not (fleet.out_root / "alice" / "mine").exists()
 
         escape = fleet.out_root / ".." / "escape"
         res = submit(fleet, data, escape, "escape")
@@ -176,7 +303,10 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
         for name, proc in fleet.procs.items():
             text = proc.log.read_text(errors="replace")
             if name.startswith("nats-"):  # the servers log every violation, with the user
-                bad = [line for line in text.splitlines() if "Violation" in line and "user:submitter" not in line]
+                forged = ("nats-2-gpu0", "PFX_MINE", "STREAM.UPDATE.PFX_WORK", "STREAM.DELETE.PFX_INGEST")
+                bad = [line for line in text.splitlines() if "Violation" in line
+                       and not any(f"user:{u}" in line for u in ("submitter", "tenant-bob"))
+                       and not ("user:engine-nats-1-gpu0" in line and any(f in line for f in forged))]
             else:
                 bad = [line for line in text.splitlines() if "permission denied" in line]
             assert bad == [], (name, bad[:5])

@@ -19,11 +19,12 @@ pytestmark = pytest.mark.unit
 _ids = itertools.count()
 
 
-def make_lanes(max_prompts: int = 1000, min_share: int = 8, headroom: int = 0) -> Lanes:
+def make_lanes(max_prompts: int = 1000, min_share: int = 8, headroom: int = 0, burst: int = 0) -> Lanes:
     def buffer() -> PrefixBuffer:
         return PrefixBuffer(max_prompts=max_prompts, min_bucket=4, max_wait=5.0, block_size=4, pool_size=4, max_bucket=16)
 
-    return Lanes(buffer, max_prompts=max_prompts, max_bytes=1 << 30, min_share=min_share, headroom=headroom)
+    return Lanes(buffer, max_prompts=max_prompts, max_bytes=1 << 30, min_share=min_share, headroom=headroom,
+                 burst=burst)
 
 
 def item(job: str, prefix: int, now: float = 0.0, length: int = 16) -> Item:
@@ -220,3 +221,50 @@ def test_room_a_lane_took_while_the_other_was_landing_is_no_debt():
     for step in range(10):  # b has landed: from now on 3:1, a does not stall while b "catches up"
         work += released_work(lanes.pop(2.0 + step, budget=1000, eligible=lambda lane: True))
     assert work["a"] > 0 and 2.0 <= work["b"] / work["a"] <= 4.5, work
+
+
+def _running_big(lanes: Lanes) -> None:
+    fill(lanes, "big", 1, 5000, prefixes=500)
+    for step in range(20):  # the big job has been running for a while
+        lanes.pop(1.0 + step * 0.01, budget=500)
+
+
+@pytest.mark.parametrize("weight", [1, 3])
+def test_a_new_small_job_within_the_burst_goes_out_before_the_running_one(weight):
+    lanes = make_lanes(max_prompts=100_000, burst=2000)
+    _running_big(lanes)
+    fill(lanes, "small", weight, 80, now=2.0)  # 80 x 16 = 1,280 work tokens, under the burst
+    work: collections.Counter = collections.Counter()
+    rounds = 0
+    while len(lanes.lanes["small"].buffer):
+        work += released_work(lanes.pop(2.0 + rounds * 0.01, budget=500))
+        rounds += 1
+    assert work["small"] == 80 * 16
+    assert work["big"] <= 500, work  # at most the turn that found the small lane still landing
+    assert rounds <= 3
+
+
+@pytest.mark.parametrize("burst", [0, 1600, 4000])
+def test_a_new_large_job_gets_only_the_burst_ahead_then_its_share(burst):
+    lanes = make_lanes(max_prompts=100_000, burst=burst)
+    _running_big(lanes)
+    fill(lanes, "new", 1, 3000, now=2.0, prefixes=300)
+    work: collections.Counter = collections.Counter()
+    for step in range(40):
+        work += released_work(lanes.pop(2.0 + step * 0.01, budget=400))
+    ahead = work["new"] - work["big"]
+    assert abs(ahead - burst) <= 400, (work, burst)  # within one turn of the burst
+
+
+def test_a_rejoining_job_gets_no_second_burst():
+    lanes = make_lanes(max_prompts=100_000, burst=2000)
+    _running_big(lanes)
+    fill(lanes, "b", 1, 16, now=2.0)
+    for step in range(5):
+        lanes.pop(2.0 + step * 0.01, budget=400)
+    assert not len(lanes.lanes["b"].buffer)
+    fill(lanes, "b", 1, 2000, now=3.0, prefixes=200)  # b comes back with a lot of work
+    work: collections.Counter = collections.Counter()
+    for step in range(10):
+        work += released_work(lanes.pop(3.0 + step * 0.01, budget=400))
+    assert abs(work["b"] - work["big"]) <= 400, work

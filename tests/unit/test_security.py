@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.fleet_config import render_permissions, render_server
+from launch.fleet_config import all_users, render_permissions, render_server
 from cli.main import build_parser
 from services.sink.writer import OutsideRoot, confine
 from shared.bus.connection import NatsOptions
@@ -34,7 +34,10 @@ REPO = Path(__file__).resolve().parents[2]
     "job,why",
     [
         ("", "it is empty"),
-        ("a.b", "it contains '.', which separates NATS subject tokens"),
+        ("a.b.c", "it contains more than one '.' (a job id is NAME, or TENANT.NAME)"),
+        ("a.", "its name '': it is empty"),
+        ("dir.x", "its tenant 'dir': 'dir' is reserved"),
+        ("t.a*", "its name 'a*': it contains the NATS wildcard '*'"),
         ("a*", "it contains the NATS wildcard '*'"),
         ("x>", "it contains the NATS wildcard '>'"),
         ("my job", "it contains whitespace"),
@@ -44,18 +47,65 @@ REPO = Path(__file__).resolve().parents[2]
     ],
 )
 def test_bad_job_ids_are_refused_with_the_reason(job, why):
-    assert subjects.name_problem(job) == why
+    assert subjects.job_problem(job) == why
     from client.submit import submit
     from shared.wire.messages import SamplingSpec
 
     with pytest.raises(SystemExit) as exc:  # before connecting to anything
         asyncio.run(submit("x.parquet", nats_url="nats://127.0.0.1:1", job=job, out_dir="out", sampling=SamplingSpec()))
-    assert str(exc.value).startswith(f"invalid job id {job!r}: {why} (a job id is one NATS subject token")
+    assert str(exc.value).startswith(f"invalid job id {job!r}: {why} (a job id is letters, digits")
 
 
-@pytest.mark.parametrize("job", ["a", "job-2026_01", "x" * 64])
+@pytest.mark.parametrize("job", ["a", "job-2026_01", "x" * 64, "alice.nightly", "t-1.job_2"])
 def test_good_job_ids(job):
-    assert subjects.name_problem(job) is None and subjects.is_valid_name(job)
+    assert subjects.job_problem(job) is None
+
+
+def test_a_tenants_job_id_is_a_token_of_its_own_in_every_subject_and_key():
+    job = subjects.qualify("nightly", "alice")
+    assert job == "alice.nightly" and subjects.qualify("alice.nightly", "alice") == job
+    assert subjects.qualify("nightly", "") == "nightly" and subjects.tenant_of("nightly") == ""
+    assert subjects.tenant_of(job) == "alice"
+    for subject in (subjects.ingest(job), subjects.results(job), subjects.done_query(job)):
+        assert subject.split(".")[-2:] == ["alice", "nightly"]
+    assert subjects.job_from_subject(subjects.ingest(job)) == subjects.job_from_subject(subjects.results(job)) == job
+    assert subjects.job_of_done_query(subjects.done_query(job)) == job
+    assert subjects.bucket_parts(subjects.bucket("n1", job)) == ("n1", job)
+    assert subjects.bucket_parts(subjects.bucket("n1", "plain")) == ("n1", "plain")
+    assert "." not in subjects.bucketer_consumer("n1", job).durable
+    assert subjects.bucketer_consumer("n1", job).durable != subjects.bucketer_consumer("n1", "alice_nightly").durable
+    assert subjects.dir_key("/out/x", "alice").startswith("alice.dir.") and subjects.is_dir_key(subjects.dir_key("/out/x", "alice"))
+    assert subjects.is_dir_key(subjects.dir_key("/out/x")) and not subjects.is_dir_key(job)
+    for spec in subjects.STREAMS:  # every job subject lands in its stream, with a tenant or without
+        for subject in (subjects.ingest(job), subjects.bucket("n1", job), subjects.results(job), subjects.blob_piece(job, "k", 0)):
+            if subject.split(".")[1] == spec.subjects[0].split(".")[1]:
+                assert any(matches(p, subject) for p in spec.subjects), (spec.name, subject)
+
+
+def test_a_tenant_may_touch_only_its_own_jobs():
+    alice = lambda action, subject: allowed("tenant", action, subject, "alice")  # noqa: E731
+    mine, theirs, plain = "alice.j1", "bob.j1", "j1"
+    assert alice("publish", subjects.ingest(mine)) and alice("publish", subjects.blob_piece(mine, "k", 3))
+    assert alice("publish", subjects.done_query(mine))
+    assert alice("publish", f"$KV.{subjects.JOBS_KV}.{mine}") and alice("publish", f"$KV.{subjects.JOBS_KV}.{subjects.dir_key('/o', 'alice')}")
+    assert alice("publish", f"$JS.API.DIRECT.GET.KV_{subjects.JOB_STATUS_KV}.$KV.{subjects.JOB_STATUS_KV}.{mine}")
+    for other in (theirs, plain):
+        assert not alice("publish", subjects.ingest(other)) and not alice("publish", subjects.blob_piece(other, "k", 3))
+        assert not alice("publish", subjects.done_query(other))
+        assert not alice("publish", f"$KV.{subjects.JOBS_KV}.{other}")
+        for bucket in (subjects.JOBS_KV, subjects.JOB_STATUS_KV):
+            assert not alice("publish", f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.{other}")
+    assert not alice("publish", f"$KV.{subjects.JOBS_KV}.{subjects.dir_key('/o')}"), "no other's directory bindings"
+    for subject in (f"$JS.API.DIRECT.GET.KV_{subjects.JOBS_KV}", f"$JS.API.STREAM.MSG.GET.KV_{subjects.JOBS_KV}",
+                    f"$KV.{subjects.JOB_STATUS_KV}.{mine}", subjects.results(mine), "$JS.API.CONSUMER.CREATE.KV_PFX_JOBS"):
+        assert not alice("publish", subject), "gets that name the key in the body, status writes, results, listing"
+    for subject in ("pfx.results.>", subjects.results(mine), subjects.ALL_STATUS, f"$KV.{subjects.JOBS_KV}.>"):
+        assert not alice("subscribe", subject), subject
+    # The submitter (jobs without a tenant) cannot touch a tenant's either.
+    assert allowed("submitter", "publish", subjects.ingest(plain))
+    assert not allowed("submitter", "publish", subjects.ingest(mine))
+    assert not allowed("submitter", "publish", f"$KV.{subjects.JOBS_KV}.{mine}")
+    assert not allowed("submitter", "publish", f"$JS.API.DIRECT.GET.KV_{subjects.JOB_STATUS_KV}.$KV.{subjects.JOB_STATUS_KV}.{mine}")
 
 
 # --- confined output -----------------------------------------------------------------
@@ -117,7 +167,9 @@ def test_services_have_what_they_need():
     assert allowed("sink", "publish", f"$KV.{subjects.JOB_STATUS_KV}.j") and not allowed("sink", "publish", f"$KV.{subjects.JOBS_KV}.j")
     assert not allowed("sink", "subscribe", "pfx.>")
     for role in ROLES[:-1]:
-        assert not allowed(role, "publish", "$JS.API.STREAM.DELETE.PFX_INGEST"), role
+        for op in ("CREATE", "UPDATE", "DELETE", "PURGE"):
+            assert not allowed(role, "publish", f"$JS.API.STREAM.{op}.PFX_WORK"), (role, op)
+            assert not allowed(role, "publish", f"$JS.API.STREAM.{op}.KV_{subjects.JOBS_KV}"), (role, op)
         inbox = f"{subjects.inbox_prefix(role)}.x.y"
         assert allowed(role, "subscribe", inbox) and [r for r in ROLES[:-1] if allowed(r, "subscribe", inbox)] == [role]
 
@@ -163,6 +215,49 @@ def test_every_subject_in_the_subjects_module_has_a_publisher_and_a_reader():
         assert readers, f"nobody may read {subject}"
 
 
+def test_each_bucketer_and_engine_worker_may_use_only_its_own_subjects():
+    """Per-process grants: an engine-worker pulls only its own work and publishes only its
+    own status, cache events and (suspect) work; a bucketer pulls only its node's prompts."""
+    eng = lambda action, subject: allowed("engine-worker", action, subject, "n1-gpu0")  # noqa: E731
+    assert eng("publish", subjects.status("n1-gpu0")) and not eng("publish", subjects.status("n2-gpu0"))
+    assert eng("publish", subjects.cache_events("n1-gpu0")) and not eng("publish", subjects.cache_events("n1-gpu1"))
+    assert eng("publish", "$JS.API.CONSUMER.MSG.NEXT.PFX_WORK.engine-n1-gpu0")
+    assert not eng("publish", "$JS.API.CONSUMER.MSG.NEXT.PFX_WORK.engine-n2-gpu0")
+    assert not eng("publish", "$JS.ACK.PFX_WORK.engine-n2-gpu0.1.2.3.4.5")
+    assert eng("publish", subjects.work("n1-gpu0")) and not eng("publish", subjects.work("n2-gpu0"))
+    assert eng("subscribe", subjects.engine_reset("n1-gpu0")) and not eng("subscribe", subjects.engine_reset("n2-gpu0"))
+    assert eng("subscribe", "_INBOX_engine-n1-gpu0.x") and not eng("subscribe", "_INBOX_engine-n2-gpu0.x")
+    assert eng("publish", subjects.results("j")), "results of the jobs it runs"
+    buck = lambda action, subject: allowed("bucketer", action, subject, "n1")  # noqa: E731
+    assert buck("publish", "$JS.API.CONSUMER.MSG.NEXT.PFX_BUCKET.bucketer-n1-job7")
+    assert buck("publish", "$JS.API.CONSUMER.CREATE.PFX_BUCKET.bucketer-n1-job7.pfx.bucket.n1.job7")
+    assert not buck("publish", "$JS.API.CONSUMER.CREATE.PFX_BUCKET.bucketer-n1-job7.pfx.bucket.n2.job7")
+    assert not buck("publish", "$JS.API.CONSUMER.DURABLE.CREATE.PFX_BUCKET.bucketer-n2-job7")
+    assert buck("publish", subjects.bucketer_heartbeat("n1")) and not buck("publish", subjects.bucketer_heartbeat("n2"))
+    with pytest.raises(ValueError, match="per process"):
+        permissions.__globals__["user_name"]("engine-worker")
+    with pytest.raises(ValueError, match="separates NATS subject tokens"):
+        permissions("engine-worker", "a.b")
+
+
+def test_a_jobs_model_is_matched_by_name_without_touching_the_file_system(tmp_path, monkeypatch):
+    """The ingestor once resolved a job's `model` as a path on its host (`os.path.exists`):
+    a submitter could probe for files there."""
+    import os
+
+    from services.ingestor.service import same_model
+
+    def no_look(*_a, **_k):
+        raise AssertionError("the file system was looked at")
+
+    for fn in ("exists", "realpath", "isdir", "isfile"):
+        monkeypatch.setattr(os.path, fn, no_look)
+    assert same_model("/models/Qwen3-8B", "/models/Qwen3-8B")
+    assert same_model("/opt/models/Qwen3-8B/", "Qwen/Qwen3-8B"), "the same model by its name"
+    assert not same_model("/etc/passwd", "/models/Qwen3-8B")
+    assert not same_model("", "/models/Qwen3-8B")
+
+
 def test_admin_may_do_anything():
     assert permissions("admin").publish == (">",) and permissions("admin").subscribe == (">",)
 
@@ -181,7 +276,7 @@ def test_committed_deploy_nats_configs_are_the_generated_ones():
 
     args = default_args()
     nodes = parse_nodes(["nats-1", "nats-2", "nats-3"], None, args)
-    assert (REPO / "deploy/nats/permissions.conf").read_text() == render_permissions()
+    assert (REPO / "deploy/nats/permissions.conf").read_text() == render_permissions(all_users(nodes, "nats-1", ["0"]))
     for node in nodes:
         assert (REPO / f"deploy/nats/{node.name}.conf").read_text() == render_server(node, nodes, args), node.name
 
@@ -191,54 +286,104 @@ def run_config(out: Path, *extra: str) -> None:
     args.fn(args)
 
 
-def test_cluster_config_writes_every_node(tmp_path, capsys):
+def env_of(path: Path) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line and not line.startswith("#"))
+
+
+def test_cluster_config_writes_each_node_only_its_own_secrets(tmp_path, capsys):
     out = tmp_path / "fleet"
-    run_config(out, "--hosts", "10.0.0.1,10.0.0.2,10.0.0.3", "--names", "a,b,c", "--model", "/models/q")
-    assert sorted(p.name for p in out.iterdir()) == ["a", "b", "c", "secrets.json"]
-    files = {p.name for p in (out / "b").iterdir()}
-    assert files == {"nats-server.conf", "users.conf", "permissions.conf", "env", *(f"{r}.env" for r in ROLES)}
-    secret = {"users.conf", *(f"{r}.env" for r in ROLES)}
-    for name in files:
-        mode = stat.S_IMODE((out / "b" / name).stat().st_mode)
-        assert mode == (0o600 if name in secret else 0o644), (name, oct(mode))
+    run_config(out, "--hosts", "10.0.0.1,10.0.0.2,10.0.0.3", "--names", "a,b,c", "--head", "c", "--engines", "0,1",
+               "--model", "/models/q")
+    assert sorted(p.name for p in out.iterdir()) == ["a", "b", "c", "ca", "clients", "secrets.json"]
+    common = {"nats-server.conf", "users.conf", "permissions.conf", "env", "ca.pem", "server-cert.pem", "server-key.pem"}
+    workers = {"bucketer.env", "engine-worker-0.env", "engine-worker-1.env"}
+    head = {"ingestor.env", "router.env", "sink.env", "api.env"}
+    for node in "abc":
+        files = {p.name for p in (out / node).iterdir()}
+        assert files == common | workers | (head if node == "c" else set()), node
+        assert not files & {"admin.env", "submitter.env", "secrets.json", "ca-key.pem"}, "operators' secrets apart"
+        for name in files:
+            mode = stat.S_IMODE((out / node / name).stat().st_mode)
+            secret = name.endswith(".env") or name in ("users.conf", "server-key.pem")
+            assert mode == (0o600 if secret else 0o644), (node, name, oct(mode))
+    assert {p.name for p in (out / "clients").iterdir()} == {"env", "ca.pem", "admin.env", "submitter.env"}
     assert stat.S_IMODE((out / "secrets.json").stat().st_mode) == 0o600
-    env = (out / "b" / "env").read_text()
-    assert "PFX_NATS_URL=nats://10.0.0.2:4222,nats://10.0.0.1:4222,nats://10.0.0.3:4222\n" in env
-    assert "PFX_MODEL=/models/q\n" in env and "PASSWORD" not in env
-    sink = NatsOptions.from_env(dict(line.split("=", 1) for line in (out / "b" / "sink.env").read_text().splitlines() if "=" in line and not line.startswith("#")))
-    assert sink.nats_user == "sink" and len(sink.nats_password) >= 24
-    conf = (out / "b" / "nats-server.conf").read_text()
-    assert 'server_name: "b"' in conf and "routes: $ROUTES" in conf
+    assert stat.S_IMODE((out / "ca" / "ca-key.pem").stat().st_mode) == 0o600
+
+    # Each process's file holds its own user; no node holds a password of another node's processes.
     secrets = json.loads((out / "secrets.json").read_text())
-    for pw in [secrets["route"], *secrets["users"].values()]:
-        assert pw not in conf and pw not in env, "nats-server.conf and env hold no secret"
-        assert pw in (out / "b" / "users.conf").read_text()
-    # Passwords are kept when the command runs again (say, for a fourth node).
-    before = (out / "secrets.json").read_text()
-    run_config(out, "--hosts", "10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4")
-    assert (out / "secrets.json").read_text() == before
-    assert (out / "nats-4" / "sink.env").read_text().split("PFX_NATS_PASSWORD=")[1].split("\n")[0] == sink.nats_password
+    passwords = secrets["users"]
+    assert env_of(out / "b" / "bucketer.env")["PFX_NATS_USER"] == "bucketer-b"
+    eng = env_of(out / "b" / "engine-worker-1.env")
+    assert (eng["PFX_NATS_USER"], eng["PFX_REPLICA"]) == ("engine-b-gpu1", "b-gpu1")
+    for node in "abc":
+        texts = "".join((out / node / f).read_text() for f in sorted(p.name for p in (out / node).iterdir()))
+        own = {env_of(out / node / f)["PFX_NATS_USER"] for f in workers | (head if node == "c" else set())}
+        for user, pw in passwords.items():
+            assert (pw in texts) == (user in own), (node, user)
+        assert secrets["route"] in (out / node / "users.conf").read_text(), "the servers' own route secret"
+    users = (out / "a" / "users.conf").read_text()
+    assert users.count('password: "$2b$') == len(passwords), "every user's password as a bcrypt hash"
+    env = env_of(out / "b" / "env")
+    assert env["PFX_NATS_URL"] == "tls://10.0.0.2:4222,tls://10.0.0.1:4222,tls://10.0.0.3:4222"
+    assert (env["PFX_NODE"], env["PFX_PROVISION"], env["PFX_METRICS_HOST"], env["PFX_MODEL"]) == ("b", "false", "10.0.0.2", "/models/q")
+    assert env["PFX_NATS_TLS_CA"] == "/etc/prefixflow/ca.pem"
+    conf = (out / "b" / "nats-server.conf").read_text()
+    assert 'server_name: "b"' in conf and "routes: $ROUTES" in conf and conf.count("verify: true") == 1
+
+    # No generated grant lets a service or a submitter create, update or delete a stream.
+    perms = (out / "a" / "permissions.conf").read_text()
+    blocks = perms.split("\n}\n")
+    for block in blocks:
+        if block.strip() and not block.strip().startswith("PFX_ADMIN") and "= {" in block:
+            for op in ("STREAM.CREATE", "STREAM.UPDATE", "STREAM.DELETE"):
+                assert op not in block, block.splitlines()[0]
+
+    # Passwords and the CA are kept when the command runs again (say, for a fourth node).
+    ca = (out / "ca" / "ca.pem").read_text()
+    run_config(out, "--hosts", "10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4", "--names", "a,b,c,d", "--head", "c", "--engines", "0,1")
+    again = json.loads((out / "secrets.json").read_text())
+    assert {k: again["users"][k] for k in passwords} == passwords and again["route"] == secrets["route"]
+    assert (out / "ca" / "ca.pem").read_text() == ca and (out / "d" / "ca.pem").read_text() == ca
+    assert env_of(out / "d" / "bucketer.env")["PFX_NATS_USER"] == "bucketer-d"
 
 
-@pytest.mark.parametrize("tls", [False, True])
+def test_node_certificates_are_signed_by_the_fleet_ca_for_the_node_address(tmp_path):
+    from cryptography import x509
+
+    run_config(tmp_path / "out", "--hosts", "10.1.2.3,node-b.example", "--names", "a,b")
+    ca = x509.load_pem_x509_certificate((tmp_path / "out" / "ca" / "ca.pem").read_bytes())
+    for name, host in (("a", "10.1.2.3"), ("b", "node-b.example")):
+        cert = x509.load_pem_x509_certificate((tmp_path / "out" / name / "server-cert.pem").read_bytes())
+        cert.verify_directly_issued_by(ca)
+        alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = [str(v) for v in alt.get_values_for_type(x509.IPAddress)] + alt.get_values_for_type(x509.DNSName)
+        assert host in names and name in names
+
+
+@pytest.mark.parametrize("tls", ["generated", "given", "none"])
 def test_nats_server_accepts_the_generated_config(tmp_path, tls):
     binary = Path(sys.executable).parent / "nats-server"
     if not binary.exists():
         binary = shutil.which("nats-server")
     if not binary:
         pytest.skip("no nats-server")
-    extra = ["--store-dir", str(tmp_path / "{node}")]
-    if tls:
+    extra = ["--store-dir", str(tmp_path / "{node}"), "--etc-dir", str(tmp_path / "out" / "{node}")]
+    if tls == "given":
         for name in ("c.pem", "k.pem", "ca.pem"):
             (tmp_path / name).write_text("")
         extra += ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem"), "--tls-ca", str(tmp_path / "ca.pem")]
+    if tls == "none":
+        extra.append("--no-tls")
     run_config(tmp_path / "out", *extra)
     conf = tmp_path / "out" / "nats-2" / "nats-server.conf"
-    if tls:
-        text = conf.read_text()
-        assert text.count("verify: true") == 1 and "tls {" in text  # clients and (verified) routes
-        assert "PFX_NATS_TLS_CA=" in (tmp_path / "out" / "nats-2" / "env").read_text()
-        assert "tls://nats-2:4222," in (tmp_path / "out" / "nats-2" / "env").read_text()
+    env = (tmp_path / "out" / "nats-2" / "env").read_text()
+    if tls == "none":
+        assert "tls {" not in conf.read_text() and "nats://nats-2:4222," in env and "TLS_CA" not in env
+    else:
+        assert conf.read_text().count("verify: true") == 1 and "tls {" in conf.read_text()  # clients and (verified) routes
+        assert "PFX_NATS_TLS_CA=" in env and "tls://nats-2:4222," in env
+    if tls == "given":
         return  # empty certificate files: nats-server -t would (rightly) refuse them
     res = subprocess.run([str(binary), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0 and "is valid" in res.stdout + res.stderr, res.stdout + res.stderr

@@ -53,14 +53,28 @@ def test_dependencies_and_restart_policy(name):
     assert values(unit, "Install", "WantedBy") == ["prefixflow.target"]
 
 
-def engine_unit_config(instance: str):
-    argv = exec_argv(UNITS / "prefixflow-engine@.service", instance=instance, host=HOST)
-    return cfgmod.load(cfgmod.EngineWorkerConfig, build_parser().parse_args(argv[1:]), environ={})
+@pytest.fixture(scope="module")
+def etc(tmp_path_factory) -> Path:
+    """A node's /etc/prefixflow as `prefixflow cluster config` writes it (installed in
+    place: --etc-dir is the directory itself, so its CA file exists)."""
+    out = tmp_path_factory.mktemp("cluster-config")
+    args = build_parser().parse_args(["cluster", "config", "--out", str(out), "--nodes", "3", "--model", "/models/m",
+                                      "--engines", "0,3,4-7", "--etc-dir", f"{out}/{{node}}"])
+    args.fn(args)
+    return out / "nats-1"
 
 
-def test_engine_unit_is_one_instance_per_gpu():
-    cfg = engine_unit_config("3")
-    assert cfg.replica == f"{HOST}-gpu3", "each GPU's worker is its own replica"
+def engine_unit_config(instance: str, etc: Path | None = None):
+    path = UNITS / "prefixflow-engine@.service"
+    argv = exec_argv(path, instance=instance, host=HOST)
+    env = unit_env(path, etc, instance=instance, host=HOST) if etc is not None else {}
+    return cfgmod.load(cfgmod.EngineWorkerConfig, build_parser().parse_args(argv[1:]), environ=env)
+
+
+def test_engine_unit_is_one_instance_per_gpu(etc):
+    cfg = engine_unit_config("3", etc)
+    assert cfg.replica == "nats-1-gpu3", "each GPU's worker is its own replica"
+    assert cfg.nats_user == "engine-nats-1-gpu3", "with a NATS user of its own"
     assert cfg.gpus == "3", "the worker sets CUDA_VISIBLE_DEVICES=3 before its engine starts"
     assert cfg.metrics_port == 9473
 
@@ -71,26 +85,17 @@ def test_engine_unit_metrics_ports_work_for_any_number_of_gpus(instance, port):
     assert engine_unit_config(instance).metrics_port == port
 
 
-def test_engine_unit_runs_tensor_parallel_over_a_range_of_gpus():
+def test_engine_unit_runs_tensor_parallel_over_a_range_of_gpus(etc):
     """`prefixflow-engine@4-7` (a unit name cannot hold a comma): one replica on GPUs 4-7,
     vLLM's tensor-parallel size 4, CUDA graphs on."""
     from services.engine_worker.engine_args import placement_defaults, visible_gpus
 
-    cfg = engine_unit_config("4-7")
-    assert (cfg.replica, cfg.gpus, cfg.metrics_port) == (f"{HOST}-gpu4-7", "4,5,6,7", 9474)
+    cfg = engine_unit_config("4-7", etc)
+    assert (cfg.replica, cfg.gpus, cfg.metrics_port) == ("nats-1-gpu4-7", "4,5,6,7", 9474)
     assert cfg.enforce_eager is None and cfg.max_model_len == 0, "the units leave both to the model and devices"
     assert placement_defaults(visible_gpus({"CUDA_VISIBLE_DEVICES": cfg.gpus}), cfg.enforce_eager) == {
         "enforce_eager": False, "tensor_parallel_size": 4,
     }
-
-
-@pytest.fixture(scope="module")
-def etc(tmp_path_factory) -> Path:
-    """A node's /etc/prefixflow as `prefixflow cluster config` writes it."""
-    out = tmp_path_factory.mktemp("cluster-config")
-    args = build_parser().parse_args(["cluster", "config", "--out", str(out), "--nodes", "3", "--model", "/models/m"])
-    args.fn(args)
-    return out / "nats-1"
 
 
 @pytest.mark.parametrize("name,service", SERVICE_UNITS.items())
@@ -103,11 +108,17 @@ def test_command_lines_are_valid_serve_invocations(name, service, etc):
     # Its EnvironmentFile=s are the ones cluster config writes: the common env and the
     # role's credentials, and with them the configuration loads and validates.
     files = [f.lstrip("-") for f in values(parse_unit(path), "Service", "EnvironmentFile")]
-    assert files == ["/etc/prefixflow/env", f"/etc/prefixflow/{service}.env"]
+    own = "engine-worker-%i" if service == "engine-worker" else service
+    assert files == ["/etc/prefixflow/env", f"/etc/prefixflow/{own}.env"]
     env = unit_env(path, etc, instance="0", host=HOST)
     cfg = cfgmod.load(CONFIGS[service], args, environ=env)
-    assert cfg.nats_user == service and cfg.nats_password
-    assert cfg.nats_url.startswith("nats://nats-1:4222,"), "this node's server first"
+    user = {"bucketer": "bucketer-nats-1", "engine-worker": "engine-nats-1-gpu0"}.get(service, service)
+    assert cfg.nats_user == user and cfg.nats_password
+    assert cfg.nats_url.startswith("tls://nats-1:4222,"), "this node's server first, over TLS"
+    assert cfg.nats_tls_ca == str(etc / "ca.pem") and not cfg.provision
+    assert cfg.metrics_host == "nats-1", "metrics on the node's own address"
+    if service == "bucketer":
+        assert cfg.node == "nats-1"
     if service == "sink":
         assert cfg.out_root == "/var/lib/prefixflow/out"
         unit = parse_unit(path)
