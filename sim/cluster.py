@@ -73,6 +73,9 @@ SEND_CONCURRENCY = 32
 INTAKE_MESSAGES = 4
 INGEST_MESSAGE = 256
 """Prompts per ingest -> bucketer message."""
+STAGGER_SEED = 7
+"""The order in which replicas come up under `Options.stagger` (fixed: methods compared
+in one run see the same fleet)."""
 DISPATCH_TICK = 0.2
 INTAKE_POLL = 0.05
 
@@ -93,6 +96,10 @@ class Options:
     first) instead of `initial_window` / `next_window`. Off by default; the calibration
     benchmark turns it on because its real runs had it."""
     include_startup: bool = True
+    stagger: tuple[float, float] | None = None
+    """Replicas ready at staggered times, evenly spread over [lo, hi] seconds in a
+    seeded order (a real fleet's GPUs load the model tens of seconds apart), instead of
+    all at the profile's `startup_s`."""
     record: bool = False
     """Keep a trace of every status and routing decision (decision-equivalence test)."""
     time_limit: float = 1e7
@@ -309,7 +316,8 @@ class RouterSim:
         self.fleet = Fleet(dead_after=cfg.dead_after, cap_tokens=cfg.replica_cap_tokens, history=cfg.history,
                            cap_windows=cfg.cap_windows, lead_seconds=cfg.lead_seconds,
                            hash_block_size=cfg.hash_block_size)
-        self.policy = make_policy(policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor)
+        self.policy = make_policy(policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor,
+                                  hot_factor=cfg.hot_factor)
         self.trace: list | None = [] if sim.opts.record else None
         self.decisions = 0
         self.splits = 0
@@ -564,6 +572,7 @@ class Sim:
             self.workers.append(w)
         self.workers_by_name = {w.name: w for w in self.workers}
         self.t0 = 0.0
+        self.starts: list[float] = [0.0]
 
     def _receive(self, w: Worker, now: float, batch: list[int], key: tuple[int, ...] = ()) -> None:
         w.queue.append((batch, key))
@@ -575,13 +584,22 @@ class Sim:
 
     # methods ------------------------------------------------------------------------------
 
+    def ready_times(self) -> list[float]:
+        """When each replica's engine is up (`Options.stagger`, else all at start-up)."""
+        R = len(self.workers)
+        if self.opts.stagger is None:
+            return [self.profile.startup_s if self.opts.include_startup else 0.0] * R
+        lo, hi = self.opts.stagger
+        order = np.random.default_rng(STAGGER_SEED).permutation(R)
+        return [lo + (hi - lo) * (order[i] + 0.5) / R for i in range(R)]
+
     def start(self) -> None:
         p, n, method = self.profile, self.n, self.method
-        t0 = p.startup_s if self.opts.include_startup else 0.0
+        ready = self.ready_times()
         workers = self.workers
         R = len(workers)
         if method == "naive":
-            t0 += p.tokenize_s_per_1k * n / 1000
+            prep = p.tokenize_s_per_1k * n / 1000
             batches = deque(list(range(i, min(i + self.opts.naive_batch, n))) for i in range(0, n, self.opts.naive_batch))
 
             def next_batch(now: float, w: Worker) -> None:
@@ -591,28 +609,29 @@ class Sim:
                     w.window = len(b)
                     w.submit(b, now)
 
-            for w in workers:
+            for w, t in zip(workers, ready):
                 w.on_batch_done = next_batch
                 w.window_cfg = 1 << 30
-                self.at(t0, next_batch, w)
+                self.at(t + prep, next_batch, w)
         elif method in ("continuous", "sorted"):
-            t0 += p.tokenize_s_per_1k * n / 1000
+            prep = p.tokenize_s_per_1k * n / 1000
             order = list(range(n))
             if method == "sorted":
                 ts = time.perf_counter()
                 order.sort(key=self.wl.tokens.__getitem__)
                 self.sort_wall = time.perf_counter() - ts
-                t0 += p.sort_s_per_1k * n / 1000
+                prep += p.sort_s_per_1k * n / 1000
                 lanes = [order[k * n // R : (k + 1) * n // R] for k in range(R)]
             else:
                 lanes = [[] for _ in range(R)]
                 for i in range(0, n, WORK_BATCH):
                     lanes[(i // WORK_BATCH) % R].extend(order[i : i + WORK_BATCH])
-            for w, lane in zip(workers, lanes):
+            for w, lane, t in zip(workers, lanes, ready):
                 for i in range(0, len(lane), WORK_BATCH):
                     w.queue.append((lane[i : i + WORK_BATCH], ()))
-                self.at(t0, lambda now, w=w: self._kick(w, now))
+                self.at(t + prep, lambda now, w=w: self._kick(w, now))
         else:
+            prep = 0.0
             self.router = RouterSim(self, method)
             nodes = self.opts.nodes or max(1, math.ceil(R / p.gpus_per_node))
             self.node_names = tuple(f"node{k}" for k in range(nodes))
@@ -620,11 +639,13 @@ class Sim:
             self.by_node = dict(zip(self.node_names, self.bucketers))
             self.sharder = sharding.Sharder(epsilon=self.opts.shard_epsilon)
             self.cursor = 0
-            for w in workers:
-                self.at(t0, w.publish_status)
-                self.at(t0 + self.opts.worker.status_interval, w.tick)
-            self.at(t0 + p.hop_s * 2, self.ingest)
-        self.t0 = t0
+            for w, t in zip(workers, ready):
+                self.at(t, w.publish_status)
+                self.at(t + self.opts.worker.status_interval, w.tick)
+            self.at(min(ready) + p.hop_s * 2, self.ingest)
+        self.starts = [t + prep for t in ready]
+        """When each replica could first take work (the busy fraction's span)."""
+        self.t0 = min(self.starts)
 
     def _kick(self, w: Worker, now: float) -> None:
         w.pull(now)
@@ -691,7 +712,7 @@ class Sim:
         if self.wl.group is not None:
             pairs = np.unique(np.stack([self.wl.group, self.replica_of]), axis=1)
             split = int(np.sum(np.bincount(pairs[0]) > 1))
-        span = max(wall - self.t0, 1e-9)
+        span = max(sum(wall - t for t in self.starts), 1e-9) / len(self.workers)
         extra = {
             "max_running": max(s.max_running for s in stats),
             "start_seconds": round(self.t0, 2),

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-SHAPES = ("seed", "zipf", "prefix-repetition")
+SHAPES = ("seed", "zipf", "hierarchical", "prefix-repetition")
 KNOBS = {
     "buffer-prompts": ("bucketer", "buffer_prompts", int),
     "min-bucket": ("bucketer", "min_bucket", int),
@@ -29,6 +29,7 @@ KNOBS = {
     "lead-seconds": ("router", "lead_seconds", float),
     "kv-admission": ("worker", "kv_admission", lambda v: v.lower() in ("1", "true", "on", "yes")),
     "split-factor": ("router", "split_factor", float),
+    "hot-factor": ("router", "hot_factor", float),
     "nodes": ("", "nodes", int),
 }
 """Product settings `--sweep` varies: (part of `sim.cluster.Options`, field, type)."""
@@ -62,6 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--history", type=int, default=0, help="router --history (default: the router's)")
     p.add_argument("--cap-windows", type=float, default=0, help="router --cap-windows (default: the router's)")
     p.add_argument("--split-factor", type=float, default=0, help="router --split-factor (default: the router's)")
+    p.add_argument("--stagger", default="", metavar="LO,HI",
+                   help="replicas ready at staggered times, evenly spread over LO..HI seconds (a real fleet: 30,120) "
+                   "instead of all at the profile's start-up")
     p.add_argument("--window-probe", action="store_true",
                    help="simulate the worker's adaptive window with its first-result probe (window.Window): a fresh engine "
                    "runs one prompt alone first; use it to predict real runs made with it")
@@ -113,7 +117,16 @@ def options(args):
         from sim.seed import REFERENCE_NODES
 
         nodes = REFERENCE_NODES
-    return Options(bucketer=b, router=r, worker=w, nodes=nodes, window_probe=args.window_probe)
+    stagger = None
+    if args.stagger:
+        try:
+            lo, hi = (float(x) for x in args.stagger.split(","))
+        except ValueError:
+            raise SystemExit(f"--stagger {args.stagger!r}: want LO,HI seconds, e.g. 30,120") from None
+        if not 0 <= lo <= hi:
+            raise SystemExit(f"--stagger {args.stagger!r}: want 0 <= LO <= HI")
+        stagger = (lo, hi)
+    return Options(bucketer=b, router=r, worker=w, nodes=nodes, window_probe=args.window_probe, stagger=stagger)
 
 
 def workload(args):
@@ -126,6 +139,8 @@ def workload(args):
         return W.seed_shape(args.scale, args.seed)
     if shape == "zipf":
         return W.zipf_shape(args.scale, args.seed, args.zipf)
+    if shape == "hierarchical":
+        return W.hierarchical_shape(args.scale, args.seed)
     n = args.num_prompts or round(200_000 * args.scale)
     return W.prefix_repetition(num_prompts=n, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
                                num_prefixes=args.num_prefixes or 512, output_len=args.output_len, seed=args.seed)

@@ -134,6 +134,27 @@ def zipf_shape(scale: float = 1.0, seed: int = 0, s: float = 1.1) -> Workload:
     return w
 
 
+def hierarchical_shape(scale: float = 1.0, seed: int = 0) -> Workload:
+    """The seed's sizes with two levels of sharing, as in labelling jobs: one 128-token
+    system prompt for every row, then one of 512 group prefixes of 128 tokens (its
+    few-shot examples; rows spread evenly), then a 256-token question of its own."""
+    n = max(1, round(SEED["num_prompts"] * scale))
+    g = max(1, round(SEED["num_prefixes"] * scale))
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, VOCAB, size=128, dtype=np.int64)
+    groups_prefix = rng.integers(0, VOCAB, size=(g, 128), dtype=np.int64)
+    per = np.full(g, n // g)
+    per[: n % g] += 1
+    group = np.repeat(np.arange(g, dtype=np.int32), per)
+    rng.shuffle(group)
+    questions = rng.integers(0, VOCAB, size=(n, 256), dtype=np.int64)
+    ids = np.concatenate([np.broadcast_to(system, (n, 128)), groups_prefix[group], questions], axis=1)
+    name = "hierarchical" if scale == 1 else f"hierarchical-x{scale:g}"
+    meta = {"num_prompts": n, "system_len": 128, "num_groups": g, "group_len": 128, "question_len": 256,
+            "output_len": 128, "seed": seed}
+    return Workload(name, _pack_rows(ids), np.full(n, 128, dtype=np.int32), group, meta)
+
+
 def from_file(path: str | Path, *, model: str | None = None, output_len: int = 128) -> Workload:
     """Prompts from Parquet or JSONL: `prompt_token_ids`, or `prompt` text tokenized
     with `model`'s tokenizer; `output_len` per row if the column exists."""

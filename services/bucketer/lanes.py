@@ -183,13 +183,14 @@ class Lanes:
         """`lane` starts to release: it competes from the virtual time of the lanes that
         already flow (not from when its first prompts arrived: what the others were given
         while it was still landing its input, engines that would have idled otherwise, is
-        no debt of theirs). A new job (nothing released yet) enters `burst` tokens behind
-        them: its first tokens go out first."""
-        flowing = [ln.vtime for ln in self.lanes.values() if ln.flowing and len(ln.buffer)]
+        no debt of theirs). A new job (nothing released yet) enters up to `burst` tokens
+        behind them, at most as far as each of them has released: its first tokens go out
+        first beside running jobs, while jobs that start together start even.)"""
+        flowing = [ln for ln in self.lanes.values() if ln.flowing and len(ln.buffer)]
         if flowing:
-            lane.vtime = max(lane.vtime, min(flowing))
+            lane.vtime = max(lane.vtime, min(ln.vtime for ln in flowing))
             if not lane.released:
-                lane.vtime -= self.burst / lane.weight
+                lane.vtime -= min(self.burst, min(ln.released for ln in flowing)) / lane.weight
         lane.flowing = True
 
     def _emit(self, out: list[tuple[str, Bucket]], lane: Lane, buckets: list[Bucket]) -> int:

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from services.router.block_index import BlockIndex
+from services.router.hot import HotPrefixes, group_of, rendezvous
 from shared.prefix.block_keys import HASH_BLOCK_SIZE
 from shared.process import config as cfgmod
 from shared.wire.messages import CacheOp
@@ -623,7 +624,10 @@ class Daft(Policy):
 class PrefixAware(Policy):
     name = "prefix-aware"
 
-    def __init__(self, slack_tokens: int = 0, split_factor: float = 2.0) -> None:
+    def __init__(self, slack_tokens: int = 0, split_factor: float = 2.0, hot_factor: float = 1.0) -> None:
+        self.hot = HotPrefixes(factor=hot_factor) if hot_factor > 0 else None
+        """Recent work per prefix group: a group past `hot_factor` fair shares is spread
+        over the replicas its work needs (`hot.py`; None: never)."""
         self.slack_tokens = slack_tokens
         """Load slack within which a prefix match beats a lighter replica (0: automatic,
         the replica's fixed cap, else `cap_windows` of its windows, or 64k tokens). NOTE: half a cap proved too little once the
@@ -700,13 +704,37 @@ class PrefixAware(Policy):
         candidates = fleet.open(now)
         if not candidates:
             return None
-        return self.place(fleet, candidates, prompts, tokens, key)
+        return self.place(fleet, candidates, prompts, tokens, key, now)
 
-    def place(self, fleet: Fleet, candidates: list[Replica], prompts: int, tokens: int, key: Sequence[int]) -> Assignments:
+    def spread(self, fleet: Fleet, candidates: list[Replica], tokens: int, key: Sequence[int],
+               now: float) -> list[Replica] | None:
+        """For a hot group (`hot.py`): the candidates of its rendezvous set, as many live
+        replicas as its recent work needs (all candidates if none of the set is one);
+        None for any other bucket."""
+        if self.hot is None or not key:
+            return None
+        group = group_of(key)
+        live = fleet.live(now)
+        k = self.hot.replicas_needed(group, tokens, len(live), now)
+        self.hot.add(group, tokens, now)
+        if k <= 1:
+            return None
+        members = {id(r) for r in rendezvous(group, ((r.name, r) for r in live), k)}
+        return [r for r in candidates if id(r) in members] or candidates
+
+    def place(self, fleet: Fleet, candidates: list[Replica], prompts: int, tokens: int, key: Sequence[int],
+              now: float = 0.0) -> Assignments:
         """(replica, prompts) for one bucket among `candidates`: its best replica, or the
-        best `pieces` of them for a bucket far larger than the work they hold."""
-        parts = self.pieces(candidates, prompts, tokens)
-        ranked = self.ranked(fleet, candidates, key, parts)
+        best `pieces` of them for a bucket far larger than the work they hold. A hot
+        group's bucket goes to the least loaded replicas of its set instead: each of them
+        holds the prefix after its first piece, so load decides, not the match."""
+        hot_set = self.spread(fleet, candidates, tokens, key, now)
+        if hot_set is not None:
+            parts = self.pieces(hot_set, prompts, tokens)
+            ranked = heapq.nsmallest(parts, hot_set, key=by_load)
+        else:
+            parts = self.pieces(candidates, prompts, tokens)
+            ranked = self.ranked(fleet, candidates, key, parts)
         if parts == 1:
             return [(ranked[0], prompts)]
         base, extra = divmod(prompts, parts)
@@ -730,7 +758,7 @@ class PrefixAware(Policy):
         for i, (prompts, tokens, part_key) in enumerate(parts):
             if i:  # the previous part changed loads (and caps, through the average prompt)
                 candidates = fleet.open(now) or fleet.live(now)
-            placed = self.place(fleet, candidates, prompts, tokens, part_key)
+            placed = self.place(fleet, candidates, prompts, tokens, part_key, now)
             if part_key:
                 self.last_matches += [fleet.best_match(r, part_key)[0] for r, _ in placed]
             fleet.assign_all(placed, tokens, part_key)
@@ -750,7 +778,7 @@ def extend_merged(out: Assignments, placed: Assignments) -> None:
 POLICIES = cfgmod.POLICIES
 
 
-def make_policy(name: str, *, slack_tokens: int = 0, split_factor: float = 2.0) -> Policy:
+def make_policy(name: str, *, slack_tokens: int = 0, split_factor: float = 2.0, hot_factor: float = 1.0) -> Policy:
     match name:
         case "round-robin":
             return RoundRobin()
@@ -759,5 +787,5 @@ def make_policy(name: str, *, slack_tokens: int = 0, split_factor: float = 2.0) 
         case "daft":
             return Daft()
         case "prefix-aware":
-            return PrefixAware(slack_tokens, split_factor)
+            return PrefixAware(slack_tokens, split_factor, hot_factor)
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -46,7 +46,8 @@ class Router:
             lead_seconds=cfg.lead_seconds,
             hash_block_size=cfg.hash_block_size,
         )
-        self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor)
+        self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor,
+                                  hot_factor=cfg.hot_factor)
         self.routed = 0
         self.split = 0
         self.answered: collections.OrderedDict[tuple[str, str], m.RouteReply] = collections.OrderedDict()
@@ -143,7 +144,8 @@ class Router:
     def set_policy(self, name: str) -> None:
         """Switch policy at run time (benchmarks compare policies on warm engines);
         the prefix history is forgotten so the new policy starts clean."""
-        self.policy = make_policy(name, slack_tokens=self.cfg.load_slack_tokens, split_factor=self.cfg.split_factor)
+        self.policy = make_policy(name, slack_tokens=self.cfg.load_slack_tokens, split_factor=self.cfg.split_factor,
+                                  hot_factor=self.cfg.hot_factor)
         self.fleet.forget_history()
         for r in self.fleet.replicas.values():
             r.routed_prompts = 0

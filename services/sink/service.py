@@ -231,6 +231,11 @@ class Sink:
         # results per job until they are written (`held`, settled in `flush`).
         if (batch := await decode_or_quarantine(self.js, msg, m.result_batch_decoder, "result batch")) is None:
             return
+        if batch.job != subjects.job_from_subject(msg.subject):
+            # A producer may publish results for any job: the subject (which the grants and
+            # the tenants' boundaries are about) and the body must name the same one.
+            await quarantine(self.js, msg, f"results for job {batch.job!r} on {msg.subject!r}")
+            return
         out = None if batch.job in self.refused else await self.output(batch.job)  # may refuse it
         if batch.job in self.refused:
             # Its out_dir escapes the output root or is another job's: the results are

@@ -175,6 +175,10 @@ class RouterConfig(CommonConfig, kw_only=True):
     split_factor: Annotated[
         float, _d("prefix-aware: split a bucket larger than this many fair shares of the outstanding work", gt=0)
     ] = 2.0
+    hot_factor: Annotated[
+        float, _d("prefix-aware: a prefix group whose recent work exceeds this many replicas' fair shares is "
+                  "spread over as many replicas as its work needs (rendezvous-chosen; 0: never)", ge=0)
+    ] = 1.0
 
 
 class EngineWorkerConfig(ModelConfig, kw_only=True):

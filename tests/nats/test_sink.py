@@ -110,6 +110,43 @@ def test_poison_results_rows_survive_a_sink_crash_before_their_part_is_written(t
     assert json.loads((out / "_summary.json").read_text())["errors"] == 5
 
 
+def test_results_whose_body_names_another_job_than_their_subject_are_dead_lettered(tmp_path, nats_server):
+    """The subject is what grants and tenants are about: a result batch for job b sent on
+    job a's subject writes nothing anywhere (dead-lettered with the reason); both jobs
+    then complete with their own rows only."""
+    out_a, out_b = tmp_path / "a", tmp_path / "b"
+    sink = SinkProcess(nats_server.url, tmp_path / "sink.log")
+
+    async def go() -> tuple[m.JobStatus, m.JobStatus, list]:
+        await sink.ready()
+        async with Submitter(nats_server.url) as client:
+            js = client.js
+            await client.create(m.JobSpec(job="job-a", out_dir=str(out_a), total=2))
+            await client.create(m.JobSpec(job="job-b", out_dir=str(out_b), total=2))
+            forged = [m.Result(i, output="forged", replica="r9") for i in range(2)]
+            await js.publish(subjects.results("job-a"), m.encode(m.ResultBatch("job-b", forged)))
+            deadline = time.monotonic() + 30
+            while (await js.stream_info(subjects.DEAD_STREAM.name)).state.messages < 1:
+                assert time.monotonic() < deadline, "the forged batch was not dead-lettered"
+                await asyncio.sleep(0.1)
+            dead = await js.get_last_msg(subjects.DEAD_STREAM.name, subjects.dead(subjects.results("job-a")))
+            for job in ("job-a", "job-b"):
+                rows = [m.Result(i, output=f"{job}-{i}", replica="r0") for i in range(2)]
+                await js.publish(subjects.results(job), m.encode(m.ResultBatch(job, rows)))
+            a = await client.wait("job-a", 2, progress=False, timeout=60)
+            b = await client.wait("job-b", 2, progress=False, timeout=60)
+            return a, b, [dead.headers]
+
+    try:
+        a, b, headers = asyncio.run(go())
+    finally:
+        sink.kill()
+    assert a.done and b.done and a.rows == b.rows == 2 and a.errors == b.errors == 0
+    for job, out in (("job-a", out_a), ("job-b", out_b)):
+        assert sorted(r["output"] for r in pq.read_table(out).to_pylist()) == [f"{job}-0", f"{job}-1"]
+    assert "results for job 'job-b' on 'pfx.results.job-a'" in json.dumps(headers)
+
+
 def test_run_keeps_input_columns_named_like_generated_ones(tmp_path, tiny_model):
     """`prefixflow run` on a dataset with reference `output`, `error` and `replica` columns
     (and an `input_output` one): every input value comes back intact under its new name;

@@ -268,3 +268,18 @@ def test_a_rejoining_job_gets_no_second_burst():
     for step in range(10):
         work += released_work(lanes.pop(3.0 + step * 0.01, budget=400))
     assert abs(work["b"] - work["big"]) <= 400, work
+
+
+@pytest.mark.parametrize("weights", [(1, 3), (3, 1)])
+def test_jobs_submitted_together_share_by_weight_whatever_the_burst(weights):
+    """The second of two jobs that start together gets no burst beyond what the first
+    has released: the burst is for joining running jobs, not a prize for coming second."""
+    lanes = make_lanes(max_prompts=100_000, burst=100_000)
+    fill(lanes, "a", weights[0], 3000, prefixes=300)
+    work = released_work(lanes.pop(1.0, budget=400))  # a's input landed first: one turn
+    fill(lanes, "b", weights[1], 3000, now=1.0, prefixes=300)
+    for step in range(60):
+        work += released_work(lanes.pop(1.01 + step * 0.01, budget=400))
+    share_b = work["b"] / (work["a"] + work["b"])
+    want = weights[1] / sum(weights)
+    assert abs(share_b - want) <= 0.1 * want, (work, want)
