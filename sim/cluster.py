@@ -184,7 +184,7 @@ class Worker:
         """The worker's admission by KV memory (`admission.KvAdmission`), when simulated."""
         self.tickets: dict[int, Ticket] = {}
         if admission:
-            self.admission = KvAdmission()
+            self.admission = KvAdmission(output_reserve=sim.opts.worker.kv_output_reserve)
             self.admission.resize(engine.cfg.num_blocks, engine.cfg.block_size)
         self.pending: deque[tuple[int, tuple[int, ...]]] = deque()
         """Prompts of held work batches not yet submitted, with their bucket key (with the
@@ -203,11 +203,11 @@ class Worker:
             batch, key = self.queue.popleft()
             self.pending.extend((i, key) for i in batch)
         take: list[int] = []
-        wl, admission, shared, probe = self.sim.wl, self.admission, self.sim.opts.worker.hash_block_size, self.probe
+        wl, admission, probe = self.sim.wl, self.admission, self.probe
         while self.pending and self.inflight + len(take) < (probe.limit if probe is not None else self.window):
             i, key = self.pending[0]
             if admission is not None:
-                ticket = admission.ticket(len(wl.tokens[i]) // 4, int(wl.output_len[i]), key, len(key) * shared)
+                ticket = admission.ticket(wl.tokens[i], int(wl.output_len[i]))
                 if not admission.admits(ticket):
                     break
                 admission.admit(ticket)

@@ -28,6 +28,7 @@ KNOBS = {
     "cap-windows": ("router", "cap_windows", float),
     "lead-seconds": ("router", "lead_seconds", float),
     "kv-admission": ("worker", "kv_admission", lambda v: v.lower() in ("1", "true", "on", "yes")),
+    "kv-output-reserve": ("worker", "kv_output_reserve", float),
     "split-factor": ("router", "split_factor", float),
     "hot-factor": ("router", "hot_factor", float),
     "nodes": ("", "nodes", int),

@@ -9,10 +9,12 @@ while the blocks reserved by the prompts already in it, plus this one's, fit the
 
 - a prompt reserves its prompt blocks and its expected output: `max_tokens` times the
   fraction of `max_tokens` that finished outputs have taken (measured, a moving average
-  starting at 1: the whole budget until outputs show they stop earlier);
-- prompts of one prefix group (one bucket key: the bucket's common prefix) share that
-  prefix's full blocks in vLLM's cache, so the group reserves them once while any of its
-  prompts is in;
+  starting at 1: the whole budget until outputs show they stop earlier), times
+  `output_reserve`;
+- a full prompt block is reserved once however many prompts in the engine hold it: vLLM's
+  prefix cache shares a block between prompts whose tokens up to and including it are
+  the same, and so does this count (a block is named by the hash chain of its tokens and
+  all before it, as vLLM names it), whatever batch or bucket the prompts came in;
 - with nothing in the engine, the next prompt always goes in (one larger than the cache
   runs alone; vLLM then says what it can do).
 
@@ -24,8 +26,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-Group = tuple[int, ...]
-"""A prefix group: the bucket key (block-hash chain of the bucket's common prefix)."""
 RATIO_WEIGHT = 0.05
 """Weight of one finished output in the moving average of output / max_tokens."""
 MIN_RATIO = 0.05
@@ -36,12 +36,23 @@ MIN_RATIO = 0.05
 class Ticket:
     """What one admitted prompt reserved (handed back by `release`)."""
 
-    group: Group
-    shared: int
-    """Full blocks of its group's prefix (reserved once per group)."""
+    blocks: tuple[int, ...]
+    """Its full prompt blocks, each named by the hash chain of its tokens (shared)."""
     own: int
-    """Its blocks beyond the shared prefix: the rest of its prompt and its expected output."""
+    """Its blocks beyond them: its last, partial prompt block and its expected output."""
     max_tokens: int
+
+
+def block_chain(tokens: bytes, block_size: int) -> tuple[int, ...]:
+    """Names of the full blocks of packed tokens (4 bytes each): block i's name hashes
+    the name of block i - 1 and its own tokens, so equal names mean equal prefixes."""
+    width = 4 * block_size
+    out = []
+    h = 0
+    for i in range(len(tokens) // width):
+        h = hash((h, tokens[i * width : (i + 1) * width]))
+        out.append(h)
+    return tuple(out)
 
 
 @dataclass
@@ -55,8 +66,11 @@ class KvAdmission:
     """Blocks reserved by the prompts in the engine."""
     output_ratio: float = 1.0
     """Output tokens over max_tokens of finished prompts (moving average)."""
-    groups: dict[Group, list[int]] = field(default_factory=dict)
-    """Group -> [prompts in the engine, shared blocks reserved for it]."""
+    output_reserve: float = 1.0
+    """Share of its expected output a prompt reserves (`--kv-output-reserve`): the prompts
+    in an engine are at every stage of their outputs, on average half way."""
+    held: dict[int, int] = field(default_factory=dict)
+    """Full prompt block -> prompts in the engine that hold it."""
     admitted: int = 0
     """Prompts in the engine (with a ticket)."""
 
@@ -69,20 +83,19 @@ class KvAdmission:
     def active(self) -> bool:
         return self.enabled and self.blocks > 0 and self.block_size > 0
 
-    def ticket(self, prompt_tokens: int, max_tokens: int, group: Group, shared_tokens: int) -> Ticket:
-        """What a prompt of `prompt_tokens` tokens would reserve: `shared_tokens` of it are its
-        group's common prefix (0 for a mixed batch)."""
+    def ticket(self, tokens: bytes, max_tokens: int) -> Ticket:
+        """What a prompt of packed `tokens` would reserve."""
         bs = self.block_size or 1
-        shared = min(shared_tokens, prompt_tokens) // bs if group else 0
-        expected = math.ceil(max_tokens * max(self.output_ratio, MIN_RATIO))
-        total = math.ceil((prompt_tokens + expected) / bs)
-        return Ticket(group, shared, max(total - shared, 0), max_tokens)
+        chain = block_chain(tokens, bs) if self.active else ()
+        rest = len(tokens) // 4 - len(chain) * bs
+        expected = math.ceil(max_tokens * max(self.output_ratio, MIN_RATIO) * self.output_reserve)
+        return Ticket(chain, math.ceil((rest + expected) / bs), max_tokens)
 
     def need(self, t: Ticket) -> int:
-        """Blocks admitting `t` adds to the reservation (its group's prefix only as far as
-        the group has not reserved it yet)."""
-        live = self.groups.get(t.group) if t.group else None
-        return t.own + max(t.shared - live[1], 0) if live else t.own + t.shared
+        """Blocks admitting `t` adds to the reservation (its prompt blocks only as far as
+        no prompt in the engine holds them already)."""
+        held = self.held
+        return t.own + sum(1 for b in t.blocks if b not in held)
 
     def admits(self, t: Ticket) -> bool:
         return not self.active or self.admitted == 0 or self.reserved + self.need(t) <= self.blocks
@@ -90,22 +103,23 @@ class KvAdmission:
     def admit(self, t: Ticket) -> None:
         self.reserved += self.need(t)
         self.admitted += 1
-        if t.group:
-            live = self.groups.setdefault(t.group, [0, t.shared])
-            live[0] += 1
-            live[1] = max(live[1], t.shared)
+        held = self.held
+        for b in t.blocks:
+            held[b] = held.get(b, 0) + 1
 
     def release(self, t: Ticket, output_tokens: int | None = None) -> None:
         """A prompt left the engine; `output_tokens` it generated (None: it did not finish
         normally, nothing learnt)."""
         self.admitted -= 1
         self.reserved -= t.own
-        if t.group:
-            live = self.groups[t.group]
-            live[0] -= 1
-            if live[0] == 0:
-                self.reserved -= live[1]
-                del self.groups[t.group]
+        held = self.held
+        for b in t.blocks:
+            n = held[b] - 1
+            if n:
+                held[b] = n
+            else:
+                del held[b]
+                self.reserved -= 1
         if output_tokens is not None and t.max_tokens > 0:
             ratio = min(output_tokens / t.max_tokens, 1.0)
             self.output_ratio += RATIO_WEIGHT * (ratio - self.output_ratio)

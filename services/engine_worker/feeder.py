@@ -6,7 +6,7 @@ a probe, then what the engine can run) is kept per prompt, not per message. Ever
 held counts as this replica's load (the router's view), submitted or not.
 
 A prompt goes in only while the engine's KV cache has room for it as well
-(`admission.KvAdmission`: its prompt blocks beyond its group's shared prefix, and its
+(`admission.KvAdmission`: its prompt blocks no prompt in the engine holds yet, and its
 expected output), so vLLM rarely has to preempt.
 
 A suspect batch (`WorkBatch.strikes` set: prompts in flight when an engine died,
@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, NamedTuple
 from services.engine_worker.admission import KvAdmission, Ticket
 from services.engine_worker.requests import prompt_sampling
 from services.engine_worker.window import Window
-from shared.prefix import tokens as tk
-from shared.prefix.block_keys import HASH_BLOCK_SIZE
 from shared.wire import messages as m
 
 if TYPE_CHECKING:  # the ledger's module talks to NATS; this one stays pure
@@ -63,13 +61,11 @@ def max_tokens(held: Held) -> int:
 class Feeder:
     def __init__(
         self, window: Window, submit: Callable[[Held], None], generated: Callable[[], int], *,
-        admission: KvAdmission | None = None, hash_block_size: int = HASH_BLOCK_SIZE,
+        admission: KvAdmission | None = None,
     ) -> None:
         self.window = window
         self.admission = admission or KvAdmission(enabled=False)
         """KV memory the prompts in the engine have reserved (`admission.py`)."""
-        self.hash_block_size = hash_block_size
-        """Tokens per block of a bucket key (its shared prefix is len(key) of them)."""
         self.tickets: dict[int, Ticket] = {}
         """id(prompt) -> what it reserved, for the prompts in the engine."""
         self.submit = submit
@@ -110,9 +106,7 @@ class Feeder:
         return not held.suspect
 
     def ticket(self, held: Held) -> Ticket:
-        key = tuple(held.work.key) if held.work is not None else ()
-        return self.admission.ticket(tk.count(held.prompt.tokens), max_tokens(held), key,
-                                     len(key) * self.hash_block_size)
+        return self.admission.ticket(held.prompt.tokens, max_tokens(held))
 
     def feed(self) -> None:
         """Submit pending prompts while the window and the KV cache have room."""

@@ -204,6 +204,10 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
            "the prompts in it and its own (prompt beyond its group's shared prefix, expected output), so vLLM "
            "rarely preempts (vllm engine)"),
     ] = True
+    kv_output_reserve: Annotated[
+        float, _d("admission by KV memory: the share of its expected output a prompt reserves (running prompts "
+                  "are on average half way through their outputs; 1: the whole)", gt=0, le=1)
+    ] = 1.0
     kv_cache_blocks: Annotated[
         int, _d("cap the KV cache at this many blocks (0: as much as the memory budget allows)", ge=0)
     ] = 0

@@ -22,61 +22,74 @@ def admission(blocks=101, block_size=16) -> KvAdmission:
     return a
 
 
-def test_a_ticket_counts_prompt_and_expected_output_beyond_the_shared_prefix():
-    a = admission()
-    t = a.ticket(100, 60, (7, 8), 64)  # 160 tokens: 10 blocks; the group's 64-token prefix: 4 of them
-    assert (t.shared, t.own) == (4, 6)
-    assert a.ticket(100, 60, (), 64).shared == 0, "a mixed batch shares nothing"
-    assert a.ticket(50, 10, (7,), 128).shared == 3, "never more than the prompt (its full blocks)"
+def prompt(prefix: int, n: int, shared: int = 0, tag: int = 0) -> bytes:
+    """`n` packed tokens: the first `shared` of them from prefix family `prefix`, the rest
+    this prompt's own (`tag`)."""
+    return tk.pack([prefix * 10_000 + i for i in range(shared)] + [tag * 100_000 + 50_000 + i for i in range(n - shared)])
 
 
-def test_a_group_reserves_its_prefix_once():
+def test_a_ticket_names_its_full_prompt_blocks_and_counts_the_rest_and_its_output():
     a = admission()
-    t = a.ticket(100, 60, (7,), 64)
-    a.admit(t)
-    a.admit(t)
-    assert a.reserved == 4 + 6 + 6 and a.admitted == 2
-    a.release(t)
-    assert a.reserved == 4 + 6
-    a.release(t)
-    assert a.reserved == 0 and not a.groups
+    t = a.ticket(prompt(1, 100), 60)  # 100 tokens: 6 full blocks + 4 tokens, + 60 of output
+    assert len(t.blocks) == 6 and t.own == 4, "ceil((4 + 60) / 16)"
+    u = a.ticket(prompt(1, 100, shared=64, tag=2), 60)
+    v = a.ticket(prompt(1, 100, shared=64, tag=3), 60)
+    assert u.blocks[:4] == v.blocks[:4] and set(u.blocks[4:]).isdisjoint(v.blocks[4:]), "equal prefixes, equal names"
+    w = a.ticket(prompt(2, 100, shared=64), 60)
+    assert set(w.blocks).isdisjoint(u.blocks)
+
+
+def test_blocks_shared_by_prompts_in_the_engine_are_reserved_once_whatever_batch_they_came_in():
+    a = admission()
+    u, v = (a.ticket(prompt(1, 100, shared=64, tag=k), 60) for k in (2, 3))
+    a.admit(u)
+    assert a.reserved == 6 + 4
+    assert a.need(v) == 2 + 4, "its 4 shared blocks are held already"
+    a.admit(v)
+    assert a.reserved == 6 + 4 + 2 + 4 and a.admitted == 2
+    a.release(u)
+    assert a.reserved == 6 + 4, "the shared blocks stay while v holds them"
+    a.release(v)
+    assert a.reserved == 0 and not a.held
 
 
 def test_prompts_wait_for_blocks_and_the_first_always_goes_in():
     a = admission(blocks=21)  # 20 usable
-    big = a.ticket(1000, 100, (), 0)  # 69 blocks: more than the cache
+    big = a.ticket(prompt(1, 1000), 100)  # 69 blocks: more than the cache
     assert a.admits(big), "alone in the engine it goes in (vLLM says what it can do)"
     a.admit(big)
-    small = a.ticket(16, 16, (), 0)  # 2 blocks
-    assert not a.admits(small)
+    small = [a.ticket(prompt(2, 16, tag=k), 16) for k in range(12)]  # 1 block + 1 of output each
+    assert not a.admits(small[0])
     a.release(big, output_tokens=100)
-    assert a.admits(small)
-    for _ in range(10):
-        assert a.admits(small)
-        a.admit(small)
-    assert a.reserved == 20 and not a.admits(small), "the cache is full: the 11th waits"
+    for t in small[:10]:
+        assert a.admits(t)
+        a.admit(t)
+    assert a.reserved == 20 and not a.admits(small[10]), "the cache is full: the 11th waits"
 
 
 def test_expected_output_learns_from_finished_prompts():
     a = admission()
-    t = a.ticket(16, 160, (), 0)
-    assert t.own == 11, "the whole budget until outputs show otherwise"
+    t = a.ticket(prompt(1, 16), 160)
+    assert t.own == 10, "the whole budget until outputs show otherwise"
     a.admit(t)
     for _ in range(200):
         a.admit(t)
         a.release(t, output_tokens=16)  # outputs stop at a tenth of max_tokens
     assert a.output_ratio == pytest.approx(0.1, abs=0.01)
-    assert a.ticket(16, 160, (), 0).own == 3  # 16 + 16 tokens
+    assert a.ticket(prompt(1, 16), 160).own in (1, 2), "~16 output tokens: 1 block (2 if the average is a hair over)"
     for _ in range(500):
         a.admit(t)
         a.release(t, output_tokens=0)
-    assert a.output_ratio >= 0 and a.ticket(16, 160, (), 0).own == 2, f"never below {MIN_RATIO} of max_tokens"
+    assert a.output_ratio < MIN_RATIO and a.ticket(prompt(1, 16), 160).own == 1, f"never below {MIN_RATIO} of max_tokens"
+    a.output_reserve = 0.5
+    assert a.ticket(prompt(1, 8), 320).own == 1, "half of its 16 expected tokens, with the 8 of its partial block"
+    assert a.ticket(prompt(1, 8), 640).own == 2, "half of 32, with 8: 24 tokens"
 
 
 def test_no_capacity_known_or_disabled_admits_everything():
     a = KvAdmission()
-    t = Ticket((), 0, 10**6, 1)
-    a.admit(Ticket((), 0, 1, 1))
+    t = Ticket((), 10**6, 1)
+    a.admit(Ticket((), 1, 1))
     assert a.admits(t)
     a = admission(blocks=2)
     a.enabled = False
@@ -84,35 +97,35 @@ def test_no_capacity_known_or_disabled_admits_everything():
     assert a.admits(t)
 
 
-@given(st.lists(st.tuples(st.integers(1, 600), st.integers(0, 300), st.integers(0, 3), st.booleans()), max_size=80),
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 200), st.integers(0, 3), st.integers(0, 160), st.booleans()),
+                max_size=80),
        st.integers(2, 200))
 def test_reservation_property(ops, blocks):
-    """Whatever arrives and leaves: the reservation is what the admitted prompts and their
-    live groups hold, within the cache unless one prompt is alone, and 0 when all left."""
+    """Whatever arrives and leaves: the reservation is the admitted prompts' own blocks
+    plus the distinct full prompt blocks they hold, within the cache unless one prompt is
+    alone, and 0 when all left."""
     a = admission(blocks=blocks)
     inside: list[Ticket] = []
-    prefix: dict = {}  # group -> the longest shared prefix of its members since it went live
-    for prompt, out, group, leave in ops:
+    for n, out, family, shared, leave in ops:
         if leave and inside:
-            gone = inside.pop(0)
-            a.release(gone, output_tokens=out)
-            if gone.group and not any(t.group == gone.group for t in inside):
-                del prefix[gone.group]
+            a.release(inside.pop(0), output_tokens=out)
         else:
-            t = a.ticket(prompt, out, (group,) if group else (), 64)
+            t = a.ticket(prompt(family, n, shared=min(shared, n), tag=len(inside) + n), out)
             before = a.reserved
             if a.admits(t):
                 a.admit(t)
-                if inside:
+                if len(inside):
                     assert a.reserved <= max(a.blocks, before), "admitted within the cache"
                 inside.append(t)
-                if t.group:
-                    prefix[t.group] = max(prefix.get(t.group, 0), t.shared)
-        assert a.reserved == sum(t.own for t in inside) + sum(prefix.values())
+        assert a.reserved == sum(t.own for t in inside) + len({b for t in inside for b in t.blocks})
         assert a.admitted == len(inside)
     while inside:
         a.release(inside.pop())
-    assert a.reserved == 0 and a.admitted == 0 and not a.groups
+    assert a.reserved == 0 and a.admitted == 0 and not a.held
+
+
+def prompt_bytes(pid: int, n: int) -> bytes:
+    return prompt(1, n, shared=64, tag=pid + 1)
 
 
 class _Lease:
@@ -120,24 +133,26 @@ class _Lease:
 
 
 def held(prompt_tokens: int, max_tokens: int, key: list[int], pid: int) -> Held:
+    """A prompt whose first 64 tokens are common to every prompt, the rest its own."""
     sampling = m.SamplingSpec(max_tokens=max_tokens)
     spec = m.JobSpec(job="j", out_dir="o", sampling=sampling)
-    prompt = m.Prompt(job="j", id=pid, tokens=tk.pack(list(range(prompt_tokens))), max_tokens=max_tokens)
+    prompt = m.Prompt(job="j", id=pid, tokens=prompt_bytes(pid, prompt_tokens), max_tokens=max_tokens)
     work = m.WorkBatch("b", [prompt], key)
     return Held(_Lease(), prompt, m.JobLookup(spec=spec), "b", work, 0)
 
 
 def test_feeder_submits_in_order_as_blocks_free():
     """The worker's feeder: a window of 64 prompts, but a cache of 20 blocks of 16 tokens;
-    prompts of one 64-token group (4 shared blocks) reserve 2 blocks each beyond it."""
+    prompts of 96 tokens share their first 64 (4 blocks, held once) and reserve 2 blocks
+    each beyond them (their own 2 full blocks; no partial block, no output past 16 tokens
+    ... 1 more): 4 + n x 3 <= 20."""
     submitted: list[Held] = []
-    feeder = Feeder(Window(64, adaptive=False), submitted.append, lambda: 0, admission=admission(blocks=21),
-                    hash_block_size=32)
-    prompts = [held(80, 16, [1, 2], i) for i in range(12)]  # 96 tokens: 6 blocks, 4 of them shared
+    feeder = Feeder(Window(64, adaptive=False), submitted.append, lambda: 0, admission=admission(blocks=21))
+    prompts = [held(96, 16, [1, 2], i) for i in range(12)]
     feeder.hold(prompts)
-    assert len(submitted) == 8 and feeder.admission.reserved == 4 + 8 * 2, "4 + 8 x 2 = 20 blocks"
+    assert len(submitted) == 5 and feeder.admission.reserved == 4 + 5 * 3, "4 + 5 x 3 = 19 blocks"
     for p in list(submitted[:3]):
         feeder.finished(p.prompt, output_tokens=16)
     feeder.feed()
-    assert [h.prompt.id for h in submitted] == list(range(11)), "in order, as blocks free"
-    assert feeder.inflight == 8 and len(feeder.pending) == 1
+    assert [h.prompt.id for h in submitted] == list(range(8)), "in order, as blocks free"
+    assert feeder.inflight == 5 and len(feeder.pending) == 4
