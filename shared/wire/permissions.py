@@ -87,11 +87,6 @@ def stream_info(streams: Iterable[str]) -> list[str]:
     return [f"{JS_API}.STREAM.INFO.{name}" for name in streams]
 
 
-def provision(streams: Iterable[str]) -> list[str]:
-    """Create, update and look at these streams (idempotent provisioning)."""
-    return [f"{JS_API}.STREAM.{op}.{name}" for name in streams for op in ("INFO", "CREATE", "UPDATE")]
-
-
 def consume(spec: ConsumerSpec, *, filtered: bool = False) -> list[str]:
     """Everything a holder of a durable pull consumer does with it. `filtered`: it may
     create one only through the API subject that names its filter (`spec.filter_subject`,
