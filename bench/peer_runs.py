@@ -5,6 +5,8 @@ Methods (`--methods`, all by default):
 
     prefixflow              `prefixflow run` with its defaults (prefix-aware routing), R replicas
     prefixflow-round-robin  the same with `--policy round-robin`: what routing alone is worth
+    prefixflow-no-admission the same without admission by KV memory (`PFX_KV_ADMISSION=false`):
+                            vLLM admits greedily and preempts (the `preempted` column)
     daft-native             Daft's `vllm-prefix-caching` provider on Daft's native runner (one engine, all cores)
     daft-ray                the same provider on Ray, R engine actors pinned one per core set
     vllm-dataset            vLLM offline `LLM.generate`, one engine on all cores, prompts in dataset order
@@ -36,6 +38,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
 import re
 import shutil
 import statistics
@@ -57,7 +60,9 @@ PEERS_DIR = REPO / "bench" / "peers"
 RESULT_MARKER = "PEER_RESULT "
 """The peers' result line prefix (bench/peers/common.py RESULT_MARKER; a unit test keeps the two equal)."""
 
-PREFIXFLOW_METHODS = {"prefixflow": [], "prefixflow-round-robin": ["--policy", "round-robin"]}
+PREFIXFLOW_METHODS = {"prefixflow": [], "prefixflow-round-robin": ["--policy", "round-robin"], "prefixflow-no-admission": []}
+PREFIXFLOW_ENV = {"prefixflow-no-admission": {"PFX_KV_ADMISSION": "false"}}
+"""Environment of a prefixflow method's `run` (the services read their settings from it)."""
 PEER_METHODS = {
     "daft-native": ("daft_provider.py", ["--runner", "native"]),
     "daft-ray": ("daft_provider.py", ["--runner", "ray"]),
@@ -66,7 +71,7 @@ PEER_METHODS = {
 }
 METHODS = (*PREFIXFLOW_METHODS, *PEER_METHODS)
 METRICS = ("run_seconds", "wall_seconds", "startup_seconds", "hit_rate", "rows", "errors", "prompt_tokens",
-           "cached_tokens", "output_tokens")
+           "cached_tokens", "output_tokens", "preemptions")
 
 
 @dataclass
@@ -86,6 +91,8 @@ class Run:
     wall_seconds: float
     """The whole subprocess, start-up and shutdown included."""
     startup_seconds: float | None = None
+    preemptions: int | None = None
+    """Requests vLLM preempted, from its own counters (prefixflow: the engines' line; None: not reported)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,6 +140,18 @@ def parse_peer_output(stdout: str) -> dict[str, Any]:
 
 STARTUP_LINE = re.compile(r"(\d+) replicas ready in ([0-9.]+) s(?: \(the job was submitted at ([0-9.]+) s\))?")
 REPLICA_READY_LINE = re.compile(r"^\S+ ready in ([0-9.]+) s: it takes work now$", re.MULTILINE)
+ENGINE_PART = re.compile(r"(\S+) (\d+) preempted(?:, an output token costs ([0-9.]+) prompt tokens)?")
+
+
+def parse_engines(stdout: str) -> tuple[int | None, dict[str, float]]:
+    """The `engines:` line `prefixflow run` prints at the end of a job (client/progress.py
+    `engines_note`): the requests vLLM preempted over all replicas, and what an output
+    token cost each engine in prompt tokens. (None, {}) without that line."""
+    line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith("engines: ")), None)
+    if line is None:
+        return None, {}
+    parts = ENGINE_PART.findall(line[len("engines: "):])
+    return sum(int(n) for _, n, _ in parts), {name: float(c) for name, _, c in parts if c}
 
 
 def parse_prefixflow(summary: dict[str, Any], stdout: str) -> dict[str, Any]:
@@ -149,7 +168,11 @@ def parse_prefixflow(summary: dict[str, Any], stdout: str) -> dict[str, Any]:
         first = min((float(t) for t in REPLICA_READY_LINE.findall(stdout)), default=None)
         if overlap and first is not None:
             extra["run_seconds_from_first_engine"] = round(summary["wall_seconds"] - max(0.0, first - submitted), 3)
+    preemptions, decode_costs = parse_engines(stdout)
+    if decode_costs:
+        extra["decode_cost"] = decode_costs
     return dict(
+        preemptions=preemptions,
         rows=summary["rows"],
         errors=summary["errors"],
         prompt_tokens=summary["prompt_tokens"],
@@ -300,10 +323,12 @@ def sampling_flags(args: argparse.Namespace, lengths: tuple[int, int] | None) ->
     return flags
 
 
-def run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[str, float]:
-    """Run `cmd`, its stdout and stderr into `log`; (stdout, wall seconds). Raises on failure."""
+def run_logged(cmd: list[str], log: Path, timeout: float, env: dict[str, str] | None = None) -> tuple[str, float]:
+    """Run `cmd` (with `env` added to this environment), its stdout and stderr into `log`;
+    (stdout, wall seconds). Raises on failure."""
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False,
+                          env={**os.environ, **env} if env else None)
     wall = time.monotonic() - t0
     log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
     if proc.returncode != 0:
@@ -322,7 +347,8 @@ def run_prefixflow(method: str, round_: int, args: argparse.Namespace, work: Pat
     if args.kv_cache_blocks:
         cmd += ["--kv-cache-blocks", str(args.kv_cache_blocks)]
     with machine_lock(args.lock):
-        stdout, wall = run_logged(cmd, work / "logs" / f"{method}-{round_}.log", args.timeout)
+        stdout, wall = run_logged(cmd, work / "logs" / f"{method}-{round_}.log", args.timeout,
+                                  env=PREFIXFLOW_ENV.get(method))
     summary = json.loads((out / "_summary.json").read_text())
     return Run(method=method, round=round_, wall_seconds=round(wall, 3), **parse_prefixflow(summary, stdout))
 
@@ -390,13 +416,13 @@ def print_table(report: dict[str, Any]) -> None:
     rounds = report["config"]["rounds"]
     table = Table(title=f"{report['dataset']['rows']} rows, medians of {rounds} interleaved round(s); "
                         "ratios against the best peer (lower is better)")
-    for name in ("method", "run s", "vs best", "wall s", "vs best", "hit rate", "rows", "errors", "out tokens"):
+    for name in ("method", "run s", "vs best", "wall s", "vs best", "hit rate", "rows", "errors", "out tokens", "preempted"):
         table.add_column(name, justify="left" if name == "method" else "right", no_wrap=True)
     for r in report["methods"]:
         table.add_row(
             r["method"], _fmt(r["run_seconds"], ".2f"), _fmt(r["run_seconds_vs_best_peer"], ".2f"),
             _fmt(r["wall_seconds"], ".2f"), _fmt(r["wall_seconds_vs_best_peer"], ".2f"), _fmt(r["hit_rate"], ".1%"),
-            _fmt(r["rows"], "d"), _fmt(r["errors"], "d"), _fmt(r["output_tokens"], "d"),
+            _fmt(r["rows"], "d"), _fmt(r["errors"], "d"), _fmt(r["output_tokens"], "d"), _fmt(r.get("preemptions"), ".0f"),
         )
     console.print(table)
     if report["ideal_hit_rate"] is not None:

@@ -45,6 +45,19 @@ class FleetProgress:
         return max(g1 - g0, 0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+def engines_note(fleet: FleetProgress) -> str:
+    """The engines' line at the end of a job: per replica, the requests vLLM preempted
+    (its KV cache ran out; each is recomputed) and what an output token cost its engine
+    in uncached prompt tokens (`services/engine_worker/cost_fit.py`); empty when no
+    replica reported (a tenant's client, or engines without steps)."""
+    parts = []
+    for name, s in sorted(fleet.latest.items()):
+        if s.decode_cost or s.preemptions:
+            cost = f", an output token costs {s.decode_cost:.2f} prompt tokens" if s.decode_cost else ""
+            parts.append(f"{name} {s.preemptions} preempted{cost}")
+    return "engines: " + "; ".join(parts) if parts else ""
+
+
 def progress_note(st: m.JobStatus | None, fleet: FleetProgress | None = None, job: str = "") -> str:
     """The progress bar's tail: prompts under way and the fleet's tokens/s (before and
     between written rows), then the sink's rate, hit rate so far, ETA and errors."""

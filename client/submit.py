@@ -33,7 +33,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from tqdm import tqdm
 
 from client import columns
-from client.progress import FleetProgress, progress_note
+from client.progress import FleetProgress, engines_note, progress_note
 from shared.bus.jobs import seal
 from client.window import IN_FLIGHT_ROWS, Window
 from shared.bus.blobs import put_blob
@@ -275,7 +275,7 @@ class Submitter:
                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        fleet = FleetProgress()
+        fleet = self.fleet = FleetProgress()
         self.first_progress: float | None = None
         """When the line first showed work under way (`prefixflow bench batching` reads it)."""
 
@@ -426,6 +426,8 @@ async def submit(
             await seal(client.js, spec, len(seen))  # not if cancelled meanwhile: `wait` then says so
         # Ended: the sink completes the job as cancelled (or expired) once its rows land.
         status = await client.wait(job, len(seen), progress=progress, timeout=timeout, check=check)
+        if note := engines_note(client.fleet):
+            print(note, flush=True)
     if batch is not None:
         ok, errors = openai_batch.write_outputs(batch, out_dir, model)
         where = openai_batch.batch_dir(out_dir)

@@ -45,10 +45,12 @@ import numpy as np
 
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
 from services.engine_worker.admission import KvAdmission, Ticket
+from services.engine_worker.cost_fit import CostFit
 from services.engine_worker.grouping import GroupPriorities
 from services.engine_worker.window import initial_window, next_window
 from services.router.policies import Fleet, make_policy
 from shared.prefix import sharding
+from shared.wire.messages import cost_shares
 from shared.prefix.block_keys import first_block_key
 from shared.process.config import (
     BucketerConfig,
@@ -169,6 +171,8 @@ class Worker:
         self.max_running = 0
         self.groups = GroupPriorities(block_size=cfg.hash_block_size, max_age=4 * cfg.window) if prefix_groups else None
         self.busy = False
+        self.cost_fit = CostFit()
+        """What its engine's prompt and output tokens cost, measured from its steps."""
         self.last_status = -1.0
         self.status_pending = False
         self.on_batch_done: Callable[[Worker], None] | None = None
@@ -232,7 +236,7 @@ class Worker:
             out = int(wl.output_len[i])
             self.engine.add(Req(i, hashes[i], len(tokens) // 4, out, prio, now))
             self.inflight += 1
-            self.inflight_tokens += len(tokens) // 4 + out
+            self.inflight_tokens += int(sim.cost[i]) or len(tokens) // 4 + out
         if not self.busy and not self.engine.idle():
             self.busy = True
             sim.at(now, self.step)
@@ -242,13 +246,16 @@ class Worker:
         self.sim.at(now + dur, self.step_done, dur)
 
     def step_done(self, now: float, dur: float) -> None:
+        st = self.engine.stats
+        before = st.prefill_tokens, st.decode_tokens
         finished = self.engine.complete(dur)
+        self.cost_fit.add(dur, st.prefill_tokens - before[0], st.decode_tokens - before[1])
         if finished:
             sim = self.sim
             wl = sim.wl
             for req in finished:
                 i = req.rid
-                work = req.prompt_len + int(wl.output_len[i])
+                work = int(sim.cost[i]) or req.prompt_len + int(wl.output_len[i])  # `Prompt.load`
                 self.inflight -= 1
                 self.inflight_tokens -= work
                 self.done_tokens += work
@@ -294,7 +301,8 @@ class Worker:
                 self.window, self.window_cfg, eng.cfg.num_blocks, len(eng.running), self.max_running
             )
         status = {"ready": True, "outstanding": self.inflight_tokens, "done_tokens": self.done_tokens,
-                  "kv_blocks": eng.cfg.num_blocks, "window": self.window, "engine_block_size": eng.cfg.block_size}
+                  "kv_blocks": eng.cfg.num_blocks, "window": self.window, "engine_block_size": eng.cfg.block_size,
+                  "decode_cost": self.cost_fit.ratio}
         self.sim.at(now + self.sim.profile.hop_s, self.sim.router.on_status, self.name, status)
         self.pull(now)
 
@@ -348,7 +356,7 @@ class RouterSim:
     def room(self, now: float) -> float:
         return self.fleet.room(now) if self.policy.eager else 0.0
 
-    def decide(self, now: float, prompts: int, tokens: int, key: list[int], parts: list[tuple[int, int, list[int]]]):
+    def decide(self, now: float, prompts: int, tokens: int, key: list[int], parts: list[tuple], output: int = -1):
         if self.version == self.failed_version:
             # Every policy answers None only when no replica is open, and changes nothing
             # then; nothing happened since the last such answer (replicas only close with
@@ -357,8 +365,8 @@ class RouterSim:
         if parts:
             chosen = self.policy.route_parts(self.fleet, now, parts, key)
         else:
-            chosen = self.policy.route(self.fleet, now, prompts, tokens, key)
-        out = None if chosen is None else [(r.name, n) for r, n in chosen]
+            chosen = self.policy.route(self.fleet, now, prompts, tokens, key, output)
+        out = None if chosen is None else [(r.name, n, c) for (r, n), c in zip(chosen, self.policy.last_costs, strict=True)]
         if out is None:
             self.failed_version = self.version
             # Capped: retry once the next status may have freed room; none live: 1 s.
@@ -366,7 +374,8 @@ class RouterSim:
         else:
             self.version += 1
         if self.trace is not None:
-            self.trace.append(("route", now, prompts, tokens, list(key), [(p, t, list(k)) for p, t, k in parts], out))
+            self.trace.append(("route", now, prompts, tokens, list(key), [(p, t, list(k), o) for p, t, k, o in parts],
+                               output, out))
         if out is not None:
             self.decisions += 1
             self.splits += len(out) > 1
@@ -488,20 +497,23 @@ class BucketerSim:
         for b in chunk:
             self.sim.at(now + hop, self.route, b)
 
-    def route_request(self, bucket: Bucket) -> tuple[int, int, list[int], list[tuple[int, int, list[int]]]]:
-        """As `Bucketer.route_request`: (prompts, work tokens, key, parts)."""
+    def route_request(self, bucket: Bucket) -> tuple[int, int, list[int], list[tuple[int, int, list[int], int]], int]:
+        """As `Bucketer.route_request`: (prompts, work tokens, key, parts, output budget)."""
         parts = []
         start = 0
+        out_len = self.sim.wl.output_len
         for n, key in bucket.parts:
-            parts.append((n, sum(it.weight for it in bucket.items[start : start + n]), key))
+            items = bucket.items[start : start + n]
+            parts.append((n, sum(it.weight for it in items), key, int(sum(out_len[it.payload] for it in items))))
             start += n
-        return len(bucket.items), sum(it.weight for it in bucket.items), bucket.key, parts
+        output = int(sum(out_len[it.payload] for it in bucket.items))
+        return len(bucket.items), sum(it.weight for it in bucket.items), bucket.key, parts, output
 
     def route(self, now: float, bucket: Bucket, request=None) -> None:
         if request is None:  # built once per send, as the service encodes it once
             request = self.route_request(bucket)
-        prompts, tokens, key, parts = request
-        got = self.sim.router.decide(now, prompts, tokens, key, parts)
+        prompts, tokens, key, parts, output = request
+        got = self.sim.router.decide(now, prompts, tokens, key, parts, output)
         hop = self.sim.profile.hop_s
         if got is None:
             delay = self.sim.router.retry_after
@@ -517,9 +529,10 @@ class BucketerSim:
             return
         start = 0
         max_batch = self.sim.opts.bucketer.max_batch
-        for name, n in got:
+        for name, n, cost in got:
             items = bucket.items[start : start + n]
             start += n
+            charge(self.sim.cost, items, cost)
             w = self.sim.workers_by_name[name]
             for k in range(0, len(items), max_batch):
                 self.sim.at(now + 2 * hop, w.receive, [it.payload for it in items[k : k + max_batch]], tuple(bucket.key))
@@ -529,6 +542,13 @@ class BucketerSim:
         self.sends_left -= 1
         if self.sends_left == 0:
             self.next_chunk(now)
+
+
+def charge(costs: np.ndarray, items: list[Item], cost: int) -> None:
+    """As `messages.charge_prompts`: the assignment's cost shared out over its prompts."""
+    if cost > 0:
+        for it, share in zip(items, cost_shares(cost, [it.weight for it in items]), strict=True):
+            costs[it.payload] = share
 
 
 class Sim:
@@ -549,6 +569,8 @@ class Sim:
         """When each prompt entered its engine (the output's `started_at`)."""
         self.replica_of = np.full(self.n, -1, dtype=np.int32)
         self.cached = np.zeros(self.n, dtype=np.int64)
+        self.cost = np.zeros(self.n, dtype=np.int64)
+        """What the router charged for each prompt (`Prompt.cost`; 0: not routed by it)."""
         self.hashes = wl.engine_hashes(profile.block_size)
         self.router: RouterSim | None = None
         self.bucketers: list[BucketerSim] = []

@@ -321,10 +321,12 @@ class Bucketer:
         parts = []
         start = 0
         for n, key in bucket.parts:
-            part_tokens = sum(it.payload.work_tokens for it in bucket.items[start : start + n])
-            parts.append(m.RoutePart(n, part_tokens, key))
+            items = bucket.items[start : start + n]
+            part_tokens = sum(it.payload.work_tokens for it in items)
+            parts.append(m.RoutePart(n, part_tokens, key, sum(it.payload.max_tokens for it in items)))
             start += n
-        return m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key, parts, bucket_id)
+        output = sum(it.payload.max_tokens for it in bucket.items)
+        return m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key, parts, bucket_id, output)
 
     async def route(self, bucket: Bucket, tokens: int, bucket_id: str, stop_retrying: bool) -> list[m.Assignment]:
         req = m.encode(self.route_request(bucket, tokens, bucket_id))
@@ -364,6 +366,7 @@ class Bucketer:
         for a in assignments:
             items = bucket.items[start : start + a.prompts]
             start += a.prompts
+            m.charge_prompts([it.payload for it in items], a.cost)  # the replica reports it done in this unit
             # Cut by encoded size under the server's max_payload (asked of the connection).
             limit = message_limit(self.js, subjects.WORK_STREAM.max_msg_size)
             for batch in m.encode_batches([it.payload for it in items], wrap, limit, self.cfg.max_batch):

@@ -79,7 +79,7 @@ class Feeder:
         self.alone: object | None = None
         """The lease of the suspect batch running alone in the engine (None: none)."""
         self.held_tokens = 0
-        """Work tokens of everything held (submitted or pending): the replica's load."""
+        """Load (`Prompt.load`) of everything held (submitted or pending): the replica's."""
         self.jobs: Counter[str] = Counter()
         """Prompts held per job (the status shows them: progress before any row is done)."""
         self.open = True
@@ -91,7 +91,7 @@ class Feeder:
 
     def hold(self, prompts: list[Held]) -> None:
         for held in prompts:
-            self.held_tokens += held.prompt.work_tokens
+            self.held_tokens += held.prompt.load
             self.jobs[held.prompt.job] += 1
             self.pending.append(held)
         self.feed()
@@ -137,7 +137,7 @@ class Feeder:
             self.window.completed(time.monotonic())
             if self.inflight == 0:
                 self.alone = None
-        self.held_tokens -= prompt.work_tokens
+        self.held_tokens -= prompt.load
         self.jobs[prompt.job] -= 1
         if self.jobs[prompt.job] <= 0:
             del self.jobs[prompt.job]

@@ -339,7 +339,7 @@ class EngineWorker:
                 if p.job not in ended]
         if len(held) < len(work.prompts):  # a cancelled job's prompts are not started: no rows
             # Counted as done work: the router's view of this replica's load stays true.
-            self.done_work_tokens += sum(p.work_tokens for p in work.prompts if p.job in ended)
+            self.done_work_tokens += sum(p.load for p in work.prompts if p.job in ended)
             await self.ledger.done(lease, len(work.prompts) - len(held))
             if not held:
                 return
@@ -497,7 +497,7 @@ class EngineWorker:
             self.done_prompt_tokens += c.prompt_tokens
             self.output_tokens += c.output_tokens
         self.completed += 1
-        self.done_work_tokens += prompt.work_tokens
+        self.done_work_tokens += prompt.load
         await self.outbox.add(prompt.job, result, lease)
 
     def status(self) -> m.EngineStatus:
@@ -519,6 +519,8 @@ class EngineWorker:
             generated_tokens=s.generated,
             jobs=dict(self.feeder.jobs),
             cache_epoch=self.cache_epoch,
+            decode_cost=s.decode_cost,
+            preemptions=s.preemptions,
             cached_tokens=self.cached_tokens,
             completed=self.completed,
             output_tokens=self.output_tokens,

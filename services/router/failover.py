@@ -36,9 +36,9 @@ from shared.wire import subjects
 
 log = structlog.get_logger()
 
-Place = Callable[[int, int, Sequence[int]], Assignments | None]
-"""(prompts, work tokens, prefix key) -> assignments recorded in the fleet, or None when
-no live replica has room."""
+Place = Callable[[int, int, Sequence[int], int], tuple[Assignments, list[int]] | None]
+"""(prompts, work tokens, prefix key, output budget) -> (assignments recorded in the fleet,
+what each was charged), or None when no live replica has room."""
 
 RESCUE_BATCH = 8
 """Work messages pulled from a dead replica's consumer at once."""
@@ -122,13 +122,15 @@ class Failover:
         # deliveries travel in its headers, and the replica that gets it isolates its
         # prompts (services/engine_worker/isolate.py), so only a prompt that kills an
         # engine by itself becomes an error row.
-        chosen = self.place(len(work.prompts), sum(p.work_tokens for p in work.prompts), work.key)
-        if not chosen:
+        placed = self.place(len(work.prompts), sum(p.work_tokens for p in work.prompts), work.key,
+                            sum(p.max_tokens for p in work.prompts))
+        if not placed:
             return False
         headers = moved_headers(msg)
         start = 0
-        for replica, n in chosen:
+        for (replica, n), cost in zip(*placed, strict=True):
             strikes = work.strikes[start : start + n] if work.strikes else []
+            m.charge_prompts(work.prompts[start : start + n], cost)  # what its new replica was charged
             part = m.WorkBatch(work.bucket, work.prompts[start : start + n], work.key, strikes=strikes)
             start += n
             await publish(self.js, subjects.work(replica.name), m.encode(part), headers=headers)

@@ -152,6 +152,9 @@ class Replica:
     busy_seconds: float = 0.0
     busy_done: int = 0
     """Busy time and completed work tokens before the first `rate` (`RATE_WARMUP`)."""
+    decode_cost: float = 0.0
+    """What an output token costs its engine in uncached prompt tokens, as it measured and
+    reported it (0: not yet; the fleet's then stands in)."""
 
 
 class _Prefix:
@@ -293,6 +296,9 @@ class Fleet:
         meanwhile, before the work still counted on it is written off as lost."""
         self.written_off = 0
         """Work tokens written off so far (see `write_off`)."""
+        self.decode_cost = 1.0
+        """An output token's cost in uncached prompt tokens across the fleet: the average of
+        what the replicas report (1 until one does)."""
 
     def observe(
         self,
@@ -307,12 +313,14 @@ class Fleet:
         engine_block_size: int = 0,
         cache_epoch: str = "",
         ts: float | None = None,
+        decode_cost: float = 0.0,
     ) -> None:
         """Apply a status message: completed work leaves the outstanding count, which is
         never below what the replica itself reports in flight. `kv_blocks` counts engine
         blocks of `engine_block_size` tokens (0: not reported, taken as hash blocks). `ts`:
         when the replica wrote the status, by its clock (its rate is measured on that clock,
-        not on when statuses arrive; default `now`). A new
+        not on when statuses arrive; default `now`). `decode_cost`: what an output token
+        costs its engine in uncached prompt tokens, as it measured it (0: not yet). A new
         `cache_epoch` (its engine's cache started empty) forgets its history: its
         prefixes are no longer there."""
         r = self.replicas.get(name)
@@ -337,6 +345,10 @@ class Fleet:
         if ready:
             r.last_ready = now
         r.engine_block_size = engine_block_size
+        if decode_cost > 0:
+            r.decode_cost = decode_cost
+            measured = [x.decode_cost for x in self.replicas.values() if x.decode_cost]
+            self.decode_cost = sum(measured) / len(measured)
         if kv_blocks:
             kv_tokens = kv_blocks * (engine_block_size or self.hash_block_size)
             r.history_budget = kv_tokens // self.hash_block_size
@@ -448,15 +460,46 @@ class Fleet:
                 self.index.remove(r, old)
                 r.history_blocks -= len(old)
 
-    def assign_all(self, placed: Sequence[tuple[Replica, int]], tokens: int, key: Sequence[int]) -> None:
-        """`assign` a bucket's pieces: its tokens in proportion to their prompts, the last
-        piece taking the remainder."""
-        prompts = sum(n for _, n in placed)
-        given = 0
-        for i, (r, n) in enumerate(placed):
-            share = tokens - given if i == len(placed) - 1 else tokens * n // max(prompts, 1)
-            given += share
-            self.assign(r, n, share, key)
+    def assign_all(self, placed: Sequence[tuple[Replica, int]], costs: Sequence[int], key: Sequence[int]) -> None:
+        """`assign` a bucket's pieces, each with its cost."""
+        for (r, n), cost in zip(placed, costs, strict=True):
+            self.assign(r, n, cost, key)
+
+    def estimate(self, prompts: int, tokens: int, output: int, key: Sequence[int]) -> int:
+        """The engine cost of a bucket wherever it goes (nothing of it cached yet): see
+        `charge`. `output` < 0 (not told): its `tokens`."""
+        if output < 0:
+            return tokens
+        return self._cost(prompts, prompts, tokens, output, key, 0, self.decode_cost)
+
+    def charge(self, r: Replica, n: int, prompts: int, tokens: int, output: int, key: Sequence[int]) -> int:
+        """What `n` of a bucket's `prompts` prompts (`tokens` work tokens of which `output`
+        output budget, common prefix `key`) cost replica r, in uncached prompt tokens:
+        cached prompt tokens are free (the part of the prefix r holds, and for all but the
+        first of the n the whole common prefix: the first computes it), each output token
+        costs r's measured `decode_cost`. Ask before `assign`: it counts what r held
+        before. `output` < 0 (not told): the n prompts' share of `tokens`."""
+        if output < 0:
+            return tokens * n // max(prompts, 1)
+        held = self.best_match(r, key)[0] * self.hash_block_size if key else 0
+        return self._cost(n, prompts, tokens, output, key, held, r.decode_cost or self.decode_cost)
+
+    def _cost(self, n: int, prompts: int, tokens: int, output: int, key: Sequence[int], held: int,
+              decode_cost: float) -> int:
+        prompt_tokens = (tokens - output) * n / prompts
+        per_prompt = (tokens - output) / prompts
+        shared = max(0.0, min(len(key) * self.hash_block_size, per_prompt - 1))  # the last token is always computed
+        uncached = max(prompt_tokens - (n - 1) * shared - min(held, shared), n)
+        return round(uncached + decode_cost * output * n / prompts)
+
+    def charges(self, placed: Sequence[tuple[Replica, int]], prompts: int, tokens: int, output: int,
+                key: Sequence[int]) -> list[int]:
+        """`charge` for each piece of a bucket (the shares of `tokens` add up to it when
+        `output` is not told)."""
+        costs = [self.charge(r, n, prompts, tokens, output, key) for r, n in placed]
+        if output < 0 and costs:
+            costs[-1] += tokens - sum(costs)
+        return costs
 
     def best_match(self, r: Replica, key: Sequence[int]) -> Match:
         """(matched hash blocks, routing clock) of r's best history entry for `key`:
@@ -523,6 +566,12 @@ class Fleet:
 
 
 Assignments = list[tuple[Replica, int]]
+Part = tuple  # (prompts, tokens, key) or (prompts, tokens, key, output)
+
+
+def part_output(part: Part) -> int:
+    """A route part's output budget (-1: not told)."""
+    return part[3] if len(part) > 3 else -1
 
 
 class Policy:
@@ -533,28 +582,37 @@ class Policy:
     last_matches: list[int] = []
     """Of the last decision (for metrics): for each prefix-keyed bucket or part routed,
     the hash blocks of its key the chosen replica's history held before it."""
+    last_costs: list[int] = []
+    """Of the last decision: what each returned assignment was charged (`Fleet.charge`)."""
 
-    def route(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int]) -> Assignments | None:
-        """Pick replicas for a bucket and record the assignment in `fleet`."""
+    def route(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int],
+              output: int = -1) -> Assignments | None:
+        """Pick replicas for a bucket and record the assignment in `fleet`: its load is its
+        engine cost (`Fleet.estimate` to choose, `Fleet.charge` on the replicas chosen)
+        once `output`, the output budget among its `tokens`, is told."""
         self.last_matches = []
-        chosen = self.choose(fleet, now, prompts, tokens, key)
+        self.last_costs = []
+        chosen = self.choose(fleet, now, prompts, fleet.estimate(prompts, tokens, output, key), key)
         if not chosen:
             return None
         if key:
             self.last_matches = [fleet.best_match(r, key)[0] for r, _ in chosen]
-        fleet.assign_all(chosen, tokens, key)
+        self.last_costs = fleet.charges(chosen, prompts, tokens, output, key)
+        fleet.assign_all(chosen, self.last_costs, key)
         return chosen
 
     def choose(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int]) -> Assignments | None:
         raise NotImplementedError
 
     def route_parts(
-        self, fleet: Fleet, now: float, parts: Sequence[tuple[int, int, Sequence[int]]], key: Sequence[int] = ()
+        self, fleet: Fleet, now: float, parts: Sequence[Part], key: Sequence[int] = ()
     ) -> Assignments | None:
-        """Route a batch given its parts as (prompts, tokens, key): a pooled batch (no
-        `key`), or a keyed bucket whose prompts share longer prefixes in groups. Baselines
-        and the reference route it as one batch with the bucket's key."""
-        return self.route(fleet, now, sum(p[0] for p in parts), sum(p[1] for p in parts), list(key))
+        """Route a batch given its parts as (prompts, tokens, key[, output]): a pooled
+        batch (no `key`), or a keyed bucket whose prompts share longer prefixes in groups.
+        Baselines and the reference route it as one batch with the bucket's key."""
+        outputs = [part_output(p) for p in parts]
+        output = -1 if any(o < 0 for o in outputs) else sum(outputs)
+        return self.route(fleet, now, sum(p[0] for p in parts), sum(p[1] for p in parts), list(key), output)
 
 
 class RoundRobin(Policy):
@@ -751,28 +809,36 @@ class PrefixAware(Policy):
         not scatter its prefixes). Each part is one decision (it sees the load and history
         the previous parts left)."""
         self.last_matches = []
+        self.last_costs = []
         candidates = fleet.open(now)
         if not candidates:
             return None
         out: Assignments = []
-        for i, (prompts, tokens, part_key) in enumerate(parts):
+        for i, part in enumerate(parts):
+            prompts, tokens, part_key = part[:3]
+            output = part_output(part)
             if i:  # the previous part changed loads (and caps, through the average prompt)
                 candidates = fleet.open(now) or fleet.live(now)
-            placed = self.place(fleet, candidates, prompts, tokens, part_key, now)
+            placed = self.place(fleet, candidates, prompts, fleet.estimate(prompts, tokens, output, part_key),
+                                part_key, now)
             if part_key:
                 self.last_matches += [fleet.best_match(r, part_key)[0] for r, _ in placed]
-            fleet.assign_all(placed, tokens, part_key)
-            extend_merged(out, placed)
+            costs = fleet.charges(placed, prompts, tokens, output, part_key)
+            fleet.assign_all(placed, costs, part_key)
+            extend_merged(out, placed, self.last_costs, costs)
         return out
 
 
-def extend_merged(out: Assignments, placed: Assignments) -> None:
-    """Append assignments to `out`, merging one for the replica `out` ends with."""
-    for r, n in placed:
+def extend_merged(out: Assignments, placed: Assignments, out_costs: list[int], costs: Sequence[int]) -> None:
+    """Append assignments to `out` (and their costs to `out_costs`), merging one for the
+    replica `out` ends with."""
+    for (r, n), cost in zip(placed, costs, strict=True):
         if out and out[-1][0] is r:
             out[-1] = (r, out[-1][1] + n)
+            out_costs[-1] += cost
         else:
             out.append((r, n))
+            out_costs.append(cost)
 
 
 POLICIES = cfgmod.POLICIES

@@ -71,6 +71,7 @@ class Router:
             window=status.window,
             cache_epoch=status.cache_epoch,
             ts=status.ts,
+            decode_cost=status.decode_cost,
         )
         r = self.fleet.replicas[status.replica]
         if self.fleet.written_off > written_off:
@@ -98,9 +99,10 @@ class Router:
     def route(self, req: m.RouteRequest) -> m.RouteReply:
         now = time.monotonic()
         if req.parts:
-            chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key) for p in req.parts], req.key)
+            chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key, p.output) for p in req.parts],
+                                             req.key)
         else:
-            chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key)
+            chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key, req.output)
         if chosen is None:
             # Capped: retry once the next status may have freed room (~50 ms); none live: 1 s.
             metrics.ROUTER_DECISIONS.labels(self.policy.name, "retry_after").inc()
@@ -118,7 +120,8 @@ class Router:
                 to=[(r.name, n) for r, n in chosen],
                 outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
             )
-        return m.RouteReply([m.Assignment(r.name, n) for r, n in chosen])
+        costs = self.policy.last_costs
+        return m.RouteReply([m.Assignment(r.name, n, cost) for (r, n), cost in zip(chosen, costs, strict=True)])
 
     def count(self, chosen: list, split: bool) -> None:
         """Metrics of one decision."""
@@ -137,9 +140,11 @@ class Router:
             metrics.ROUTER_OUTSTANDING.labels(r.name).set(r.outstanding)
             metrics.ROUTER_LIVE.labels(r.name).set(1.0 if self.fleet.is_live(r, now) else 0.0)
 
-    def place(self, prompts: int, tokens: int, key) -> list | None:
-        """Route a batch with the current policy (failover re-places a dead replica's work)."""
-        return self.policy.route(self.fleet, time.monotonic(), prompts, tokens, key)
+    def place(self, prompts: int, tokens: int, key, output: int = -1) -> tuple[list, list[int]] | None:
+        """Route a batch with the current policy (failover re-places a dead replica's
+        work): the assignments and what each was charged, or None."""
+        chosen = self.policy.route(self.fleet, time.monotonic(), prompts, tokens, key, output)
+        return None if chosen is None else (chosen, self.policy.last_costs)
 
     def set_policy(self, name: str) -> None:
         """Switch policy at run time (benchmarks compare policies on warm engines);

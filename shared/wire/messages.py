@@ -259,6 +259,11 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     (`client/columns.py`); -1: the row has none. Only model inputs travel."""
     row: int = -1
     """The row's index in that blob's record batch."""
+    cost: int = 0
+    """Its share of what the router charged the replica for its work batch, in engine cost
+    (uncached prompt tokens, output tokens at their measured cost: `Fleet.charge`); set
+    by the bucketer from the route reply. The worker reports it done in that unit. 0: not
+    charged (`work_tokens` stands in)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -266,8 +271,35 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
 
     @property
     def work_tokens(self) -> int:
-        """Load this prompt puts on a replica: prompt tokens plus output budget."""
+        """Its size in tokens: prompt tokens plus output budget (the bucketer's unit)."""
         return self.prompt_tokens + self.max_tokens
+
+    @property
+    def load(self) -> int:
+        """What it weighs on its replica, in the router's unit: its charged cost."""
+        return self.cost or self.prompt_tokens + self.max_tokens
+
+
+def cost_shares(cost: int, weights: list[int]) -> list[int]:
+    """`cost` shared out in proportion to `weights`: one each, the rest by weight, the last
+    taking the rounding (they add up to `cost` when it is at least one each)."""
+    n = len(weights)
+    total = sum(weights) or n
+    rest = max(cost - n, 0)
+    shares = [1 + rest * w // total for w in weights]
+    if shares:
+        shares[-1] += rest - sum(shares) + n
+    return shares
+
+
+def charge_prompts(prompts: list[Prompt], cost: int) -> None:
+    """Share what the router charged for `prompts` (`Assignment.cost`) out over them by
+    work tokens (`cost_shares`): each carries its share (`Prompt.cost`) to the replica,
+    which reports it done in that unit. A cost of 0 (not told) leaves them uncharged."""
+    if cost <= 0:
+        return
+    for p, share in zip(prompts, cost_shares(cost, [p.work_tokens for p in prompts]), strict=True):
+        p.cost = share
 
 
 MAX_PROMPTS_PER_MESSAGE = 512
@@ -373,7 +405,7 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     inflight: int = 0
     """Prompts submitted to the engine and not finished."""
     outstanding_tokens: int = 0
-    """Work tokens (prompt + max_tokens) of prompts held here (the load measure)."""
+    """Load of the prompts held here (`Prompt.load`: their charged engine cost)."""
     kv_usage: float = 0.0
     kv_blocks: int = 0
     """KV-cache capacity in blocks."""
@@ -385,8 +417,8 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     completed: int = 0
     """Cumulative finished prompts."""
     done_tokens: int = 0
-    """Cumulative work tokens (prompt + max_tokens) of finished prompts: the router
-    subtracts these from what it routed here."""
+    """Cumulative load (`Prompt.load`) of finished prompts: the router subtracts it from
+    what it charged here."""
     window: int = 0
     """Most prompts the worker keeps in flight."""
     idle_seconds: float = 0.0
@@ -400,6 +432,11 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     cache_epoch: str = ""
     """Changes whenever the engine's prefix cache starts empty (a new worker, a rebuilt
     engine, a reset): what the router remembers routing here is gone."""
+    decode_cost: float = 0.0
+    """What an output token costs the engine, in uncached prompt tokens (measured from its
+    steps: `services/engine_worker/cost_fit.py`; 0: not measured yet)."""
+    preemptions: int = 0
+    """Cumulative requests vLLM preempted (out of KV cache; each is recomputed)."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
@@ -416,6 +453,8 @@ class RoutePart(msgspec.Struct, array_like=True):
     prompts: int
     tokens: int
     key: list[int] = msgspec.field(default_factory=list)
+    output: int = -1
+    """Of `tokens`, output budget (sum of max_tokens); -1: not told (charged as tokens)."""
 
 
 class RouteRequest(msgspec.Struct, omit_defaults=True):
@@ -432,11 +471,16 @@ class RouteRequest(msgspec.Struct, omit_defaults=True):
     bucket: str = ""
     """The bucket's id: a request asked again (its reply lost) gets the first answer, its
     work is not counted twice."""
+    output: int = -1
+    """Of `tokens`, output budget (sum of max_tokens); -1: not told (charged as tokens)."""
 
 
 class Assignment(msgspec.Struct, array_like=True):
     replica: str
     prompts: int
+    cost: int = 0
+    """What the router charged the replica for these prompts (engine cost: `Fleet.charge`);
+    the bucketer shares it out over them (`Prompt.cost`). 0: not told."""
 
 
 class RouteReply(msgspec.Struct, omit_defaults=True):

@@ -61,18 +61,19 @@ async def replay(url: str, trace: list) -> list:
                 status = m.EngineStatus(
                     replica=name, ts=t, ready=st["ready"], outstanding_tokens=st["outstanding"], done_tokens=st["done_tokens"],
                     kv_blocks=st["kv_blocks"], block_size=st["engine_block_size"], window=st["window"],
+                    decode_cost=st["decode_cost"],
                 )
                 await nc.publish(subjects.status(name), m.encode(status))
                 pending_status = True
                 continue
-            _, _, prompts, tokens, key, parts, answer = event
+            _, _, prompts, tokens, key, parts, output, answer = event
             if pending_status:
                 await nc.flush()
                 await asyncio.sleep(STATUS_SETTLE)
                 pending_status = False
-            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(p, tk, k) for p, tk, k in parts])
+            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(*p) for p in parts], output=output)
             reply = m.route_reply_decoder.decode((await nc.request(subjects.ROUTE, m.encode(req), timeout=5)).data)
-            got = [(a.replica, a.prompts) for a in reply.assignments] if reply.assignments else None
+            got = [(a.replica, a.prompts, a.cost) for a in reply.assignments] if reply.assignments else None
             if got != answer:
                 mismatches.append((prompts, got, answer))
         return mismatches

@@ -115,6 +115,29 @@ def test_prefixflow_summary_and_startup_line():
     assert bp.parse_prefixflow(summary, "")["startup_seconds"] is None
 
 
+def test_preemptions_and_output_token_costs_from_the_engines_line_run_prints():
+    """`prefixflow run` prints the engines' line from their last statuses
+    (`client.progress.engines_note`); the benchmark reads it back."""
+    from client.progress import FleetProgress, engines_note
+    from shared.wire import messages as m
+
+    fleet = FleetProgress()
+    fleet.update(m.EngineStatus("r0", 1.0, preemptions=36, decode_cost=11.394), 1.0)
+    fleet.update(m.EngineStatus("r1", 1.0, preemptions=50, decode_cost=12.6), 1.0)
+    fleet.update(m.EngineStatus("r2", 1.0), 1.0)  # reported nothing (an echo engine): left out
+    stdout = f"2 replicas ready in 31.4 s\n{engines_note(fleet)}\n"
+    assert engines_note(fleet) == ("engines: r0 36 preempted, an output token costs 11.39 prompt tokens; "
+                                   "r1 50 preempted, an output token costs 12.60 prompt tokens")
+    assert bp.parse_engines(stdout) == (86, {"r0": 11.39, "r1": 12.6})
+    summary = {"rows": 8, "errors": 0, "prompt_tokens": 80, "cached_tokens": 0, "output_tokens": 8,
+               "prefix_cache_hit_rate": 0.0, "wall_seconds": 4.0, "replicas": {}}
+    assert bp.parse_prefixflow(summary, stdout)["preemptions"] == 86
+    assert bp.parse_prefixflow(summary, "")["preemptions"] is None
+    fleet.update(m.EngineStatus("r0", 2.0, preemptions=0), 2.0)
+    assert bp.parse_engines(engines_note(fleet))[0] == 50
+    assert engines_note(FleetProgress()) == ""
+
+
 def test_prefixflow_time_without_start_up_counts_from_the_last_replica_ready():
     """The job is submitted while the engines start: what ran before the last one was
     ready is not counted (as for Daft), and the time from the job's creation is kept."""

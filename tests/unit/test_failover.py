@@ -31,8 +31,8 @@ def test_no_room_means_wait_leased_not_nak(monkeypatch):
     room = {"open": False}
     published: list[str] = []
 
-    def place(prompts, tokens, key):
-        return [(Replica("r1"), prompts)] if room["open"] else None
+    def place(prompts, tokens, key, output):
+        return ([(Replica("r1"), prompts)], [tokens]) if room["open"] else None
 
     async def publish(js, subject, payload, headers=None):
         published.append((subject, headers))
@@ -118,7 +118,7 @@ def test_a_batch_past_the_poison_limit_is_moved_with_its_strikes_not_error_rowed
         published.append((subject, payload, headers))
 
     monkeypatch.setattr("services.router.failover.publish", publish)
-    place = lambda prompts, tokens, key: [(Replica("r1"), 2), (Replica("r2"), prompts - 2)]  # noqa: E731
+    place = lambda prompts, tokens, key, output: ([(Replica("r1"), 2), (Replica("r2"), prompts - 2)], [20, 30])  # noqa: E731
     failover = Failover(Fleet(), place)
     failover.js = object()
     batch = m.WorkBatch("b1", [m.Prompt("j", i, b"\x00\x00\x00\x01" * 8, max_tokens=4) for i in range(5)], [7],
@@ -130,4 +130,5 @@ def test_a_batch_past_the_poison_limit_is_moved_with_its_strikes_not_error_rowed
     assert [s for s, _, _ in parts] == ["pfx.work.r1", "pfx.work.r2"]
     assert [[p.id for p in w.prompts] for _, w, _ in parts] == [[0, 1], [2, 3, 4]]
     assert [w.strikes for _, w, _ in parts] == [[0, 1], [2, 0, 1]]
+    assert [sum(p.cost for p in w.prompts) for _, w, _ in parts] == [20, 30]  # what each replica was charged
     assert all(h == {PRIOR_DELIVERIES: "6"} for _, _, h in parts)

@@ -75,11 +75,12 @@ class ScanningPrefixAware(PrefixAware):
     def route_parts(self, fleet, now, parts, key=()):
         if not ref_open(fleet, now):
             return None
-        out = []
+        out, out_costs = [], []
         for prompts, tokens, part_key in parts:
             placed = self.split(fleet, ref_open(fleet, now) or ref_live(fleet, now), prompts, tokens, part_key)
-            fleet.assign_all(placed, tokens, part_key)
-            extend_merged(out, placed)
+            costs = fleet.charges(placed, prompts, tokens, -1, part_key)
+            fleet.assign_all(placed, costs, part_key)
+            extend_merged(out, placed, out_costs, costs)
         return out
 
 

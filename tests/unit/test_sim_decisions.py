@@ -79,7 +79,15 @@ def test_router_service_makes_the_sims_assignments(policy, monkeypatch):
     trace = traces[0].trace
     routes = [e for e in trace if e[0] == "route"]
     assert len(routes) > 30
-    assert any(e[6] is None for e in routes)  # retry-after answers are compared too
+    assert any(e[7] is None for e in routes)  # retry-after answers are compared too
+    # Load in engine cost: the workers measured what an output token costs, and the router
+    # charged assignments by it (cached prefixes free: below the work tokens).
+    statuses = [e[3] for e in trace if e[0] == "status"]
+    assert any(st["decode_cost"] > 0 for st in statuses)
+    answers = [(e[3], e[7]) for e in routes if e[7]]
+    assert all(sum(c for _, _, c in a) > 0 for _, a in answers)
+    if policy == "prefix-aware":
+        assert sum(sum(c for _, _, c in a) for _, a in answers) < sum(t for t, _ in answers)
     assert any(e[5] for e in routes)  # pooled batches (route_parts)
 
     clock = Clock()
@@ -93,21 +101,21 @@ def test_router_service_makes_the_sims_assignments(policy, monkeypatch):
             router.on_status(m.EngineStatus(
                 replica=name, ts=event[1], ready=st["ready"], outstanding_tokens=st["outstanding"],
                 done_tokens=st["done_tokens"], kv_blocks=st["kv_blocks"], block_size=st["engine_block_size"],
-                window=st["window"],
+                window=st["window"], decode_cost=st["decode_cost"],
             ))
         else:
-            _, _, prompts, tokens, key, parts, sim_answer = event
-            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(p, t, k) for p, t, k in parts])
+            _, _, prompts, tokens, key, parts, output, sim_answer = event
+            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(*p) for p in parts], output=output)
             reply = router.decide(req)
-            got = [(a.replica, a.prompts) for a in reply.assignments] if reply.assignments else None
+            got = [(a.replica, a.prompts, a.cost) for a in reply.assignments] if reply.assignments else None
             assert got == sim_answer, (answered, req)
             answered += 1
     assert answered == len(routes)
     # The bucketer side: the service builds the same request from the same bucket.
     assert built
-    for service_req, (prompts, tokens, key, parts) in built:
-        assert (service_req.prompts, service_req.tokens, service_req.key) == (prompts, tokens, key)
-        assert [(p.prompts, p.tokens, p.key) for p in service_req.parts] == [(p, t, k) for p, t, k in parts]
+    for service_req, (prompts, tokens, key, parts, output) in built:
+        assert (service_req.prompts, service_req.tokens, service_req.key, service_req.output) == (prompts, tokens, key, output)
+        assert [(p.prompts, p.tokens, p.key, p.output) for p in service_req.parts] == parts
     assert result.prompts == 3000
 
 

@@ -64,6 +64,11 @@ class EngineStats:
     generated: int = 0
     """Tokens generated since the worker started, finished requests or not (the window's
     probe measures its rate from it; progress shows it before any row is done)."""
+    preemptions: int = 0
+    """Requests the engine preempted (its KV cache ran out; they are recomputed)."""
+    decode_cost: float = 0.0
+    """An output token's cost in uncached prompt tokens, measured (`cost_fit.CostFit`; 0:
+    not measured, e.g. an engine without steps)."""
 
 
 def request_seed(sampling: SamplingSpec, prompt_id: PromptId) -> int | None:

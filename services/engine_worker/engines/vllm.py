@@ -8,6 +8,7 @@ import time
 
 import structlog
 
+from services.engine_worker.cost_fit import CostFit
 from services.engine_worker.engines.base import Completion, EngineDead, EngineStats, RequestFailed, request_seed
 from services.engine_worker.engine_args import build as build_engine_args
 from services.engine_worker.requests import sampling_params, token_logprobs
@@ -66,20 +67,34 @@ class VllmEngine:
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         stats = self.stats
+        fit = CostFit()
 
         class StatusLogger(StatLoggerBase):
-            """Keeps the latest scheduler stats for the worker's status messages."""
+            """Keeps the latest scheduler stats for the worker's status messages, and
+            measures what a prompt and an output token cost (`cost_fit.CostFit`, one
+            sample per step that followed a busy one)."""
 
             def __init__(self, vllm_config, engine_index: int = 0) -> None:
                 self.cache_config = vllm_config.cache_config
+                self.last = 0.0
+                """The previous step's timestamp while the engine was busy after it (0: idle)."""
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if iteration_stats is not None:
+                    stats.generated += iteration_stats.num_generation_tokens
+                    stats.preemptions += iteration_stats.num_preempted_reqs
+                    ts = iteration_stats.iteration_timestamp
+                    if self.last:
+                        fit.add(ts - self.last, iteration_stats.prompt_token_stats.computed,
+                                iteration_stats.num_generation_tokens)
+                        stats.decode_cost = fit.ratio
+                    self.last = ts
                 if scheduler_stats is not None:
                     stats.running = scheduler_stats.num_running_reqs
                     stats.waiting = scheduler_stats.num_waiting_reqs
                     stats.kv_usage = scheduler_stats.kv_cache_usage
-                if iteration_stats is not None:
-                    stats.generated += iteration_stats.num_generation_tokens
+                    if not scheduler_stats.num_running_reqs and not scheduler_stats.num_waiting_reqs:
+                        self.last = 0.0  # idle until the next step: that gap is no step's cost
 
             def log_engine_initialized(self) -> None:
                 stats.kv_blocks = self.cache_config.num_gpu_blocks or 0
