@@ -8,7 +8,11 @@ What runs for real (imported, called as the services call it):
   `flush` / `budget` arguments; route requests built like `Bucketer.route_request`);
 - routing: `services.router.policies.Fleet` + `make_policy`, fed with the engines'
   status fields and asked to `route` / `route_parts` like `Router.on_status` /
-  `Router.decide`;
+  `Router.decide`; load in engine cost: each worker fits what its simulated engine's
+  tokens cost (`services.engine_worker.cost_fit.CostFit`, fed with its steps), each
+  assignment's charge is shared out over its prompts (`messages.cost_shares`) and
+  reported done in that unit;
+- admission by KV memory (`services.engine_worker.admission.KvAdmission`);
 - feeding: the engine-worker's window (`services.engine_worker.window`: `next_window`, or
   with `Options.window_probe` its adaptive `Window` with the first-result probe) and
   prefix-group priorities (`services.engine_worker.grouping.GroupPriorities`).

@@ -99,7 +99,7 @@ ROUTER_MATCH_BLOCKS = _histogram(
     "pfx_router_match_blocks", "Prefix blocks of a routed (part of a) bucket already in the chosen replica's history", ["policy"], BLOCK_BUCKETS
 )
 ROUTER_ROUTED_PROMPTS = _counter("pfx_router_routed_prompts", "Prompts routed to each replica", ["replica"])
-ROUTER_OUTSTANDING = _gauge("pfx_router_outstanding_tokens", "Work tokens routed to a replica and not completed (the router's load measure)", ["replica"])
+ROUTER_OUTSTANDING = _gauge("pfx_router_outstanding_tokens", "Engine cost charged to a replica and not completed, in prompt tokens (the router's load measure)", ["replica"])
 ROUTER_LIVE = _gauge("pfx_router_replica_live", "1 while the replica reports ready within --dead-after", ["replica"])
 FAILOVER_MOVED = _counter("pfx_router_failover_moved", "Work batches moved off replicas that stopped reporting")
 

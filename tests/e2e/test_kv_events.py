@@ -8,8 +8,9 @@ of 256 tokens: blocks are evicted, so removal events flow too). Asserted: every 
 the router's fleet log with a non-empty index and no sequence gap, and prefix-cache hits
 as the job's prefixes repeat.
 
-The same job routed by history and by KV events, on hierarchical prefixes where the
-history is most wrong: the hit rates, and how often the history would have erred."""
+Routing by KV events on hierarchical prefixes, where the history is most wrong: the hit
+rate, and how often the history would have erred (the same job routed by the history is a
+benchmark: docs/benchmarks.md "KV events or history")."""
 
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def fleet_log(workdir) -> list[dict]:
     return entries
 
 
-@pytest.mark.timeout(1100)
-def test_kv_event_routing_against_the_history_on_hierarchical_prefixes(tmp_path, tiny_model):
+@pytest.mark.timeout(700)
+def test_kv_event_routing_on_hierarchical_prefixes_where_the_history_errs(tmp_path, tiny_model):
     """Where the history is most wrong: hierarchical prefixes (a system prompt every row
     shares, then one of 28 few-shot groups, then a question), 48 KV blocks per replica
     (blocks are evicted), and every group routed again after a while: two jobs over the
@@ -76,13 +77,12 @@ def test_kv_event_routing_against_the_history_on_hierarchical_prefixes(tmp_path,
     the caches still hold. (With one job the groups mostly leave the bucketer whole and
     are routed once: whether the history erred depended on the machine's timing.)
 
-    Run twice, on a cluster routing by history, then on one routing by the engines' KV
-    events. Measured with the events on: how often the history would have been wrong
-    about what a replica holds, and how often it would have picked another replica. On two
-    replicas those misses cost few hits the events could win back (docs/benchmarks.md "KV
-    events or history"). Asserted: the history is measurably wrong (3 decisions or more),
-    and routing by the events stays within 5 points of it and near the ideal (a broken
-    precise model would not)."""
+    The cluster routes by the engines' KV events and measures how often the history would
+    have been wrong about what a replica holds. Asserted: the history is measurably wrong
+    (3 decisions or more) and routing by the events stays near the ideal hit rate (a broken
+    precise model would not). The same job routed by the history, beside it: a benchmark
+    (docs/benchmarks.md "KV events or history"; on two replicas the two are within a
+    point or two)."""
     from launch.local_cluster import LocalCluster, processes
     from tests.conftest import run_cli, wait_replicas_ready
 
@@ -93,37 +93,32 @@ def test_kv_event_routing_against_the_history_on_hierarchical_prefixes(tmp_path,
     halves = [tmp_path / "first.parquet", tmp_path / "second.parquet"]
     for i, path in enumerate(halves):  # consecutive halves of the shuffled table: every group in both
         pq.write_table(table.slice(512 * i, 512), path)
-    hit, checks = {}, {}
-    for mode in ("0", "1"):
-        workdir = tmp_path / f"cluster{mode}"
-        cluster = LocalCluster(
-            processes(2, engine="vllm", extra_engine_args=["--kv-cache-blocks", "48"]), workdir=workdir,
-            env={"PFX_MODEL": str(tiny_model), "PFX_KV_EVENTS": mode, "PFX_BUFFER_PROMPTS": "96"},
-        )
-        cluster.start()
-        try:
-            asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
-            tokens = [0, 0]  # prompt, cached
-            for i, path in enumerate(halves):
-                out = tmp_path / f"out{mode}-{i}"
-                res = run_cli("submit", str(path), "--out", str(out), "--nats", cluster.url, "--job", f"hier{mode}-{i}",
-                              "--no-progress", "--timeout", "500")
-                assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-                rows = pq.read_table(out, columns=["id", "error"])
-                assert sorted(rows.column("id").to_pylist()) == list(range(512 * i, 512 * (i + 1)))
-                assert rows.column("error").null_count == 512
-                summary = json.loads((out / "_summary.json").read_text())
-                tokens[0] += summary["prompt_tokens"]
-                tokens[1] += summary["cached_tokens"]
-        finally:
-            cluster.stop()
-        hit[mode] = tokens[1] / tokens[0]  # over both jobs
-        checks[mode] = max((e.get("history_checks") or {} for e in fleet_log(workdir)), key=lambda c: c.get("decisions", 0))
-    print(f"\nideal {ideal:.1%}; hit rate by history {hit['0']:.1%}, by KV events {hit['1']:.1%}; "
-          f"history checks with events on: {checks['1']}")
-    assert checks["0"].get("decisions", 0) == 0  # events off: nothing to compare with
+    workdir = tmp_path / "cluster"
+    cluster = LocalCluster(
+        processes(2, engine="vllm", extra_engine_args=["--kv-cache-blocks", "48"]), workdir=workdir,
+        env={"PFX_MODEL": str(tiny_model), "PFX_KV_EVENTS": "1", "PFX_BUFFER_PROMPTS": "96"},
+    )
+    cluster.start()
+    tokens = [0, 0]  # prompt, cached
+    try:
+        asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
+        for i, path in enumerate(halves):
+            out = tmp_path / f"out-{i}"
+            res = run_cli("submit", str(path), "--out", str(out), "--nats", cluster.url, "--job", f"hier-{i}",
+                          "--no-progress", "--timeout", "500")
+            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+            rows = pq.read_table(out, columns=["id", "error"])
+            assert sorted(rows.column("id").to_pylist()) == list(range(512 * i, 512 * (i + 1)))
+            assert rows.column("error").null_count == 512
+            summary = json.loads((out / "_summary.json").read_text())
+            tokens[0] += summary["prompt_tokens"]
+            tokens[1] += summary["cached_tokens"]
+    finally:
+        cluster.stop()
+    hit = tokens[1] / tokens[0]  # over both jobs
+    checks = max((e.get("history_checks") or {} for e in fleet_log(workdir)), key=lambda c: c.get("decisions", 0))
+    print(f"\nideal {ideal:.1%}; hit rate by KV events {hit:.1%}; history checks: {checks}")
     # How often it errs depends on how the groups leave the bucketer (49 of 111 alone, 7 of 58
     # in the full suite on a loaded machine): asserted is that it measurably errs.
-    assert checks["1"]["decisions"] > 20 and checks["1"]["wrong"] >= 3, checks["1"]
-    assert hit["1"] >= hit["0"] - 0.05, hit
-    assert min(hit.values()) >= 0.85 * ideal, (hit, ideal)
+    assert checks["decisions"] > 20 and checks["wrong"] >= 3, checks
+    assert hit >= 0.85 * ideal, (hit, ideal)
