@@ -212,6 +212,8 @@ class Worker:
             self.pending.extend((i, key) for i in batch)
         take: list[int] = []
         wl, admission, probe = self.sim.wl, self.admission, self.probe
+        if admission is not None:
+            admission.clock = self.engine.stats.steps
         while self.pending and self.inflight + len(take) < (probe.limit if probe is not None else self.window):
             i, key = self.pending[0]
             if admission is not None:

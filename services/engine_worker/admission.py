@@ -18,6 +18,18 @@ while the blocks reserved by the prompts already in it, plus this one's, fit the
 - with nothing in the engine, the next prompt always goes in (one larger than the cache
   runs alone; vLLM then says what it can do).
 
+That reservation holds each prompt's whole output from its start, while a prompt holds
+its output blocks only as it decodes and frees them all when it ends: prompts admitted
+apart never hold their whole outputs at once. So when the reservations do not fit, the
+prompt still goes in if the blocks the engine will hold **at its fullest** fit (`peak`):
+each prompt in it is as far through its expected output as the engine has run steps
+since it went in (`clock`, one token per step), it holds one more output token per step
+until it ends, and then frees its output and partial blocks; its full prompt blocks are
+counted as held to the end (shared ones are, by another prompt). The fullest moment is
+when one of them ends. Without a step clock (`clock` never advanced) no prompt
+has progressed, and the peak differs from the reservation only by the outputs that end
+sooner than others.
+
 An engine that reports no KV capacity (the echo engine) admits everything.
 """
 
@@ -30,6 +42,9 @@ RATIO_WEIGHT = 0.05
 """Weight of one finished output in the moving average of output / max_tokens."""
 MIN_RATIO = 0.05
 """The expected output never falls below this share of max_tokens."""
+EXACT_PEAK = 64
+"""Up to this many prompts in the engine, `peak` counts each one's blocks exactly (a pass
+over them per moment); beyond, it bounds each one's partial block by a whole one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +56,10 @@ class Ticket:
     own: int
     """Its blocks beyond them: its last, partial prompt block and its expected output."""
     max_tokens: int
+    rest: int = 0
+    """Tokens of its last, partial prompt block."""
+    output: int = 0
+    """Its expected output tokens."""
 
 
 def block_chain(tokens: bytes, block_size: int) -> tuple[int, ...]:
@@ -73,6 +92,11 @@ class KvAdmission:
     """Full prompt block -> prompts in the engine that hold it."""
     admitted: int = 0
     """Prompts in the engine (with a ticket)."""
+    clock: int = 0
+    """The engine's steps so far (the caller advances it: `peak` reads each prompt's
+    progress from it)."""
+    running: dict[int, tuple[Ticket, list[int]]] = field(default_factory=dict)
+    """id(ticket) -> (ticket, the clock when each of its admissions went in)."""
 
     def resize(self, blocks: int, block_size: int) -> None:
         """The engine's capacity, as it reports it (after a start or a rebuild); one of
@@ -89,7 +113,7 @@ class KvAdmission:
         chain = block_chain(tokens, bs) if self.active else ()
         rest = len(tokens) // 4 - len(chain) * bs
         expected = math.ceil(max_tokens * max(self.output_ratio, MIN_RATIO) * self.output_reserve)
-        return Ticket(chain, math.ceil((rest + expected) / bs), max_tokens)
+        return Ticket(chain, math.ceil((rest + expected) / bs), max_tokens, rest, expected)
 
     def need(self, t: Ticket) -> int:
         """Blocks admitting `t` adds to the reservation (its prompt blocks only as far as
@@ -98,11 +122,42 @@ class KvAdmission:
         return t.own + sum(1 for b in t.blocks if b not in held)
 
     def admits(self, t: Ticket) -> bool:
-        return not self.active or self.admitted == 0 or self.reserved + self.need(t) <= self.blocks
+        if not self.active or self.admitted == 0 or self.reserved + self.need(t) <= self.blocks:
+            return True
+        return self.peak(t) <= self.blocks
+
+    def peak(self, t: Ticket | None = None) -> float:
+        """The most blocks the prompts in the engine, and `t` if it went in now, will
+        hold from now on (beyond `EXACT_PEAK` prompts an upper bound: one partial block
+        each)."""
+        held = self.held
+        fixed = len(held) + (sum(1 for b in t.blocks if b not in held) if t is not None else 0)
+        now = self.clock
+        ends = []  # (steps left, tokens beyond its full prompt blocks now)
+        for ticket, starts in self.running.values():
+            for start in starts:
+                done = min(max(now - start, 0), ticket.output)
+                ends.append((ticket.output - done, ticket.rest + done))
+        if t is not None:
+            ends.append((t.output, t.rest))
+        ends.sort(reverse=True)
+        top = tokens = n = 0
+        bs = self.block_size
+        exact = len(ends) <= EXACT_PEAK
+        for left, now_tokens in ends:  # when the k-th latest ends: the k latest alive
+            tokens += now_tokens
+            n += 1
+            s = left  # its last output token counted: as its reservation counts it
+            if exact:
+                top = max(top, sum(-(-(x + s) // bs) for _, x in ends[:n]))
+            else:
+                top = max(top, (tokens + n * s) / bs + n)
+        return fixed + top
 
     def admit(self, t: Ticket) -> None:
         self.reserved += self.need(t)
         self.admitted += 1
+        self.running.setdefault(id(t), (t, []))[1].append(self.clock)
         held = self.held
         for b in t.blocks:
             held[b] = held.get(b, 0) + 1
@@ -112,6 +167,11 @@ class KvAdmission:
         normally, nothing learnt)."""
         self.admitted -= 1
         self.reserved -= t.own
+        entry = self.running.get(id(t))
+        if entry is not None:
+            entry[1].pop(0)
+            if not entry[1]:
+                del self.running[id(t)]
         held = self.held
         for b in t.blocks:
             n = held[b] - 1

@@ -61,7 +61,7 @@ def max_tokens(held: Held) -> int:
 class Feeder:
     def __init__(
         self, window: Window, submit: Callable[[Held], None], generated: Callable[[], int], *,
-        admission: KvAdmission | None = None,
+        admission: KvAdmission | None = None, steps: Callable[[], int] | None = None,
     ) -> None:
         self.window = window
         self.admission = admission or KvAdmission(enabled=False)
@@ -72,6 +72,8 @@ class Feeder:
         """Starts one prompt in the engine (the worker's task per prompt)."""
         self.generated = generated
         """The engine's generated-token count (the probe measures its rate)."""
+        self.steps = steps
+        """The engine's step count (admission reads each prompt's progress from it)."""
         self.pending: deque[Held] = deque()
         """Held, not yet submitted (at most one work batch past the window)."""
         self.inflight = 0
@@ -111,6 +113,8 @@ class Feeder:
     def feed(self) -> None:
         """Submit pending prompts while the window and the KV cache have room."""
         admission = self.admission
+        if self.steps is not None:
+            admission.clock = self.steps()
         while self.pending and self.open and self.inflight < self.window.limit and self.may_submit(self.pending[0]):
             held = self.pending[0]
             if admission.active:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.engine_worker.admission import MIN_RATIO, KvAdmission, Ticket
+from services.engine_worker.admission import EXACT_PEAK, MIN_RATIO, KvAdmission, Ticket
 from services.engine_worker.feeder import Feeder, Held
 from services.engine_worker.window import Window
 from shared.prefix import tokens as tk
@@ -115,13 +115,81 @@ def test_reservation_property(ops, blocks):
             if a.admits(t):
                 a.admit(t)
                 if len(inside):
-                    assert a.reserved <= max(a.blocks, before), "admitted within the cache"
+                    assert a.reserved <= max(a.blocks, before) or a.peak() <= a.blocks, "admitted within the cache"
                 inside.append(t)
         assert a.reserved == sum(t.own for t in inside) + len({b for t in inside for b in t.blocks})
         assert a.admitted == len(inside)
     while inside:
         a.release(inside.pop())
     assert a.reserved == 0 and a.admitted == 0 and not a.held
+
+
+@given(st.lists(st.tuples(st.integers(1, 200), st.integers(1, 120), st.integers(0, 3), st.integers(0, 96)),
+                min_size=1, max_size=60),
+       st.integers(8, 120), st.integers(0, 3), st.sampled_from([EXACT_PEAK, 0]))
+def test_prompts_admitted_by_their_peak_never_overflow_an_engine_that_runs_as_expected(prompts, blocks, every, exact):
+    """A model engine: each step every prompt in it gains one output token, and a prompt
+    that has its expected output ends and frees its blocks; the worker offers the next
+    waiting prompt every `every` + 1 steps (and whenever one ends). Its blocks in use (the
+    distinct full prompt blocks of the prompts in it, plus for each its partial block
+    and output so far) never exceed the cache while more than one prompt is in it: the
+    peak admits nothing vLLM would have to preempt. And every prompt gets in. (Counted
+    exactly, and with the bound used past `EXACT_PEAK` prompts.)"""
+    import services.engine_worker.admission as admission_module
+
+    admission_module.EXACT_PEAK, saved = exact, admission_module.EXACT_PEAK
+    try:
+        run_model_engine(prompts, blocks, every)
+    finally:
+        admission_module.EXACT_PEAK = saved
+
+
+def run_model_engine(prompts, blocks, every):
+    a = admission(blocks=blocks + 1)
+    waiting = [a.ticket(prompt(family, n, shared=min(shared, n), tag=i + 1), out)
+               for i, (n, out, family, shared) in enumerate(prompts)]
+    inside: list[list] = []  # [ticket, output so far]
+    step = done = 0
+    while waiting or inside:
+        if waiting and (step % (every + 1) == 0 or not inside):
+            while waiting and a.admits(waiting[0]):
+                t = waiting.pop(0)
+                a.admit(t)
+                inside.append([t, 0])
+        step += 1
+        a.clock = step
+        for entry in inside:
+            entry[1] += 1
+        in_use = len({b for t, _ in inside for b in t.blocks}) + sum(
+            -(-(t.rest + min(g, t.output)) // a.block_size) for t, g in inside)
+        assert len(inside) <= 1 or in_use <= a.blocks, (step, in_use)
+        for entry in [e for e in inside if e[1] >= e[0].output]:
+            inside.remove(entry)
+            a.release(entry[0], output_tokens=entry[0].output)
+            done += 1
+        assert step < 10**5
+    assert done == len(prompts) and a.admitted == 0 and not a.running
+
+
+def test_prompts_admitted_apart_share_the_cache_their_whole_reservations_could_not():
+    """Four prompts of 1 block each with 64 output tokens (4 blocks) reserve 5 blocks
+    each, 20 in all, but admitted 16 steps apart they never hold more than 14 at once."""
+    a = admission(blocks=15)  # 14 usable
+    tickets = [a.ticket(prompt(2, 16, tag=k), 64) for k in range(4)]
+    assert all(t.own == 4 for t in tickets)
+    admitted = 0
+    for step in (0, 16, 32, 48):
+        a.clock = step
+        if a.admits(tickets[admitted]):
+            a.admit(tickets[admitted])
+            admitted += 1
+    assert admitted == 4 and a.reserved == 20 > a.blocks
+    assert a.peak() <= a.blocks
+    b = admission(blocks=15)  # the same four at once: only what their reservations allow
+    for t in tickets:
+        if b.admits(t):
+            b.admit(t)
+    assert b.admitted == 2
 
 
 def prompt_bytes(pid: int, n: int) -> bytes:
@@ -156,3 +224,22 @@ def test_feeder_submits_in_order_as_blocks_free():
     feeder.feed()
     assert [h.prompt.id for h in submitted] == list(range(8)), "in order, as blocks free"
     assert feeder.inflight == 5 and len(feeder.pending) == 4
+
+
+def test_feeder_reads_the_engines_steps_and_lets_in_what_fits_by_the_peak():
+    """With the engine's step count (each decoding prompt a token further per step), a
+    prompt whose whole reservation does not fit goes in once the prompts in the engine
+    are far enough through their outputs; without it, it waits for one to finish."""
+    steps = {"n": 0}
+    submitted: list[Held] = []
+    feeder = Feeder(Window(64, adaptive=False), submitted.append, lambda: 0, admission=admission(blocks=17),
+                    steps=lambda: steps["n"])
+    feeder.hold([held(64, 160, [1, 2], i) for i in range(4)])  # 4 shared blocks + 10 output blocks each
+    assert len(submitted) == 1, "4 + 10 + 10 > 16: the second waits"
+    steps["n"] = 100
+    feeder.feed()
+    assert len(submitted) == 1, "when the first ends (60 steps on) the second holds 4 blocks: 4 + 10 + 4 > 16"
+    steps["n"] = 150  # the first is 150 of its 160 tokens through
+    feeder.feed()
+    assert len(submitted) == 2, "at most 4 + 10 + 1 blocks at once"
+    assert feeder.admission.reserved > feeder.admission.blocks >= feeder.admission.peak()

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from services.engine_worker.engines.base import Completion, EngineDead, RequestFailed, is_engine_death
+from services.engine_worker.engines.base import Completion, EngineDead, EngineStats, RequestFailed, is_engine_death
 from services.engine_worker.feeder import Held
 from services.engine_worker.service import EngineWorker
 from shared.process.config import EngineWorkerConfig
@@ -36,6 +36,9 @@ class FakeEngine:
 
     def alive(self) -> bool:
         return self._alive
+
+    def snapshot(self) -> EngineStats:
+        return EngineStats()
 
 
 class FakeOutbox:

@@ -64,6 +64,8 @@ class EngineStats:
     generated: int = 0
     """Tokens generated since the worker started, finished requests or not (the window's
     probe measures its rate from it; progress shows it before any row is done)."""
+    steps: int = 0
+    """Engine steps that produced output (each decoding request gains a token per step)."""
     preemptions: int = 0
     """Requests the engine preempted (its KV cache ran out; they are recomputed)."""
     decode_cost: float = 0.0

@@ -82,6 +82,7 @@ class VllmEngine:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
                 if iteration_stats is not None:
                     stats.generated += iteration_stats.num_generation_tokens
+                    stats.steps += 1
                     stats.preemptions += iteration_stats.num_preempted_reqs
                     ts = iteration_stats.iteration_timestamp
                     if self.last:
