@@ -25,7 +25,8 @@ import statistics
 import time
 from typing import Any
 
-from services.router.policies import Fleet, make_policy
+from services.router.fleet import Fleet
+from services.router.policies import make_policy
 from shared.prefix.block_keys import HASH_BLOCK_SIZE
 
 ENGINE_BLOCK_SIZE = 16

@@ -6,7 +6,7 @@ What runs for real (imported, called as the services call it):
 - bucketing: `services.bucketer.buffer.PrefixBuffer` built from `BucketerConfig`'s
   defaults, driven like the bucketer's intake and dispatch loops (`pop` with the same
   `flush` / `budget` arguments; route requests built like `Bucketer.route_request`);
-- routing: `services.router.policies.Fleet` + `make_policy`, fed with the engines'
+- routing: `services.router.fleet.Fleet` + `policies.make_policy`, fed with the engines'
   status fields and asked to `route` / `route_parts` like `Router.on_status` /
   `Router.decide`; load in engine cost: each worker fits what its simulated engine's
   tokens cost (`services.engine_worker.cost_fit.CostFit`, fed with its steps), each
@@ -52,7 +52,8 @@ from services.engine_worker.admission import KvAdmission, Ticket
 from services.engine_worker.cost_fit import CostFit
 from services.engine_worker.grouping import GroupPriorities
 from services.engine_worker.window import initial_window, next_window
-from services.router.policies import Fleet, make_policy
+from services.router.fleet import Fleet
+from services.router.policies import make_policy
 from shared.prefix import sharding
 from shared.wire.messages import cost_shares
 from shared.prefix.block_keys import first_block_key

@@ -7,7 +7,7 @@ whole prefix through block i (a blake2b chain over `HASH_BLOCK_SIZE`-token block
 trie over prefixes needs no explicit edges: a node *is* its chain hash, found with one
 dict lookup, and a key's path through the trie is the key itself. `longest_match` walks
 that path one lookup per block and stops at the first block nobody holds, like vLLM's
-`find_longest_cache_hit` (and like `policies.PrefixIndex`, which does the same for the
+`find_longest_cache_hit` (and like `prefix_index.PrefixIndex`, which does the same for the
 router's *history* of what it sent).
 
 Bounded: an engine's capacity bounds what it can hold, but a lost remove event (a

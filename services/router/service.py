@@ -27,7 +27,8 @@ from shared.process.config import RouterConfig
 from shared.bus.connection import close, connect
 from shared.bus.provision import provision
 from services.router.failover import Failover
-from services.router.policies import Fleet, make_policy
+from services.router.fleet import Fleet
+from services.router.policies import make_policy
 
 log = structlog.get_logger()
 

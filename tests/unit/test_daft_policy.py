@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.router.policies import Daft, Fleet, make_policy
+from services.router.fleet import Fleet
+from services.router.policies import Daft, make_policy
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.engine_worker.cost_fit import MAX_RATIO, MIN_RATIO, CostFit
-from services.router.policies import Fleet, make_policy
+from services.router.fleet import Fleet
+from services.router.policies import make_policy
 from shared.wire import messages as m
 
 HB = 128  # hash block size of the keys below

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from services.router.failover import Failover
-from services.router.policies import Fleet, Replica
+from services.router.fleet import Fleet, Replica
 from shared.bus.poison import PRIOR_DELIVERIES, deliveries, moved_headers
 from shared.wire import messages as m
 from tests.unit import fakes

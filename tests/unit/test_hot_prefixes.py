@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.router.hot import WARM_TOKENS, HotPrefixes, rendezvous
-from services.router.policies import Fleet, PrefixAware
+from services.router.fleet import Fleet
+from services.router.policies import PrefixAware
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.bucketer.buffer import RELEASE_REASONS, Item, PrefixBuffer
 from services.ingestor.plan import Incoming, Model, plan_batch
 from services.ingestor.validate import length_error
-from services.router.policies import Fleet, make_policy
+from services.router.fleet import Fleet
+from services.router.policies import make_policy
 from services.sink.writer import JobOutput
 from shared.bus.jobs import JobCache
 from shared.bus.poison import error_rows

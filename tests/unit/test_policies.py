@@ -8,13 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.router.fleet import MIN_HISTORY, RATE_WARMUP, Fleet
 from services.router.policies import (
-    MIN_HISTORY,
     MIN_SPLIT_PROMPTS,
     POLICIES,
-    RATE_WARMUP,
     Daft,
-    Fleet,
     LeastLoaded,
     PrefixAware,
     RoundRobin,

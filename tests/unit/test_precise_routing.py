@@ -15,7 +15,8 @@ from services.engine_worker.kv_subscriber import (
     CacheEventForwarder,
     KvEventSubscriber,
 )
-from services.router.policies import Fleet, PrefixAware
+from services.router.fleet import Fleet
+from services.router.policies import PrefixAware
 from shared.wire import messages as m
 from shared.wire.messages import CacheOp
 

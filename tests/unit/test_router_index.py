@@ -1,4 +1,4 @@
-"""services.router.policies.PrefixIndex and the cost work behind it: the indexed match
+"""services.router.prefix_index.PrefixIndex and the cost work behind it: the indexed match
 equals a scan of the history, and prefix-aware decisions equal the scanning, sorting
 implementation they replaced; plus `prefixflow bench router` and the router's wiring of
 the engine block size."""
@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.router import bench_router
-from services.router.policies import MIN_HISTORY, Fleet, PrefixAware, extend_merged
+from services.router.fleet import MIN_HISTORY, Fleet
+from services.router.policies import PrefixAware, extend_merged
 from shared.prefix.block_keys import matched_blocks
 from shared.wire import messages as m
 
