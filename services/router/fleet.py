@@ -179,6 +179,8 @@ class Fleet:
         self.decode_cost = 1.0
         """An output token's cost in uncached prompt tokens across the fleet: the average of
         what the replicas report (1 until one does)."""
+        self._decode_sum, self._decode_n = 0.0, 0
+        """Sum and count of the replicas' measured `decode_cost` (for the average)."""
 
     def observe(
         self,
@@ -225,10 +227,11 @@ class Fleet:
         if ready:
             r.last_ready = now
         r.engine_block_size = engine_block_size
-        if decode_cost > 0:
+        if decode_cost > 0:  # the fleet's average, kept as a sum (a status is no pass over the fleet)
+            self._decode_sum += decode_cost - r.decode_cost
+            self._decode_n += not r.decode_cost
             r.decode_cost = decode_cost
-            measured = [x.decode_cost for x in self.replicas.values() if x.decode_cost]
-            self.decode_cost = sum(measured) / len(measured)
+            self.decode_cost = self._decode_sum / self._decode_n
         if kv_blocks:
             kv_tokens = kv_blocks * (engine_block_size or self.hash_block_size)
             r.history_budget = kv_tokens // self.hash_block_size

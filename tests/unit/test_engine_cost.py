@@ -95,6 +95,13 @@ def test_the_fleet_decode_cost_stands_in_for_a_replica_that_measured_none():
     assert fleet.decode_cost == 1.0
     fleet.observe("a", 1.0, ready=True, outstanding=0, done_tokens=0, decode_cost=4.0)
     assert fleet.decode_cost == 4.0
+    fleet.observe("a", 2.0, ready=True, outstanding=0, done_tokens=0, decode_cost=6.0)  # a new measure replaces a's
+    fleet.observe("b", 2.0, ready=True, outstanding=0, done_tokens=0, decode_cost=2.0)
+    assert fleet.decode_cost == 4.0
+    fleet.observe("b", 3.0, ready=True, outstanding=0, done_tokens=0)  # nothing measured: b's stays
+    assert fleet.decode_cost == 4.0
+    fleet.observe("b", 4.0, ready=True, outstanding=0, done_tokens=0, decode_cost=4.0)
+    fleet.observe("a", 4.0, ready=True, outstanding=0, done_tokens=0, decode_cost=4.0)
     assert fleet.charge(fleet.replicas["b"], 1, 1, 100 + 10, 10, []) == 100 + 4 * 10
 
 
