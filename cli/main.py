@@ -1,6 +1,6 @@
 """`prefixflow`: the one command-line entry point.
 
-    prefixflow make-model [--out DIR]               build the local random-weight model
+    prefixflow make-model [--out DIR] [--lora A,B]  build the local random-weight model (and LoRA adapters)
     prefixflow dataset SHAPE ...                    write a dataset (prefix-repetition, seed, zipf,
                                                     hierarchical, variable, no-sharing)
     prefixflow serve NAME [flags]                   run one service (see --help of each)
@@ -153,6 +153,13 @@ def cmd_make_model(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     out = make_model(args.out, seed=args.seed, force=args.force)
     print(f"model ready at {out} ({time.perf_counter() - t0:.1f} s)")
+    if args.lora:
+        from datagen.make_lora import make_adapters
+
+        names = [n for n in args.lora.split(",") if n]
+        paths = make_adapters(names, model_dir=out, rank=args.lora_rank, force=args.force)
+        modules = " ".join(f"{name}={path}" for name, path in paths.items())
+        print(f"LoRA adapters ready ({', '.join(names)}); serve them with:\n  -- --lora-modules {modules}")
 
 
 def cmd_dataset(args: argparse.Namespace) -> None:
@@ -237,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=cfgmod.DEFAULT_MODEL, help=f"model directory (default {cfgmod.DEFAULT_MODEL})")
     p.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed (default 0)")
     p.add_argument("--force", action="store_true", help="rebuild even if the model exists")
+    p.add_argument("--lora", default="", metavar="NAME,...",
+                   help="also build random LoRA adapters of these names beside the model (DIR-lora/NAME)")
+    p.add_argument("--lora-rank", type=int, default=8, help="rank of those adapters (default 8)")
     p.set_defaults(fn=cmd_make_model)
 
     p = sub.add_parser("dataset", help="generate datasets")

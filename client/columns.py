@@ -29,14 +29,14 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from shared.wire.messages import ROW_FIELD, SRC_FIELD, input_blob
+from shared.wire.messages import LORA_FIELD, ROW_FIELD, SRC_FIELD, input_blob
 from shared.wire.structured import ROW_FIELDS
 
 CHUNK_ROWS = 4096
 """Input rows per stored blob (and per read batch)."""
 SRC_KEY = SRC_FIELD
 ROW_KEY = ROW_FIELD
-MODEL_COLUMNS = ("id", "prompt", "messages", "prompt_token_ids", *ROW_FIELDS)
+MODEL_COLUMNS = ("id", "prompt", "messages", "prompt_token_ids", LORA_FIELD, *ROW_FIELDS)
 """Input columns the ingest message carries (what the ingestor and engines use)."""
 NOT_KEPT = ("prompt_token_ids",)
 """Input columns not copied to the output."""

@@ -3,8 +3,10 @@
 Input: one request per line, `{"custom_id", "method": "POST", "url", "body"}` with `url`
 `/v1/chat/completions` (body `messages`) or `/v1/completions` (body `prompt`: a string
 or token ids). Each good line becomes a row (id = `custom_id`; `messages` / `prompt`;
-the body's sampling fields in a `sampling` column, `response_format` as a column), so
-chat requests are rendered and bucketed like any chat row. A bad line (not JSON, not an
+the body's sampling fields in a `sampling` column, `response_format` as a column, its
+`model` as the `lora` column: the base model's name means no adapter, another name a LoRA
+adapter the engines serve, or an error row), so chat requests are rendered and bucketed
+like any chat row. A bad line (not JSON, not an
 object, missing field, method not POST, unknown url, body not an object, duplicate
 `custom_id`, a prompt that is not one string, an endpoint of the other task) never
 reaches the cluster: it becomes an error line naming the line and the reason.
@@ -31,11 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from shared.openai_batch import EMBED_URL, URLS, error_line, result_line
+from shared.wire.messages import LORA_FIELD
 
 __all__ = ["EMBED_URL", "URLS", "BadLine", "BatchInput", "error_line", "is_batch_file", "output_lines", "parse_line",
            "read_batch", "request_row", "write_outputs", "write_rows"]
 
-IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"})
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"})
 """Body fields without effect on a batch result."""
 SAMPLING = frozenset({
     "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_tokens", "seed", "n",
@@ -80,6 +83,10 @@ def request_row(custom_id: str, url: str, body: dict[str, Any]) -> dict[str, Any
     sampling: dict[str, Any] = {}
     for key, value in body.items():
         if key in IGNORED or value is None:
+            continue
+        if key == "model":
+            if value and kind != "embedding":  # the ingestor reads the base model's names as no adapter
+                row[LORA_FIELD] = value
             continue
         if key == "input" and kind == "embedding":
             if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
@@ -202,7 +209,8 @@ def output_lines(batch: BatchInput, rows: list[dict[str, Any]], model: str) -> t
         if row is None:
             errors.append(error_line(custom_id, f"line {n}: no result", "missing_result"))
             continue
-        good, line = result_line(custom_id, url, row, model or asked, created, f"line {n}")
+        named = asked if row.get(LORA_FIELD) else model or asked  # an adapter's line names the adapter
+        good, line = result_line(custom_id, url, row, named, created, f"line {n}")
         (ok if good else errors).append(line)
     return ok, errors
 

@@ -33,8 +33,9 @@ from sortedcontainers import SortedDict, SortedList
 from shared.prefix import tokens as tk
 from shared.prefix.block_keys import block_hashes
 
-Key = tuple[bytes, int]
-"""Sort key of an item: (packed token ids, arrival sequence number)."""
+Key = tuple[str, bytes, int]
+"""Sort key of an item: (LoRA adapter, packed token ids, arrival sequence number): an
+adapter's prompts sort apart, so no bucket mixes adapters (their caches are apart)."""
 
 
 @dataclass(slots=True)
@@ -48,6 +49,8 @@ class Item:
     """Identity of the source message (for the caller's ack bookkeeping)."""
     weight: int = 0
     """Work this prompt brings (prompt + output tokens); 0: its token count."""
+    lora: str = ""
+    """Its LoRA adapter (empty: the base model)."""
 
 
 @dataclass(slots=True)
@@ -170,9 +173,9 @@ class PrefixBuffer:
 
     def _set_size(self, start: Key, size: int) -> None:
         self._size[start] = size
-        heapq.heappush(self._by_size, (-size, start[1], start))
+        heapq.heappush(self._by_size, (-size, start[2], start))
         if len(self._by_size) > 2 * len(self._size) + 1024:  # drop the stale entries
-            self._by_size = [(-n, s[1], s) for s, n in self._size.items()]
+            self._by_size = [(-n, s[2], s) for s, n in self._size.items()]
             heapq.heapify(self._by_size)
 
     def _drop_start(self, start: Key) -> int:
@@ -191,18 +194,18 @@ class PrefixBuffer:
         self._set_size(start, end - self._index(start))
 
     def _link(self, a: Key, b: Key) -> bool:
-        return linked(a[0], b[0], self.threshold)
+        return a[0] == b[0] and linked(a[1], b[1], self.threshold)
 
     # --- insert -----------------------------------------------------------------------
 
     def insert(self, item: Item) -> None:
-        key: Key = (item.tokens, next(self._seq))
+        key: Key = (item.lora, item.tokens, next(self._seq))
         pos = self._items.bisect_left(key)
         prev: Key | None = self._items.peekitem(pos - 1)[0] if pos > 0 else None
         nxt: Key | None = self._items.peekitem(pos)[0] if pos < len(self._items) else None
         self._items[key] = item
         self._bytes += len(item.tokens)
-        heapq.heappush(self._ages, (item.arrived, key[1], key))
+        heapq.heappush(self._ages, (item.arrived, key[2], key))
 
         # Most inserts join a bucket without moving any boundary: a size update. Only a
         # split needs recounting (index lookups).
@@ -276,7 +279,7 @@ class PrefixBuffer:
 
     def _keyed(self, items: list[Item]) -> Bucket:
         plen = tk.common_prefix(items[0].tokens, items[-1].tokens) if len(items) > 1 else tk.count(items[0].tokens)
-        return Bucket(items, block_hashes(items[0].tokens[: plen * tk.WIDTH], self.block_size), plen)
+        return Bucket(items, block_hashes(items[0].tokens[: plen * tk.WIDTH], self.block_size, lora=items[0].lora), plen)
 
     def slices(self, items: list[Item]) -> list[list[Item]]:
         """A released bucket as consecutive slices of `max_bucket` prompts (the last one

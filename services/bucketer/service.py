@@ -247,7 +247,7 @@ class Bucketer:
         job = parts[1] if (parts := subjects.bucket_parts(msg.subject)) is not None else ""
         self.weights[job] = batch.priority
         for p in batch.prompts:
-            self.lanes.insert(job, batch.priority, Item(p.tokens, now, p, lease, p.work_tokens))
+            self.lanes.insert(job, batch.priority, Item(p.tokens, now, p, lease, p.work_tokens, p.lora))
 
     async def dispatch(self, stop: asyncio.Event) -> None:
         while True:
@@ -323,10 +323,11 @@ class Bucketer:
         for n, key in bucket.parts:
             items = bucket.items[start : start + n]
             part_tokens = sum(it.payload.work_tokens for it in items)
-            parts.append(m.RoutePart(n, part_tokens, key, sum(it.payload.max_tokens for it in items)))
+            parts.append(m.RoutePart(n, part_tokens, key, sum(it.payload.max_tokens for it in items), items[0].lora))
             start += n
         output = sum(it.payload.max_tokens for it in bucket.items)
-        return m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key, parts, bucket_id, output)
+        lora = "" if bucket.pooled or not bucket.items else bucket.items[0].lora  # a pooled batch: per part
+        return m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key, parts, bucket_id, output, lora)
 
     async def route(self, bucket: Bucket, tokens: int, bucket_id: str, stop_retrying: bool) -> list[m.Assignment]:
         req = m.encode(self.route_request(bucket, tokens, bucket_id))

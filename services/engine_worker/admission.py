@@ -62,12 +62,13 @@ class Ticket:
     """Its expected output tokens."""
 
 
-def block_chain(tokens: bytes, block_size: int) -> tuple[int, ...]:
+def block_chain(tokens: bytes, block_size: int, lora: str = "") -> tuple[int, ...]:
     """Names of the full blocks of packed tokens (4 bytes each): block i's name hashes
-    the name of block i - 1 and its own tokens, so equal names mean equal prefixes."""
+    the name of block i - 1 and its own tokens, so equal names mean equal prefixes (under
+    one LoRA adapter: each adapter's blocks are its own, as in vLLM's cache)."""
     width = 4 * block_size
     out = []
-    h = 0
+    h = hash(lora) if lora else 0
     for i in range(len(tokens) // width):
         h = hash((h, tokens[i * width : (i + 1) * width]))
         out.append(h)
@@ -107,10 +108,10 @@ class KvAdmission:
     def active(self) -> bool:
         return self.enabled and self.blocks > 0 and self.block_size > 0
 
-    def ticket(self, tokens: bytes, max_tokens: int) -> Ticket:
-        """What a prompt of packed `tokens` would reserve."""
+    def ticket(self, tokens: bytes, max_tokens: int, lora: str = "") -> Ticket:
+        """What a prompt of packed `tokens` (under LoRA adapter `lora`) would reserve."""
         bs = self.block_size or 1
-        chain = block_chain(tokens, bs) if self.active else ()
+        chain = block_chain(tokens, bs, lora) if self.active else ()
         rest = len(tokens) // 4 - len(chain) * bs
         expected = math.ceil(max_tokens * max(self.output_ratio, MIN_RATIO) * self.output_reserve)
         return Ticket(chain, math.ceil((rest + expected) / bs), max_tokens, rest, expected)

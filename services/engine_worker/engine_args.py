@@ -10,6 +10,8 @@ worker's `--model`, `--max-model-len`, `--max-num-seqs`, `--kv-cache-blocks`, an
 placement's (`placement_defaults`): CUDA graphs on GPUs (`enforce_eager` only without
 one), tensor parallel over the replica's GPUs. An argument given explicitly wins over those defaults, and
 `--no-enable-prefix-caching` is honoured (the router then finds no cache to exploit).
+`--lora-modules NAME=PATH ...` (vLLM's server flag) starts the engine with those LoRA
+adapters (`lora.py`).
 """
 
 from __future__ import annotations
@@ -61,9 +63,13 @@ def vllm_parser(prog: str = "vLLM engine arguments") -> argparse.ArgumentParser:
 
 def explicit(argv: list[str]) -> dict[str, Any]:
     """`AsyncEngineArgs` fields given in `argv`, parsed by vLLM's parser (only those
-    given: every default is suppressed). Exits with vLLM's message on a bad argument."""
+    given: every default is suppressed). Exits with vLLM's message on a bad argument.
+    `--lora-modules` is left to `lora.py` (it is not an engine argument in vLLM)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from services.engine_worker.lora import split_lora_modules
+
+    argv, _ = split_lora_modules(argv)
     if not argv:
         return {}
     parser = vllm_parser()

@@ -84,6 +84,8 @@ class Feeder:
         """Load (`Prompt.load`) of everything held (submitted or pending): the replica's."""
         self.jobs: Counter[str] = Counter()
         """Prompts held per job (the status shows them: progress before any row is done)."""
+        self.loras: Counter[str] = Counter()
+        """Prompts held per LoRA adapter (the router keeps an adapter's work together)."""
         self.open = True
         """False while the engine is dead or the worker stops: nothing more is submitted."""
 
@@ -95,6 +97,8 @@ class Feeder:
         for held in prompts:
             self.held_tokens += held.prompt.load
             self.jobs[held.prompt.job] += 1
+            if held.prompt.lora:
+                self.loras[held.prompt.lora] += 1
             self.pending.append(held)
         self.feed()
 
@@ -108,7 +112,7 @@ class Feeder:
         return not held.suspect
 
     def ticket(self, held: Held) -> Ticket:
-        return self.admission.ticket(held.prompt.tokens, max_tokens(held))
+        return self.admission.ticket(held.prompt.tokens, max_tokens(held), held.prompt.lora)
 
     def feed(self) -> None:
         """Submit pending prompts while the window and the KV cache have room."""
@@ -145,6 +149,10 @@ class Feeder:
         self.jobs[prompt.job] -= 1
         if self.jobs[prompt.job] <= 0:
             del self.jobs[prompt.job]
+        if prompt.lora:
+            self.loras[prompt.lora] -= 1
+            if self.loras[prompt.lora] <= 0:
+                del self.loras[prompt.lora]
 
     def drop_pending(self) -> list[Held]:
         """The engine died: pending prompts are no longer held here (the worker

@@ -12,7 +12,8 @@ With `kv_events_config` enabled, vLLM's scheduler publishes, once per engine ste
 The router keys prompts differently: `shared.prefix.block_keys.block_hashes`, a blake2b
 chain over `HASH_BLOCK_SIZE`-token blocks. vLLM's hashes are its own (its
 `prefix_caching_hash_algo`, sha256 by default, over pickled tokens and extra keys such as
-a LoRA or `cache_salt`; truncated to 64 bits in events) and its blocks may be smaller (16
+a LoRA or `cache_salt`; truncated to 64 bits in events; a LoRA adapter's chain starts
+from its name, `BlockStored.lora_name`, as our keys do) and its blocks may be smaller (16
 tokens on GPUs) than ours, equal (128 on this CPU build, its default), or larger. The translator rebuilds our chain from the
 events' token ids: per cached engine block it keeps where it ends, our chain digest at
 the last hash boundary before that, and the tokens since (fewer than a hash block).
@@ -45,7 +46,8 @@ from typing import Any
 import msgspec
 
 from shared.prefix import tokens as tk
-from shared.prefix.block_keys import HASH_BLOCK_SIZE
+from services.engine_worker.lora import BASE_STANDIN
+from shared.prefix.block_keys import HASH_BLOCK_SIZE, lora_root
 from shared.wire.messages import CacheOp
 
 # --- vLLM's event messages (vllm/distributed/kv_events.py), mirrored ----------------------
@@ -208,7 +210,8 @@ class KeyTranslator:
         for i, h in enumerate(event.block_hashes):
             node = self._nodes.get(h)
             if node is None:
-                node = self._new(h, parent, tk.pack(event.token_ids[i * size : (i + 1) * size]), out)
+                node = self._new(h, parent, tk.pack(event.token_ids[i * size : (i + 1) * size]), out,
+                                 "" if event.lora_name in (None, BASE_STANDIN) else event.lora_name)
             else:  # another physical copy of a cached block
                 node.copies += 1
                 self._nodes.move_to_end(h)
@@ -217,8 +220,9 @@ class KeyTranslator:
             self.dropped += 1
             self._kill(next(iter(self._nodes)), out)
 
-    def _new(self, h: EngineHash, parent: _Node | None, tokens: bytes, out: list[KeyEvent]) -> _Node:
-        chain, tail = (parent.chain, parent.tail) if parent else (b"", b"")
+    def _new(self, h: EngineHash, parent: _Node | None, tokens: bytes, out: list[KeyEvent], lora: str = "") -> _Node:
+        # A LoRA adapter's chain starts at its own root (`block_keys.lora_root`), as its keys do.
+        chain, tail = (parent.chain, parent.tail) if parent else (lora_root(lora), b"")
         buf = tail + tokens
         step = self.hash_block_size * tk.WIDTH
         keys = []

@@ -461,7 +461,7 @@ class EngineWorker:
                 try:
                     sampling = prompt_sampling(prompt, spec.sampling)  # the row's own, else the job's
                     started = time.time()
-                    completion = await self.engine.generate(request_id, prompt.id, token_ids, sampling, priority)
+                    completion = await self.engine.generate(request_id, prompt.id, token_ids, sampling, priority, prompt.lora)
                 except msgspec.DecodeError as exc:  # a (newer) sampling field this worker cannot read
                     error = f"bad sampling parameters: {exc}"
                 except RequestFailed as exc:
@@ -522,6 +522,9 @@ class EngineWorker:
             cache_epoch=self.cache_epoch,
             decode_cost=s.decode_cost,
             preemptions=s.preemptions,
+            adapters=self.engine.adapters,
+            lora_slots=self.engine.lora_slots,
+            loras=dict(self.feeder.loras),
             cached_tokens=self.cached_tokens,
             completed=self.completed,
             output_tokens=self.output_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from services.ingestor.chat import renderer_for
 from services.ingestor.plan import Model
+from services.ingestor.row import model_names
 from shared.prefix.tokenize import load_tokenizer, model_max_len
 
 
@@ -18,4 +19,5 @@ def load_model(model: str, max_model_len: int, hash_block_size: int) -> Model:
         render_chat=renderer_for(model).render,
         # vLLM tokenizes a rendered conversation without adding special tokens.
         encode_chat_batch=lambda texts: [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)],
+        names=model_names(model),
     )

@@ -50,6 +50,8 @@ class Model:
     encode_chat_batch: Callable[[list[str]], Sequence[Sequence[int]]] | None = None
     """Tokenize rendered chat prompts without adding special tokens (vLLM's chat path);
     None: `encode_batch`."""
+    names: frozenset[str] = frozenset()
+    """Names of the base model (a row's `lora` naming it means no adapter)."""
 
 
 @dataclass
@@ -98,7 +100,7 @@ def plan_batch(
         return {"src": plan.src, "row": len(plan.kept[job]) - 1}
 
     # 1. Parse and validate; collect what to tokenize.
-    good: list[tuple[str, Record, m.SamplingSpec, bytes]] = []
+    good: list[tuple[str, Record, m.SamplingSpec, bytes, str]] = []
     for i, msg in enumerate(incoming):
         job = msg.job
         lookup = jobs[job]
@@ -120,19 +122,19 @@ def plan_batch(
                     plan.errors[job].append(m.error_result(parsed.id, parsed.error, src=parsed.src, row=parsed.row))
                 continue
             try:  # chat rendering and the row's own sampling (`row.py`)
-                parsed, sampling, row_spec = prepare_row(parsed, lookup.spec, model.render_chat)
+                parsed, sampling, row_spec, lora = prepare_row(parsed, lookup.spec, model.render_chat, model.names)
             except ValueError as exc:
                 plan.errors[job].append(m.error_result(parsed.id, str(exc), **ref(job, parsed)))
                 continue
-            good.append((job, parsed, sampling, row_spec))
+            good.append((job, parsed, sampling, row_spec, lora))
     # 2. Tokenize in one call (chat prompts in another: no special tokens added).
     # Pre-tokenized rows skip it.
-    texts = [rec.prompt for _, rec, _, _ in good if rec.tokens is None and rec.messages is None]
-    chats = [rec.prompt for _, rec, _, _ in good if rec.tokens is None and rec.messages is not None]
+    texts = [g[1].prompt for g in good if g[1].tokens is None and g[1].messages is None]
+    chats = [g[1].prompt for g in good if g[1].tokens is None and g[1].messages is not None]
     encoded = iter(model.encode_batch(texts) if texts else [])
     encoded_chat = iter((model.encode_chat_batch or model.encode_batch)(chats) if chats else [])
     # 3. Check lengths and vocabulary; shard by the first block.
-    for job, rec, sampling, row_spec in good:
+    for job, rec, sampling, row_spec, lora in good:
         if rec.tokens is not None:
             tokens = rec.tokens
         else:
@@ -148,7 +150,7 @@ def plan_batch(
             plan.errors[job].append(m.error_result(rec.id, err, prompt_tokens=n, **ref(job, rec)))
             continue
         node = pick_node(first_block_key(tokens, model.hash_block_size))
-        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, b"", budget, row_spec, **ref(job, rec)))
+        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, b"", budget, row_spec, **ref(job, rec), lora=lora))
     return plan
 
 

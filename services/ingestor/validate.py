@@ -16,11 +16,11 @@ from typing import Any
 import msgspec
 
 from shared.prefix import tokens as tk
-from shared.wire.messages import INGEST_SRC_BASE, ROW_FIELD, SRC_FIELD, PromptId
+from shared.wire.messages import INGEST_SRC_BASE, LORA_FIELD, ROW_FIELD, SRC_FIELD, PromptId
 from shared.wire.structured import ROW_FIELDS
 
 ID_HEADER = "Pfx-Id"
-PLAN_FIELDS = frozenset(("prompt", "messages", "prompt_token_ids", *ROW_FIELDS))
+PLAN_FIELDS = frozenset(("prompt", "messages", "prompt_token_ids", LORA_FIELD, *ROW_FIELDS))
 """Fields of a row the plan reads (the rest are input columns, kept aside)."""
 
 _json = msgspec.json.Decoder(dict[str, Any])

@@ -37,8 +37,8 @@ from shared.wire import subjects
 
 log = structlog.get_logger()
 
-Place = Callable[[int, int, Sequence[int], int], tuple[Assignments, list[int]] | None]
-"""(prompts, work tokens, prefix key, output budget) -> (assignments recorded in the fleet,
+Place = Callable[[int, int, Sequence[int], int, str], tuple[Assignments, list[int]] | None]
+"""(prompts, work tokens, prefix key, output budget, LoRA adapter) -> (assignments recorded in the fleet,
 what each was charged), or None when no live replica has room."""
 
 RESCUE_BATCH = 8
@@ -123,8 +123,9 @@ class Failover:
         # deliveries travel in its headers, and the replica that gets it isolates its
         # prompts (services/engine_worker/isolate.py), so only a prompt that kills an
         # engine by itself becomes an error row.
+        loras = {p.lora for p in work.prompts}
         placed = self.place(len(work.prompts), sum(p.work_tokens for p in work.prompts), work.key,
-                            sum(p.max_tokens for p in work.prompts))
+                            sum(p.max_tokens for p in work.prompts), loras.pop() if len(loras) == 1 else "")
         if not placed:
             return False
         headers = moved_headers(msg)

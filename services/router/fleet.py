@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
+from services.router.adapters import Adapters
 from services.router.block_index import BlockIndex
 from services.router.prefix_index import NO_MATCH, Match, PrefixIndex
 from shared.prefix.block_keys import HASH_BLOCK_SIZE
@@ -129,6 +130,8 @@ class Replica:
     decode_cost: float = 0.0
     """What an output token costs its engine in uncached prompt tokens, as it measured and
     reported it (0: not yet; the fleet's then stands in)."""
+    adapters: Adapters = field(default_factory=Adapters)
+    """The LoRA adapters it serves and holds work of (`adapters.py`)."""
 
 class Fleet:
     def __init__(
@@ -196,13 +199,18 @@ class Fleet:
         cache_epoch: str = "",
         ts: float | None = None,
         decode_cost: float = 0.0,
+        adapters: Sequence[str] = (),
+        lora_slots: int = 0,
+        loras: dict[str, int] | None = None,
     ) -> None:
         """Apply a status message: completed work leaves the outstanding count, which is
         never below what the replica itself reports in flight. `kv_blocks` counts engine
         blocks of `engine_block_size` tokens (0: not reported, taken as hash blocks). `ts`:
         when the replica wrote the status, by its clock (its rate is measured on that clock,
         not on when statuses arrive; default `now`). `decode_cost`: what an output token
-        costs its engine in uncached prompt tokens, as it measured it (0: not yet). A new
+        costs its engine in uncached prompt tokens, as it measured it (0: not yet).
+        `adapters`, `lora_slots`, `loras`: the LoRA adapters it serves, how many its engine
+        runs at once, the prompts it holds per adapter (`adapters.py`). A new
         `cache_epoch` (its engine's cache started empty) forgets its history: its
         prefixes are no longer there."""
         r = self.replicas.get(name)
@@ -227,6 +235,7 @@ class Fleet:
         if ready:
             r.last_ready = now
         r.engine_block_size = engine_block_size
+        r.adapters.observe(adapters, lora_slots, loras or {})
         if decode_cost > 0:  # the fleet's average, kept as a sum (a status is no pass over the fleet)
             self._decode_sum += decode_cost - r.decode_cost
             self._decode_n += not r.decode_cost
@@ -323,9 +332,10 @@ class Fleet:
             if r.ready and now - r.last_seen < dead_after and (not r.window or r.outstanding < lead_cap(r, avg))
         ]
 
-    def assign(self, r: Replica, prompts: int, tokens: int, key: Sequence[int]) -> None:
+    def assign(self, r: Replica, prompts: int, tokens: int, key: Sequence[int], lora: str = "") -> None:
         r.outstanding += tokens
         r.routed_prompts += prompts
+        r.adapters.assign(lora, prompts)
         if prompts:
             self.avg_prompt_tokens = 0.9 * self.avg_prompt_tokens + 0.1 * (tokens / prompts) if self.avg_prompt_tokens else tokens / prompts
         if key:
@@ -343,10 +353,11 @@ class Fleet:
                 self.index.remove(r, old)
                 r.history_blocks -= len(old)
 
-    def assign_all(self, placed: Sequence[tuple[Replica, int]], costs: Sequence[int], key: Sequence[int]) -> None:
+    def assign_all(self, placed: Sequence[tuple[Replica, int]], costs: Sequence[int], key: Sequence[int],
+                   lora: str = "") -> None:
         """`assign` a bucket's pieces, each with its cost."""
         for (r, n), cost in zip(placed, costs, strict=True):
-            self.assign(r, n, cost, key)
+            self.assign(r, n, cost, key, lora)
 
     def estimate(self, prompts: int, tokens: int, output: int, key: Sequence[int]) -> int:
         """The engine cost of a bucket wherever it goes (nothing of it cached yet): see

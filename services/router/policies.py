@@ -31,6 +31,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from services.router.adapters import adapter_candidates
 from services.router.fleet import NAME, OUTSTANDING, Fleet, Replica
 from services.router.hot import HotPrefixes, group_of, rendezvous
 from services.router.prefix_index import NO_MATCH, Match
@@ -40,12 +41,17 @@ MIN_SPLIT_PROMPTS = 8
 
 
 Assignments = list[tuple[Replica, int]]
-Part = tuple  # (prompts, tokens, key) or (prompts, tokens, key, output)
+Part = tuple  # (prompts, tokens, key[, output[, lora]])
 
 
 def part_output(part: Part) -> int:
     """A route part's output budget (-1: not told)."""
     return part[3] if len(part) > 3 else -1
+
+
+def part_lora(part: Part) -> str:
+    """A route part's LoRA adapter (empty: the base model)."""
+    return part[4] if len(part) > 4 else ""
 
 
 class Policy:
@@ -60,22 +66,24 @@ class Policy:
     """Of the last decision: what each returned assignment was charged (`Fleet.charge`)."""
 
     def route(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int],
-              output: int = -1) -> Assignments | None:
+              output: int = -1, lora: str = "") -> Assignments | None:
         """Pick replicas for a bucket and record the assignment in `fleet`: its load is its
         engine cost (`Fleet.estimate` to choose, `Fleet.charge` on the replicas chosen)
-        once `output`, the output budget among its `tokens`, is told."""
+        once `output`, the output budget among its `tokens`, is told. `lora`: its LoRA
+        adapter (empty: the base model)."""
         self.last_matches = []
         self.last_costs = []
-        chosen = self.choose(fleet, now, prompts, fleet.estimate(prompts, tokens, output, key), key)
+        chosen = self.choose(fleet, now, prompts, fleet.estimate(prompts, tokens, output, key), key, lora)
         if not chosen:
             return None
         if key:
             self.last_matches = [fleet.best_match(r, key)[0] for r, _ in chosen]
         self.last_costs = fleet.charges(chosen, prompts, tokens, output, key)
-        fleet.assign_all(chosen, self.last_costs, key)
+        fleet.assign_all(chosen, self.last_costs, key, lora)
         return chosen
 
-    def choose(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int]) -> Assignments | None:
+    def choose(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int],
+               lora: str = "") -> Assignments | None:
         raise NotImplementedError
 
     def route_parts(
@@ -83,10 +91,13 @@ class Policy:
     ) -> Assignments | None:
         """Route a batch given its parts as (prompts, tokens, key[, output]): a pooled
         batch (no `key`), or a keyed bucket whose prompts share longer prefixes in groups.
-        Baselines and the reference route it as one batch with the bucket's key."""
+        Baselines and the reference route it as one batch with the bucket's key (and the
+        adapter of its parts, when they share one)."""
         outputs = [part_output(p) for p in parts]
         output = -1 if any(o < 0 for o in outputs) else sum(outputs)
-        return self.route(fleet, now, sum(p[0] for p in parts), sum(p[1] for p in parts), list(key), output)
+        loras = {part_lora(p) for p in parts}
+        return self.route(fleet, now, sum(p[0] for p in parts), sum(p[1] for p in parts), list(key), output,
+                          loras.pop() if len(loras) == 1 else "")
 
 
 class RoundRobin(Policy):
@@ -95,7 +106,7 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, fleet, now, prompts, tokens, key):
+    def choose(self, fleet, now, prompts, tokens, key, lora=""):
         candidates = fleet.open(now)
         if not candidates:
             return None
@@ -119,7 +130,7 @@ def least_loaded(replicas: Sequence[Replica], *, last: bool = False) -> Replica:
 class LeastLoaded(Policy):
     name = "least-loaded"
 
-    def choose(self, fleet, now, prompts, tokens, key):
+    def choose(self, fleet, now, prompts, tokens, key, lora=""):
         candidates = fleet.open(now)
         if not candidates:
             return None
@@ -134,7 +145,7 @@ class Daft(Policy):
     LOAD_SLACK = 256
     HISTORY = 8
 
-    def choose(self, fleet, now, prompts, tokens, key):
+    def choose(self, fleet, now, prompts, tokens, key, lora=""):
         candidates = fleet.open(now)
         if not candidates:
             return None
@@ -232,11 +243,11 @@ class PrefixAware(Policy):
             return 1
         return max(1, min(n, prompts // MIN_SPLIT_PROMPTS, math.ceil(tokens / share) if share else n))
 
-    def choose(self, fleet, now, prompts, tokens, key):
+    def choose(self, fleet, now, prompts, tokens, key, lora=""):
         candidates = fleet.open(now)
         if not candidates:
             return None
-        return self.place(fleet, candidates, prompts, tokens, key, now)
+        return self.place(fleet, candidates, prompts, tokens, key, now, lora)
 
     def spread(self, fleet: Fleet, candidates: list[Replica], tokens: int, key: Sequence[int],
                now: float) -> list[Replica] | None:
@@ -255,11 +266,14 @@ class PrefixAware(Policy):
         return [r for r in candidates if id(r) in members] or candidates
 
     def place(self, fleet: Fleet, candidates: list[Replica], prompts: int, tokens: int, key: Sequence[int],
-              now: float = 0.0) -> Assignments:
+              now: float = 0.0, lora: str = "") -> Assignments:
         """(replica, prompts) for one bucket among `candidates`: its best replica, or the
         best `pieces` of them for a bucket far larger than the work they hold. A hot
         group's bucket goes to the least loaded replicas of its set instead: each of them
-        holds the prefix after its first piece, so load decides, not the match."""
+        holds the prefix after its first piece, so load decides, not the match. A LoRA
+        adapter's bucket goes among the candidates that have the adapter's work already
+        or a free adapter slot (`adapters.py`)."""
+        candidates = adapter_candidates(candidates, lora, fleet.hungry)
         hot_set = self.spread(fleet, candidates, tokens, key, now)
         if hot_set is not None:
             parts = self.pieces(hot_set, prompts, tokens)
@@ -290,15 +304,15 @@ class PrefixAware(Policy):
         out: Assignments = []
         for i, part in enumerate(parts):
             prompts, tokens, part_key = part[:3]
-            output = part_output(part)
+            output, lora = part_output(part), part_lora(part)
             if i:  # the previous part changed loads (and caps, through the average prompt)
                 candidates = fleet.open(now) or fleet.live(now)
             placed = self.place(fleet, candidates, prompts, fleet.estimate(prompts, tokens, output, part_key),
-                                part_key, now)
+                                part_key, now, lora)
             if part_key:
                 self.last_matches += [fleet.best_match(r, part_key)[0] for r, _ in placed]
             costs = fleet.charges(placed, prompts, tokens, output, part_key)
-            fleet.assign_all(placed, costs, part_key)
+            fleet.assign_all(placed, costs, part_key, lora)
             extend_merged(out, placed, self.last_costs, costs)
         return out
 

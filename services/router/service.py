@@ -73,6 +73,9 @@ class Router:
             cache_epoch=status.cache_epoch,
             ts=status.ts,
             decode_cost=status.decode_cost,
+            adapters=status.adapters,
+            lora_slots=status.lora_slots,
+            loras=status.loras,
         )
         r = self.fleet.replicas[status.replica]
         if self.fleet.written_off > written_off:
@@ -100,10 +103,10 @@ class Router:
     def route(self, req: m.RouteRequest) -> m.RouteReply:
         now = time.monotonic()
         if req.parts:
-            chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key, p.output) for p in req.parts],
+            chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key, p.output, p.lora) for p in req.parts],
                                              req.key)
         else:
-            chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key, req.output)
+            chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key, req.output, req.lora)
         if chosen is None:
             # Capped: retry once the next status may have freed room (~50 ms); none live: 1 s.
             metrics.ROUTER_DECISIONS.labels(self.policy.name, "retry_after").inc()
@@ -141,10 +144,10 @@ class Router:
             metrics.ROUTER_OUTSTANDING.labels(r.name).set(r.outstanding)
             metrics.ROUTER_LIVE.labels(r.name).set(1.0 if self.fleet.is_live(r, now) else 0.0)
 
-    def place(self, prompts: int, tokens: int, key, output: int = -1) -> tuple[list, list[int]] | None:
+    def place(self, prompts: int, tokens: int, key, output: int = -1, lora: str = "") -> tuple[list, list[int]] | None:
         """Route a batch with the current policy (failover re-places a dead replica's
         work): the assignments and what each was charged, or None."""
-        chosen = self.policy.route(self.fleet, time.monotonic(), prompts, tokens, key, output)
+        chosen = self.policy.route(self.fleet, time.monotonic(), prompts, tokens, key, output, lora)
         return None if chosen is None else (chosen, self.policy.last_costs)
 
     def set_policy(self, name: str) -> None:

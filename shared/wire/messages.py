@@ -227,6 +227,9 @@ SRC_FIELD = "_pfx_src"
 blob the ingestor writes)."""
 ROW_FIELD = "_pfx_row"
 """Ingest-message field: the row's index in that blob's record batch."""
+LORA_FIELD = "lora"
+"""Row column naming the row's LoRA adapter (an OpenAI batch line's `model` becomes it);
+empty, null or the base model's name: no adapter."""
 INGEST_SRC_BASE = 1 << 48
 """Blob numbers the ingestor uses for the extra fields of rows published without a
 reference (this plus the stream sequence of a batch's first message): never a client's
@@ -264,6 +267,10 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     (uncached prompt tokens, output tokens at their measured cost: `Fleet.charge`); set
     by the bucketer from the route reply. The worker reports it done in that unit. 0: not
     charged (`work_tokens` stands in)."""
+    lora: str = ""
+    """The LoRA adapter the row asked for (its `lora` column, or an OpenAI batch line's
+    `model`); empty: the base model. Its prefix keys are the adapter's own
+    (`block_keys.block_hashes`); an engine without that adapter answers an error row."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -437,6 +444,12 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     steps: `services/engine_worker/cost_fit.py`; 0: not measured yet)."""
     preemptions: int = 0
     """Cumulative requests vLLM preempted (out of KV cache; each is recomputed)."""
+    adapters: list[str] = []
+    """The LoRA adapters this replica serves (`--lora-modules`); empty: none."""
+    lora_slots: int = 0
+    """How many adapters its engine runs at once (vLLM's `--max-loras`; 0: no LoRA)."""
+    loras: dict[str, int] = {}
+    """Prompts held here per adapter (in the engine or waiting for its window)."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
@@ -455,6 +468,8 @@ class RoutePart(msgspec.Struct, array_like=True):
     key: list[int] = msgspec.field(default_factory=list)
     output: int = -1
     """Of `tokens`, output budget (sum of max_tokens); -1: not told (charged as tokens)."""
+    lora: str = ""
+    """The part's LoRA adapter (empty: the base model)."""
 
 
 class RouteRequest(msgspec.Struct, omit_defaults=True):
@@ -473,6 +488,8 @@ class RouteRequest(msgspec.Struct, omit_defaults=True):
     work is not counted twice."""
     output: int = -1
     """Of `tokens`, output budget (sum of max_tokens); -1: not told (charged as tokens)."""
+    lora: str = ""
+    """The bucket's LoRA adapter (empty: the base model; a pooled batch tells it per part)."""
 
 
 class Assignment(msgspec.Struct, array_like=True):
@@ -565,7 +582,7 @@ def prompt_fits(p: Prompt, max_bytes: int, hash_block_size: int) -> bool:
     `PromptBatch`, and in a `WorkBatch` with a bucket id and the longest key its bucket
     can have (a 64-bit hash per full block of it). An upper bound, without encoding."""
     ident = len(p.id.encode()) if isinstance(p.id, str) else 0
-    own = len(p.job.encode()) + ident + len(p.tokens) + len(p.columns) + len(p.sampling) + 64
+    own = len(p.job.encode()) + ident + len(p.tokens) + len(p.columns) + len(p.sampling) + len(p.lora.encode()) + 64
     key = 9 * (p.prompt_tokens // hash_block_size)
     return own + key + 64 <= max_bytes
 

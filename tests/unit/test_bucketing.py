@@ -21,10 +21,13 @@ PREFIXES = [[1] * 8, [1] * 4 + [2] * 4, [3] * 12, [3] * 2 + [4] * 3, []]
 prompts = st.tuples(st.sampled_from(range(len(PREFIXES))), st.lists(st.integers(0, 5), min_size=0, max_size=10)).map(
     lambda t: PREFIXES[t[0]] + t[1]
 ).filter(bool)
+LORAS = ["", "", "alpha", "beta"]
+"""A prompt's LoRA adapter (empty: the base model): the same text under two adapters is
+two prefixes."""
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("insert"), prompts),
+        st.tuples(st.just("insert"), st.tuples(prompts, st.sampled_from(LORAS))),
         st.tuples(st.just("advance"), st.floats(0, 3)),
         st.tuples(st.just("pop"), st.sampled_from([0, 0, 5, 40])),
     ),
@@ -33,14 +36,21 @@ ops = st.lists(
 
 
 def static_sizes(buf: PrefixBuffer) -> list[int]:
-    """Bucket sizes recomputed from scratch: sort, then cut by the reference rule."""
-    toks = sorted((key[0] for key in buf._items.keys()))
-    return split_sorted(toks, buf.threshold)
+    """Bucket sizes recomputed from scratch: sort, then cut by the reference rule (each
+    adapter's prompts apart)."""
+    sizes = []
+    for lora in sorted(set(LORAS)):
+        toks = sorted(key[1] for key in buf._items.keys() if key[0] == lora)
+        sizes += split_sorted(toks, buf.threshold)
+    return sizes
 
 
 def check_bucket(bucket, buf: PrefixBuffer) -> None:
     toks = [it.tokens for it in bucket.items]
     assert bucket.items
+    lora = bucket.items[0].lora
+    if bucket.key or not bucket.pooled:
+        assert all(it.lora == lora for it in bucket.items), "a bucket never mixes adapters"
     if bucket.key:
         assert toks == sorted(toks)
         assert len(bucket.items) >= buf.min_bucket
@@ -48,7 +58,7 @@ def check_bucket(bucket, buf: PrefixBuffer) -> None:
             assert linked(a, b, buf.threshold)
         common = tk.common_prefix(toks[0], toks[-1])
         assert bucket.prefix_len == common
-        assert bucket.key == block_hashes(toks[0][: common * tk.WIDTH], BLOCK)
+        assert bucket.key == block_hashes(toks[0][: common * tk.WIDTH], BLOCK, lora=lora)
 
 
 @settings(max_examples=300, deadline=None)
@@ -76,7 +86,7 @@ def test_no_loss_no_dup_bounds_wait_and_reference_buckets(ops, max_prompts, min_
         if op == "insert":
             uid = len(inserted)
             inserted[uid] = now
-            buf.insert(Item(tk.pack(arg), now, uid))
+            buf.insert(Item(tk.pack(arg[0]), now, uid, lora=arg[1]))
         elif op == "advance":
             now += arg
         else:

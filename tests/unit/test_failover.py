@@ -31,7 +31,7 @@ def test_no_room_means_wait_leased_not_nak(monkeypatch):
     room = {"open": False}
     published: list[str] = []
 
-    def place(prompts, tokens, key, output):
+    def place(prompts, tokens, key, output, lora):
         return ([(Replica("r1"), prompts)], [tokens]) if room["open"] else None
 
     async def publish(js, subject, payload, headers=None):
@@ -118,7 +118,7 @@ def test_a_batch_past_the_poison_limit_is_moved_with_its_strikes_not_error_rowed
         published.append((subject, payload, headers))
 
     monkeypatch.setattr("services.router.failover.publish", publish)
-    place = lambda prompts, tokens, key, output: ([(Replica("r1"), 2), (Replica("r2"), prompts - 2)], [20, 30])  # noqa: E731
+    place = lambda prompts, tokens, key, output, lora: ([(Replica("r1"), 2), (Replica("r2"), prompts - 2)], [20, 30])  # noqa: E731
     failover = Failover(Fleet(), place)
     failover.js = object()
     batch = m.WorkBatch("b1", [m.Prompt("j", i, b"\x00\x00\x00\x01" * 8, max_tokens=4) for i in range(5)], [7],

@@ -26,10 +26,13 @@ def test_only_engine_dead_or_a_dead_engine_means_death():
 class FakeEngine:
     """Raises `error` for every request (None: completes it)."""
 
+    adapters: list[str] = []
+    lora_slots = 0
+
     def __init__(self, error: BaseException | None, alive: bool = True) -> None:
         self.error, self._alive = error, alive
 
-    async def generate(self, request_id, prompt_id, tokens, sampling, priority=0) -> Completion:
+    async def generate(self, request_id, prompt_id, tokens, sampling, priority=0, lora="") -> Completion:
         if self.error is not None:
             raise self.error
         return Completion("ok", m.FinishReason.STOP, len(tokens), 0, 1)

@@ -223,9 +223,9 @@ def test_prompt_work_tokens():
 
 def test_array_like_extra_trailing_field_is_ignored():
     t12 = tk.pack([1, 2])
-    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, 90, "new-field"]], 2, {"new": "batch field"}])
+    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, 90, "a1", "new-field"]], 2, {"new": "batch field"}])
     out = m.prompt_batch_decoder.decode(raw)
-    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7, cost=90)], priority=2)
+    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7, cost=90, lora="a1")], priority=2)
     # A batch from an ingestor that predates priorities: weight 1.
     raw = msgspec.msgpack.encode([[["j", 1, t12]]])
     assert m.prompt_batch_decoder.decode(raw).priority == 1
@@ -233,8 +233,8 @@ def test_array_like_extra_trailing_field_is_ignored():
     raw = msgspec.msgpack.encode(["b1", [["j", "x", tk.pack([3])]], [9, 8], [1], 99])
     assert m.work_batch_decoder.decode(raw) == m.WorkBatch("b1", [m.Prompt("j", "x", tk.pack([3]))], [9, 8], [1])
 
-    raw = msgspec.msgpack.encode({"bucketer": "b", "prompts": 2, "tokens": 4, "parts": [[2, 4, [1], 3, "extra"]]})
-    assert m.route_request_decoder.decode(raw).parts == [m.RoutePart(2, 4, [1], 3)]
+    raw = msgspec.msgpack.encode({"bucketer": "b", "prompts": 2, "tokens": 4, "parts": [[2, 4, [1], 3, "a1", "extra"]]})
+    assert m.route_request_decoder.decode(raw).parts == [m.RoutePart(2, 4, [1], 3, "a1")]
     # ... and a part from before output budgets: not told (-1)
     raw = msgspec.msgpack.encode({"bucketer": "b", "prompts": 2, "tokens": 4, "parts": [[2, 4, [1]]]})
     assert m.route_request_decoder.decode(raw).parts[0].output == -1

@@ -61,7 +61,7 @@ class ScanningPrefixAware(PrefixAware):
         rest = sorted((r for r in candidates if r not in eligible), key=lambda r: (r.outstanding, r.name))
         return scored + rest
 
-    def choose(self, fleet, now, prompts, tokens, key):
+    def choose(self, fleet, now, prompts, tokens, key, lora=""):
         candidates = ref_open(fleet, now)
         if not candidates:
             return None

@@ -84,10 +84,17 @@ class Engine(Protocol):
     async def start(self) -> None:
         """Start (or, after `shutdown()`, start again)."""
 
+    adapters: list[str]
+    """LoRA adapters it serves (empty: none; the echo engines answer any)."""
+    lora_slots: int
+    """Adapters it runs at once (0: no LoRA)."""
+
     async def generate(
-        self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0
+        self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0,
+        lora: str = "",
     ) -> Completion:
-        """Raises `RequestFailed` (this request only) or `EngineDead`."""
+        """Raises `RequestFailed` (this request only, e.g. an adapter it does not serve)
+        or `EngineDead`. `lora`: the LoRA adapter's name (empty: the base model)."""
 
     def alive(self) -> bool:
         """False once the engine is known dead (even with no request in flight)."""

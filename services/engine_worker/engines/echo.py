@@ -11,7 +11,8 @@ tokens (the prompt's last ones, repeated as needed), `n` completions in `outputs
 n > 1, with `logprobs: k` one entry per token of the first completion holding the token
 and k + 1 alternatives (vLLM's most: the top k and the sampled one), and in the embed
 task (`PFX_TASK=embed`) an embedding of `PFX_ECHO_EMBED_DIM` floats (default 256, the
-local model's hidden size) instead of text.
+local model's hidden size) instead of text. They have no model, so no LoRA adapters:
+a row naming one is answered like any other.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class EchoEngine:
         self.seen = 0
         """Prompts submitted since the process started (across rebuilds)."""
         self.dead = False
+        self.adapters: list[str] = []
+        self.lora_slots = 0
 
     async def start(self) -> None:
         if self.start_seconds:
@@ -87,7 +90,8 @@ class EchoEngine:
             raise EngineDead("echo engine died")
 
     async def generate(
-        self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0
+        self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0,
+        lora: str = "",
     ) -> Completion:
         self._check(tokens)
         self.running += 1

@@ -10,13 +10,20 @@ import structlog
 
 from services.engine_worker.cost_fit import CostFit
 from services.engine_worker.engines.base import Completion, EngineDead, EngineStats, RequestFailed, request_seed
-from services.engine_worker.engine_args import build as build_engine_args
+from services.engine_worker.engine_args import build as build_engine_args, explicit
+from services.engine_worker.lora import lora_args, lora_requests, split_lora_modules, unknown_adapter, zero_adapter
 from services.engine_worker.requests import sampling_params, token_logprobs
 from shared.wire.messages import FinishReason, PromptId, SamplingSpec
 
 log = structlog.get_logger()
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _compact_json():
@@ -54,8 +61,15 @@ class VllmEngine:
             del self.args["structured_outputs_config"]
         # vLLM's own engine arguments over these defaults (services/engine_worker/engine_args.py);
         # parsed now, so a bad one stops the worker at start-up with vLLM's message.
-        self.engine_argv = list(engine_argv or [])
-        self.engine_args()
+        self.engine_argv, self.lora_modules = split_lora_modules(list(engine_argv or []))
+        self.base_standin = bool(self.lora_modules) and _on_cpu()
+        """Base-model requests go through a zero adapter (vLLM's CPU LoRA bug: `lora.py`)."""
+        self.args.update(lora_args(self.lora_modules, explicit(self.engine_argv), self.base_standin))
+        self.adapters = list(self.lora_modules)
+        """The LoRA adapters served (`--lora-modules`, `lora.py`)."""
+        self.lora_slots = self.engine_args().max_loras - self.base_standin if self.lora_modules else 0
+        self.loras: dict = {}
+        """Adapter name -> vLLM `LoRARequest` (built at start)."""
         self.stats = EngineStats()
         self.llm = None
         self.seeds_supported = True
@@ -111,6 +125,7 @@ class VllmEngine:
         # seconds); in a thread, the worker keeps reporting (not ready) meanwhile. AsyncLLM
         # supports this: it starts its output handler on the first request.
         args = self.engine_args()
+        self.loras = lora_requests(self.lora_modules, zero_adapter(self.args["model"]) if self.base_standin else None)
         self.llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args, stat_loggers=[StatusLogger])
         cache = self.llm.vllm_config.cache_config
         self.stats.kv_blocks = cache.num_gpu_blocks or self.stats.kv_blocks
@@ -122,12 +137,18 @@ class VllmEngine:
         return build_engine_args(self.args, self.engine_argv)
 
     async def generate(
-        self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0
+        self, request_id: str, prompt_id: PromptId, tokens: list[int], sampling: SamplingSpec, priority: int = 0,
+        lora: str = "",
     ) -> Completion:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
 
+        lora_request = self.loras.get(lora)  # "": the base model (on CPU, its zero adapter)
+        if lora and lora_request is None:
+            raise RequestFailed(unknown_adapter(lora, self.adapters))
         if self.task == "embed":
+            if lora:
+                raise RequestFailed("LoRA adapters are served for text generation only, not embeddings")
             return await self.embed(request_id, tokens, priority)
         try:
             params = sampling_params(sampling, self._seed(sampling, prompt_id))
@@ -138,7 +159,7 @@ class VllmEngine:
         final = None
         try:
             prompt = TokensPrompt(prompt_token_ids=tokens)
-            async for out in self.llm.generate(prompt, params, request_id, priority=priority):
+            async for out in self.llm.generate(prompt, params, request_id, priority=priority, lora_request=lora_request):
                 final = out
         except Exception as exc:  # noqa: BLE001 - classified: the engine is dead, or this request failed
             raise self.failure(exc) from exc
