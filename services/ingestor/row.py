@@ -31,10 +31,12 @@ def row_lora(columns: dict[str, Any], base: frozenset[str]) -> str:
     names); raises ValueError for a value that cannot name one. Whether an engine serves
     it is the engine-worker's to say (its error row)."""
     value = columns.get(LORA_FIELD)
-    if value is None or value == "" or value in base:
+    if value is None or value == "":
         return ""
     if not isinstance(value, str):
         raise ValueError(f"'{LORA_FIELD}' must be a string (a LoRA adapter's name), not {type(value).__name__}")
+    if value in base:
+        return ""
     if len(value) > MAX_LORA_NAME or not value.isprintable() or value != value.strip():
         raise ValueError(f"invalid LoRA adapter name {value[:64]!r} (printable, no surrounding spaces, "
                          f"at most {MAX_LORA_NAME} characters)")

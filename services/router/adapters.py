@@ -50,16 +50,36 @@ class HasAdapters(Protocol):
 R = TypeVar("R", bound=HasAdapters)
 
 
-def adapter_candidates(candidates: list[R], lora: str, hungry: Callable[[R], bool]) -> list[R]:
+def spare_slots(replicas: Sequence[HasAdapters]) -> int:
+    """Adapter slots of `replicas` beyond one per adapter they serve: how many adapters
+    could run on a second replica without another waiting for a slot (<= 0: none)."""
+    served: set[str] = set()
+    slots = 0
+    for r in replicas:
+        served |= r.adapters.served
+        slots += r.adapters.slots
+    return slots - len(served)
+
+
+def adapter_candidates(candidates: list[R], lora: str, hungry: Callable[[R], bool], spare: int = 0) -> list[R]:
     """Of `candidates` (replicas with room), those an adapter's bucket should go to:
-    the ones serving it (all, if none says it does: the engine's error row tells), of
-    those the warm ones plus any hungry one with a free slot; with no warm one, those
-    with a free slot; else all that serve it. The base model (`lora` empty): all."""
+    the ones serving it (all, if none says it does: the engines' error rows tell), of
+    those the warm ones (plus, while the fleet has `spare` slots, any hungry one with a
+    free slot); with no warm one, those with a free slot; else all that serve it. The
+    base model (`lora` empty): all. A cold adapter's bucket goes to one replica when the
+    fleet has no slot to spare (`spread_cold`)."""
     if not lora or not candidates:
         return candidates
     serving = [r for r in candidates if lora in r.adapters.served] or candidates
     warm = [r for r in serving if lora in r.adapters.held]
     free = [r for r in serving if lora not in r.adapters.held and len(r.adapters.held) < r.adapters.slots]
     if warm:
-        return warm + [r for r in free if hungry(r)]
+        return warm + [r for r in free if hungry(r)] if spare > 0 else warm
     return free or serving
+
+
+def spread_cold(candidates: Sequence[HasAdapters], lora: str, spare: int) -> bool:
+    """Whether an adapter's bucket may be split over several of `candidates` (its
+    `adapter_candidates`): always for the base model or an adapter already running on
+    them, else only while the fleet has slots to spare."""
+    return not lora or spare > 0 or any(lora in r.adapters.held for r in candidates)

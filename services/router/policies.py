@@ -31,7 +31,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from services.router.adapters import adapter_candidates
+from services.router.adapters import adapter_candidates, spare_slots, spread_cold
 from services.router.fleet import NAME, OUTSTANDING, Fleet, Replica
 from services.router.hot import HotPrefixes, group_of, rendezvous
 from services.router.prefix_index import NO_MATCH, Match
@@ -273,13 +273,17 @@ class PrefixAware(Policy):
         holds the prefix after its first piece, so load decides, not the match. A LoRA
         adapter's bucket goes among the candidates that have the adapter's work already
         or a free adapter slot (`adapters.py`)."""
-        candidates = adapter_candidates(candidates, lora, fleet.hungry)
+        may_split = True
+        if lora:
+            spare = spare_slots(fleet.live(now))
+            candidates = adapter_candidates(candidates, lora, fleet.hungry, spare)
+            may_split = spread_cold(candidates, lora, spare)
         hot_set = self.spread(fleet, candidates, tokens, key, now)
         if hot_set is not None:
-            parts = self.pieces(hot_set, prompts, tokens)
+            parts = self.pieces(hot_set, prompts, tokens) if may_split else 1
             ranked = heapq.nsmallest(parts, hot_set, key=by_load)
         else:
-            parts = self.pieces(candidates, prompts, tokens)
+            parts = self.pieces(candidates, prompts, tokens) if may_split else 1
             ranked = self.ranked(fleet, candidates, key, parts)
         if parts == 1:
             return [(ranked[0], prompts)]
