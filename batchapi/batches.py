@@ -18,6 +18,7 @@ from typing import Any
 
 from client.openai_batch import BadLine, _custom_id_of, parse_line
 from shared.openai_batch import EMBED_URL, URLS, error_line
+from shared.wire.messages import LORA_FIELD
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 MAX_LISTED_ERRORS = 100
@@ -66,10 +67,12 @@ class Parsed:
     """The bad lines as a Batch's `errors.data` entries (the first MAX_LISTED_ERRORS)."""
 
 
-def parse_file(path: Path, rows_path: Path, endpoint: str, served: set[str], max_requests: int) -> Parsed:
+def parse_file(path: Path, rows_path: Path, endpoint: str, served: set[str], max_requests: int,
+               adapters: frozenset[str] = frozenset()) -> Parsed:
     """Read the batch input at `path`; write the good requests as prefixflow rows (JSONL)
     to `rows_path`. A line is bad when it does not parse as a request, names another
-    endpoint than the batch's, or a model the cluster does not serve."""
+    endpoint than the batch's, or a model the cluster does not serve: neither one of the
+    base model's names (`served`) nor one of its LoRA `adapters` (its row's `lora`)."""
     out = Parsed()
     seen: set[str] = set()
     task = "embed" if endpoint == EMBED_URL else "generate"
@@ -81,8 +84,11 @@ def parse_file(path: Path, rows_path: Path, endpoint: str, served: set[str], max
                 custom_id, url, model, row = parse_line(n, line, seen, task)
                 if url != endpoint:
                     raise BadLine(f"url {url} in a batch for {endpoint}")
-                if model and model not in served:
-                    raise BadLine(f"model {model!r} is not served here (this cluster serves {sorted(served)[0]!r})")
+                if model in served:
+                    row.pop(LORA_FIELD, None)  # the base model, by any of its names
+                elif model and model not in adapters:
+                    also = f" and the LoRA adapters {', '.join(sorted(adapters))}" if adapters else ""
+                    raise BadLine(f"model {model!r} is not served here (this cluster serves {sorted(served)[0]!r}{also})")
                 if len(out.ids) >= max_requests:
                     raise BadLine(f"more than {max_requests} requests in one batch")
             except BadLine as exc:

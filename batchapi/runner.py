@@ -37,6 +37,7 @@ class Runner:
     def __init__(self, store: Store, nats_url: str, cfg) -> None:
         self.store, self.nats_url, self.cfg = store, nats_url, cfg
         self.served = b.served_names(cfg.model, cfg.served_names)
+        self.adapters = frozenset(n.strip() for n in cfg.lora_adapters.split(",") if n.strip())
         self.tasks: dict[str, asyncio.Task] = {}
 
     async def resume_all(self) -> None:
@@ -117,7 +118,7 @@ class Runner:
             with src.open("wb") as f:
                 await self.store.read_object(frec.object, f)
         return await asyncio.to_thread(b.parse_file, src, work / "rows.jsonl", rec.batch["endpoint"], self.served,
-                                       self.cfg.max_requests)
+                                       self.cfg.max_requests, self.adapters)
 
     async def execute(self, rec: BatchRec, work: Path) -> str:
         """Run the batch's job to its end: "" (every row), "cancelled" or "expired"."""

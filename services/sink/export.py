@@ -21,8 +21,9 @@ from shared.wire import subjects
 DELIVER = "openai-batch"
 """`JobSpec.deliver` of a job whose results the sink exports."""
 COLUMNS = ("id", "url", "output", "outputs", "finish_reason", "prompt_tokens", "cached_tokens", "output_tokens", "error",
-           "embedding")
-"""The output columns a result line is made of (`url`: the request's, kept as an input column)."""
+           "embedding", "lora")
+"""The output columns a result line is made of (`url`, `lora`: the request's, kept as input
+columns; a line that named a LoRA adapter is answered in its name)."""
 READ_ROWS = 4096
 
 
@@ -41,7 +42,8 @@ def write_lines(parts: list[Path], model: str, ok_path: Path, err_path: Path) ->
             columns = [c for c in COLUMNS if c in pf.schema_arrow.names]
             for batch in pf.iter_batches(batch_size=READ_ROWS, columns=columns):
                 for row in batch.to_pylist():
-                    good, line = result_line(str(row["id"]), row.get("url") or "", row, model, created)
+                    named = row.get("lora") or model
+                    good, line = result_line(str(row["id"]), row.get("url") or "", row, named, created)
                     (ok_f if good else err_f).write(json.dumps(line) + "\n")
                     n_ok += good
                     n_err += not good

@@ -323,6 +323,10 @@ class ApiConfig(CommonConfig, kw_only=True):
     served_names: Annotated[
         str, _d("other names requests may give the served model, comma separated (e.g. its hub id)")
     ] = ""
+    lora_adapters: Annotated[
+        str, _d("LoRA adapters the engines serve (their --lora-modules names), comma separated: a request "
+                "naming one as its model runs with that adapter")
+    ] = ""
     task: Annotated[
         Literal["generate", "embed"], _d("what the cluster's engines do (its batches serve the matching endpoints)")
     ] = "generate"
