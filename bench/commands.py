@@ -6,6 +6,7 @@ from __future__ import annotations
 def add_parsers(sub) -> None:
     from bench.batching import add_batching_parser
     from bench.fairness import add_fairness_parser
+    from bench.lora import add_lora_parser
     from bench.methods import add_methods_parser
     from bench.peer_runs import add_peers_parser
     from bench.pipeline import add_pipeline_parser
@@ -19,3 +20,4 @@ def add_parsers(sub) -> None:
     add_batching_parser(sub)
     add_soak_parser(sub)
     add_fairness_parser(sub)
+    add_lora_parser(sub)

@@ -41,7 +41,7 @@ import functools
 import heapq
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +50,7 @@ import numpy as np
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
 from services.engine_worker.admission import KvAdmission, Ticket
 from services.engine_worker.cost_fit import CostFit
+from services.engine_worker.feeder import LORA_SCAN
 from services.engine_worker.grouping import GroupPriorities
 from services.engine_worker.window import initial_window, next_window
 from services.router.fleet import Fleet
@@ -107,6 +108,9 @@ class Options:
     """Replicas ready at staggered times, evenly spread over [lo, hi] seconds in a
     seeded order (a real fleet's GPUs load the model tens of seconds apart), instead of
     all at the profile's `startup_s`."""
+    max_loras: int = 0
+    """LoRA adapters an engine runs at once (vLLM's `--max-loras`; a workload with adapters
+    needs it > 0; 0: no limit)."""
     record: bool = False
     """Keep a trace of every status and routing decision (decision-equivalence test)."""
     time_limit: float = 1e7
@@ -198,13 +202,20 @@ class Worker:
         self.pending: deque[tuple[int, tuple[int, ...]]] = deque()
         """Prompts of held work batches not yet submitted, with their bucket key (with the
         probe or admission the worker feeds prompt by prompt)."""
+        self.loras: Counter[str] = Counter()
+        """Prompts held per LoRA adapter (its status reports them: `Feeder.loras`)."""
+        self.engine_loras: Counter[str] = Counter()
+        """Prompts in the engine per adapter (`Feeder.engine_loras`)."""
 
     # feeding --------------------------------------------------------------------------
 
     def pull(self, now: float) -> None:
         if self.probe is None and self.admission is None:
             while self.queue and self.inflight < self.window:
-                self.submit(self.queue.popleft()[0], now)
+                batch = self.queue.popleft()[0]
+                if self.sim.wl.lora:
+                    self.engine_loras.update(a for a in map(self.sim.wl.lora_of, batch) if a)
+                self.submit(batch, now)
             return
         # As the worker's feeder: held prompts go in one by one while the window (one
         # prompt during the probe) and the KV cache (admission) have room.
@@ -215,10 +226,17 @@ class Worker:
         wl, admission, probe = self.sim.wl, self.admission, self.probe
         if admission is not None:
             admission.clock = self.engine.stats.steps
-        while self.pending and self.inflight + len(take) < (probe.limit if probe is not None else self.window):
-            i, key = self.pending[0]
+        slots, j = self.sim.opts.max_loras if self.sim.adapters else 0, 0
+        while j < len(self.pending) and self.inflight + len(take) < (probe.limit if probe is not None else self.window):
+            i, key = self.pending[j]
+            lora = wl.lora_of(i)
+            if slots and lora and lora not in self.engine_loras and len(self.engine_loras) >= slots:
+                j += 1  # as `Feeder.feed`: no slot for its adapter, the ones behind it go
+                if j >= LORA_SCAN:
+                    break
+                continue
             if admission is not None:
-                ticket = admission.ticket(wl.tokens[i], int(wl.output_len[i]))
+                ticket = admission.ticket(wl.tokens[i], int(wl.output_len[i]), wl.lora_of(i))
                 if not admission.admits(ticket):
                     break
                 admission.admit(ticket)
@@ -226,7 +244,9 @@ class Worker:
             if self.probe is not None and self.inflight + len(take) == 0:
                 self.probe.work_arrives(now, 0, int(wl.output_len[i]), self.engine.stats.decode_tokens)
             take.append(i)
-            self.pending.popleft()
+            del self.pending[j]
+            if lora:
+                self.engine_loras[lora] += 1
         if take:
             self.submit(take, now)
 
@@ -241,7 +261,7 @@ class Worker:
             tokens = wl.tokens[i]
             prio = self.groups.priority(tokens) if self.groups is not None else 0
             out = int(wl.output_len[i])
-            self.engine.add(Req(i, hashes[i], len(tokens) // 4, out, prio, now))
+            self.engine.add(Req(i, hashes[i], len(tokens) // 4, out, prio, now, lora=wl.lora_of(i)))
             self.inflight += 1
             self.inflight_tokens += int(sim.cost[i]) or len(tokens) // 4 + out
         if not self.busy and not self.engine.idle():
@@ -267,6 +287,11 @@ class Worker:
                 self.inflight_tokens -= work
                 self.done_tokens += work
                 self.completed += 1
+                if req.lora:
+                    for held in (self.loras, self.engine_loras):
+                        held[req.lora] -= 1
+                        if not held[req.lora]:
+                            del held[req.lora]
                 if self.admission is not None:
                     self.admission.release(self.tickets.pop(i), int(wl.output_len[i]))
                 sim.finish_time[i] = now
@@ -309,7 +334,8 @@ class Worker:
             )
         status = {"ready": True, "outstanding": self.inflight_tokens, "done_tokens": self.done_tokens,
                   "kv_blocks": eng.cfg.num_blocks, "window": self.window, "engine_block_size": eng.cfg.block_size,
-                  "decode_cost": self.cost_fit.ratio}
+                  "decode_cost": self.cost_fit.ratio, "adapters": self.sim.adapters,
+                  "lora_slots": self.sim.opts.max_loras if self.sim.adapters else 0, "loras": dict(self.loras)}
         self.sim.at(now + self.sim.profile.hop_s, self.sim.router.on_status, self.name, status)
         self.pull(now)
 
@@ -363,7 +389,8 @@ class RouterSim:
     def room(self, now: float) -> float:
         return self.fleet.room(now) if self.policy.eager else 0.0
 
-    def decide(self, now: float, prompts: int, tokens: int, key: list[int], parts: list[tuple], output: int = -1):
+    def decide(self, now: float, prompts: int, tokens: int, key: list[int], parts: list[tuple], output: int = -1,
+               lora: str = ""):
         if self.version == self.failed_version:
             # Every policy answers None only when no replica is open, and changes nothing
             # then; nothing happened since the last such answer (replicas only close with
@@ -372,7 +399,7 @@ class RouterSim:
         if parts:
             chosen = self.policy.route_parts(self.fleet, now, parts, key)
         else:
-            chosen = self.policy.route(self.fleet, now, prompts, tokens, key, output)
+            chosen = self.policy.route(self.fleet, now, prompts, tokens, key, output, lora)
         out = None if chosen is None else [(r.name, n, c) for (r, n), c in zip(chosen, self.policy.last_costs, strict=True)]
         if out is None:
             self.failed_version = self.version
@@ -381,8 +408,8 @@ class RouterSim:
         else:
             self.version += 1
         if self.trace is not None:
-            self.trace.append(("route", now, prompts, tokens, list(key), [(p, t, list(k), o) for p, t, k, o in parts],
-                               output, out))
+            self.trace.append(("route", now, prompts, tokens, list(key),
+                               [(p[0], p[1], list(p[2]), *p[3:]) for p in parts], output, out, lora))
         if out is not None:
             self.decisions += 1
             self.splits += len(out) > 1
@@ -438,7 +465,7 @@ class BucketerSim:
                 break
             for i in self.pending.popleft():
                 t = wl.tokens[i]
-                self.buffer.insert(Item(t, now, i, None, len(t) // 4 + int(wl.output_len[i])))
+                self.buffer.insert(Item(t, now, i, None, len(t) // 4 + int(wl.output_len[i]), wl.lora_of(i)))
             took = True
         if took:
             self.last_input = now
@@ -504,23 +531,26 @@ class BucketerSim:
         for b in chunk:
             self.sim.at(now + hop, self.route, b)
 
-    def route_request(self, bucket: Bucket) -> tuple[int, int, list[int], list[tuple[int, int, list[int], int]], int]:
-        """As `Bucketer.route_request`: (prompts, work tokens, key, parts, output budget)."""
+    def route_request(self, bucket: Bucket) -> tuple[int, int, list[int], list[tuple], int, str]:
+        """As `Bucketer.route_request`: (prompts, work tokens, key, parts, output budget,
+        LoRA adapter)."""
         parts = []
         start = 0
         out_len = self.sim.wl.output_len
         for n, key in bucket.parts:
             items = bucket.items[start : start + n]
-            parts.append((n, sum(it.weight for it in items), key, int(sum(out_len[it.payload] for it in items))))
+            parts.append((n, sum(it.weight for it in items), key, int(sum(out_len[it.payload] for it in items)),
+                          items[0].lora))
             start += n
         output = int(sum(out_len[it.payload] for it in bucket.items))
-        return len(bucket.items), sum(it.weight for it in bucket.items), bucket.key, parts, output
+        lora = "" if bucket.pooled or not bucket.items else bucket.items[0].lora
+        return len(bucket.items), sum(it.weight for it in bucket.items), bucket.key, parts, output, lora
 
     def route(self, now: float, bucket: Bucket, request=None) -> None:
         if request is None:  # built once per send, as the service encodes it once
             request = self.route_request(bucket)
-        prompts, tokens, key, parts, output = request
-        got = self.sim.router.decide(now, prompts, tokens, key, parts, output)
+        prompts, tokens, key, parts, output, lora = request
+        got = self.sim.router.decide(now, prompts, tokens, key, parts, output, lora)
         hop = self.sim.profile.hop_s
         if got is None:
             delay = self.sim.router.retry_after
@@ -590,8 +620,10 @@ class Sim:
         ecfg = EngineConfig(
             num_blocks=profile.kv_blocks, block_size=profile.block_size, max_num_seqs=profile.max_num_seqs,
             max_batched_tokens=profile.max_batched_tokens_offline if offline else profile.max_batched_tokens,
-            policy="priority" if prefix_groups else "fcfs",
+            policy="priority" if prefix_groups else "fcfs", max_loras=self.opts.max_loras,
         )
+        self.adapters = sorted(set(wl.lora) - {""}) if wl.lora else []
+        """The LoRA adapters of the workload: every replica serves them all."""
         self.workers = []
         admission = prefix_groups and self.opts.worker.kv_admission  # the product's worker, not the reference's
         for k in range(replicas):
@@ -604,6 +636,8 @@ class Sim:
         self.starts: list[float] = [0.0]
 
     def _receive(self, w: Worker, now: float, batch: list[int], key: tuple[int, ...] = ()) -> None:
+        if self.wl.lora:
+            w.loras.update(a for a in map(self.wl.lora_of, batch) if a)
         w.queue.append((batch, key))
         w.pull(now)
 

@@ -53,6 +53,10 @@ def add_parser(sub) -> None:
     src.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of --shape zipf")
     src.add_argument("--seed", type=int, default=0)
     src.add_argument("--model", default=None, help="tokenizer for a prompt column (default: the local tiny model)")
+    src.add_argument("--adapters", type=int, default=0,
+                     help="spread the prompts over this many LoRA adapters (prompt i under adapter i mod N; "
+                          "an --input's own `lora` column otherwise)")
+    p.add_argument("--max-loras", type=int, default=0, help="LoRA adapters an engine runs at once (0: no limit)")
     p.add_argument("--replicas", type=int, default=128)
     p.add_argument("--profile", default="l4-8b", help=f"{', '.join(PROFILES)}, or a JSON file (--calibrate --save-profile)")
     p.add_argument("--kv-blocks", type=int, default=0, help="override the profile's KV blocks per replica")
@@ -127,10 +131,16 @@ def options(args):
         if not 0 <= lo <= hi:
             raise SystemExit(f"--stagger {args.stagger!r}: want 0 <= LO <= HI")
         stagger = (lo, hi)
-    return Options(bucketer=b, router=r, worker=w, nodes=nodes, window_probe=args.window_probe, stagger=stagger)
+    return Options(bucketer=b, router=r, worker=w, nodes=nodes, window_probe=args.window_probe, stagger=stagger,
+                   max_loras=args.max_loras)
 
 
 def workload(args):
+    wl = shape_workload(args)
+    return wl.with_adapters(args.adapters) if args.adapters else wl
+
+
+def shape_workload(args):
     from sim import workload as W
 
     if args.input:

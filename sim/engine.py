@@ -32,6 +32,12 @@ Decoding requests advance in lockstep, one token per step, so their state is kep
 implicitly (the step they started decoding at) and a step touches only the requests
 that cross a block boundary or finish: a step costs O(changes), not O(running).
 
+LoRA adapters: a request may name one (`Req.lora`; its prompt blocks hash under it, so
+each adapter's cache is its own); with `max_loras`, at most that many adapters are among
+the running requests, and a waiting request of another one is passed over (vLLM's
+scheduler skips it and admits those behind it) until one of them has no request running.
+Loading an adapter and the LoRA computation itself take no time here.
+
 The time a step takes comes from a cost model (`sim.cost.Profile.step_seconds`).
 """
 
@@ -62,6 +68,7 @@ class Req:
         "epoch",
         "fin_step",
         "hashes",
+        "lora",
         "nfull",
         "order",
         "out_len",
@@ -75,8 +82,11 @@ class Req:
         "target",
     )
 
-    def __init__(self, rid: int, hashes, prompt_len: int, out_len: int, priority: int = 0, arrival: float = 0.0, tag=None) -> None:
+    def __init__(self, rid: int, hashes, prompt_len: int, out_len: int, priority: int = 0, arrival: float = 0.0, tag=None,
+                 lora: str = "") -> None:
         self.rid = rid
+        self.lora = lora
+        """Its LoRA adapter ("": none): it runs only while the engine has a slot for it."""
         self.hashes = hashes
         """Chain hashes of the prompt's full blocks (engine block size)."""
         self.prompt_len = prompt_len
@@ -133,6 +143,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 2048
     policy: str = "fcfs"
+    max_loras: int = 0
+    """LoRA adapters among the running requests at once (vLLM's `--max-loras`; 0: no limit):
+    a waiting request of one more adapter is passed over until a slot frees."""
     """fcfs or priority (vLLM's scheduling_policy)."""
 
 
@@ -149,6 +162,8 @@ class Engine:
         # start): `num_blocks` blocks hold num_blocks - 1 blocks of tokens.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, n))
         self.running: dict[int, Req] = {}
+        self.loras: dict[str, int] = {}
+        """Running requests per LoRA adapter (`EngineConfig.max_loras` bounds its size)."""
         """Admission order (FCFS preemption takes the last)."""
         self.prefilling: list[Req] = []
         self.waiting_fifo: deque[Req] = deque()
@@ -282,7 +297,17 @@ class Engine:
             return max(self.running.values(), key=lambda r: (r.priority, r.arrival, r.order))
         return next(reversed(self.running.values()))
 
+    def _running_lora(self, req: Req, delta: int) -> None:
+        """Count an adapter's requests among the running (its slot frees at 0)."""
+        if req.lora:
+            n = self.loras.get(req.lora, 0) + delta
+            if n:
+                self.loras[req.lora] = n
+            else:
+                del self.loras[req.lora]
+
     def _preempt(self, req: Req) -> None:
+        self._running_lora(req, -1)
         if req.state == 2:
             self._leave_decode(req)
         else:
@@ -300,6 +325,7 @@ class Engine:
         self._requeue_front(req)
 
     def _finish(self, req: Req) -> None:
+        self._running_lora(req, -1)
         del self.running[req.rid]
         self._release(req)
         req.state = 3
@@ -373,8 +399,13 @@ class Engine:
         if not preempted:
             st = self.stats
             cache, ref, max_seqs = self.cache, self.ref, self.cfg.max_num_seqs
+            max_loras, loras, passed = self.cfg.max_loras, self.loras, []
             while budget > 0 and len(running) < max_seqs and self.n_waiting:
                 req = self._peek()
+                if max_loras and req.lora and req.lora not in loras and len(loras) >= max_loras:
+                    passed.append(req)  # no slot for its adapter: the ones behind it may go (vLLM)
+                    self._pop_waiting()
+                    continue
                 target = req.prompt_len + req.output
                 hit_blocks = []
                 hashes = req.hashes
@@ -425,10 +456,13 @@ class Engine:
                 self._cache_upto(req, (hits + chunk) // bs)
                 req.state = 1
                 running[req.rid] = req
+                self._running_lora(req, 1)
                 self.prefilling.append(req)
                 plan.append((req, chunk))
                 budget -= chunk
                 ctx += hits + chunk
+            for req in reversed(passed):
+                self._requeue_front(req)
             st.max_running = max(st.max_running, len(running))
         self._planned = plan
         self._planned_dec = n_dec

@@ -38,6 +38,8 @@ class Workload:
     group: np.ndarray | None = None
     """Prefix group of each prompt when the generator knows it (statistics only)."""
     meta: dict = field(default_factory=dict)
+    lora: list[str] | None = None
+    """LoRA adapter of each prompt ("": the base model; None: every prompt the base model)."""
     _hashes: dict[int, list] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
@@ -54,8 +56,8 @@ class Workload:
         if got is None:
             step = block_size * 4
             got = []
-            for t in self.tokens:
-                h = 0
+            for i, t in enumerate(self.tokens):
+                h = hash(self.lora[i]) & HASH_MASK if self.lora and self.lora[i] else 0  # an adapter's own chain
                 out = array.array("q")
                 for k in range(0, len(t) - step + 1, step):
                     h = hash((h, t[k : k + step])) & HASH_MASK
@@ -69,7 +71,18 @@ class Workload:
 
     def subset(self, n: int) -> Workload:
         return Workload(f"{self.name}[:{n}]", self.tokens[:n], self.output_len[:n],
-                        None if self.group is None else self.group[:n], dict(self.meta))
+                        None if self.group is None else self.group[:n], dict(self.meta),
+                        None if self.lora is None else self.lora[:n])
+
+    def with_adapters(self, n: int) -> Workload:
+        """The same prompts spread over `n` LoRA adapters (`lora0` ...): prompt i under
+        adapter i mod n, so every prefix group is split over the adapters."""
+        lora = [f"lora{i % n}" for i in range(len(self.tokens))] if n else None
+        return Workload(f"{self.name}+{n}lora" if n else self.name, self.tokens, self.output_len, self.group,
+                        {**self.meta, "adapters": n}, lora)
+
+    def lora_of(self, i: int) -> str:
+        return self.lora[i] if self.lora else ""
 
 
 def _pack_rows(ids: np.ndarray) -> list[bytes]:
@@ -195,4 +208,5 @@ def from_file(path: str | Path, *, model: str | None = None, output_len: int = 1
     group = None
     if "prefix_id" in cols:
         group = np.asarray(table.column("prefix_id").to_numpy(zero_copy_only=False), dtype=np.int32)
-    return Workload(path.stem, tokens, out, group, {"source": str(path)})
+    lora = [x or "" for x in table.column("lora").to_pylist()] if "lora" in cols else None
+    return Workload(path.stem, tokens, out, group, {"source": str(path)}, lora)

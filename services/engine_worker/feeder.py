@@ -9,6 +9,11 @@ A prompt goes in only while the engine's KV cache has room for it as well
 (`admission.KvAdmission`: its prompt blocks no prompt in the engine holds yet, and its
 expected output), so vLLM rarely has to preempt.
 
+With LoRA adapters, a prompt goes in only while the engine has a slot for its adapter
+(`--max-loras`: at most that many adapters among the prompts in the engine): vLLM would
+hold a prompt of one more adapter back anyway, with its KV reservation and its place in
+the window taken; here the prompts behind it (other adapters, the base model) go first.
+
 A suspect batch (`WorkBatch.strikes` set: prompts in flight when an engine died,
 `isolate.py`) runs alone: it goes in only when the engine is empty, and nothing else goes
 in until it is done, so a further death points at it alone.
@@ -28,6 +33,10 @@ from shared.wire import messages as m
 
 if TYPE_CHECKING:  # the ledger's module talks to NATS; this one stays pure
     from shared.bus.ledger import Lease
+
+
+LORA_SCAN = 256
+"""Held prompts the feeder looks past for one whose adapter has a slot."""
 
 
 class Held(NamedTuple):
@@ -61,9 +70,13 @@ def max_tokens(held: Held) -> int:
 class Feeder:
     def __init__(
         self, window: Window, submit: Callable[[Held], None], generated: Callable[[], int], *,
-        admission: KvAdmission | None = None, steps: Callable[[], int] | None = None,
+        admission: KvAdmission | None = None, steps: Callable[[], int] | None = None, lora_slots: int = 0,
     ) -> None:
         self.window = window
+        self.lora_slots = lora_slots
+        """Adapters the engine runs at once (0: no limit)."""
+        self.engine_loras: Counter[str] = Counter()
+        """Prompts in the engine per adapter."""
         self.admission = admission or KvAdmission(enabled=False)
         """KV memory the prompts in the engine have reserved (`admission.py`)."""
         self.tickets: dict[int, Ticket] = {}
@@ -111,6 +124,10 @@ class Feeder:
             return held.lease is self.alone
         return not held.suspect
 
+    def has_slot(self, lora: str) -> bool:
+        """The engine can run a prompt of adapter `lora` now (the base model: always)."""
+        return not lora or not self.lora_slots or lora in self.engine_loras or len(self.engine_loras) < self.lora_slots
+
     def ticket(self, held: Held) -> Ticket:
         return self.admission.ticket(held.prompt.tokens, max_tokens(held), held.prompt.lora)
 
@@ -119,15 +136,26 @@ class Feeder:
         admission = self.admission
         if self.steps is not None:
             admission.clock = self.steps()
-        while self.pending and self.open and self.inflight < self.window.limit and self.may_submit(self.pending[0]):
-            held = self.pending[0]
+        i = 0  # prompts passed over: of adapters with no slot now
+        while i < len(self.pending) and self.open and self.inflight < self.window.limit:
+            held = self.pending[i]
+            if not self.may_submit(held):
+                break
+            lora = held.prompt.lora
+            if not self.has_slot(lora):
+                i += 1
+                if i >= LORA_SCAN:
+                    break
+                continue
             if admission.active:
                 ticket = self.ticket(held)
                 if not admission.admits(ticket):
                     break  # in order: it goes in when earlier prompts leave room
                 admission.admit(ticket)
                 self.tickets[id(held.prompt)] = ticket
-            self.pending.popleft()
+            del self.pending[i]
+            if lora:
+                self.engine_loras[lora] += 1
             if self.inflight == 0:
                 self.window.work_arrives(time.monotonic(), 0, max_tokens(held), self.generated())
             self.alone = held.lease if held.suspect else None
@@ -142,6 +170,10 @@ class Feeder:
             self.admission.release(ticket, output_tokens)
         if submitted:
             self.inflight -= 1
+            if prompt.lora:
+                self.engine_loras[prompt.lora] -= 1
+                if self.engine_loras[prompt.lora] <= 0:
+                    del self.engine_loras[prompt.lora]
             self.window.completed(time.monotonic())
             if self.inflight == 0:
                 self.alone = None

@@ -115,7 +115,7 @@ class EngineWorker:
         """The in-flight bound (`window.limit`), sized from measurements (`adapt_window`)."""
         self.feeder = Feeder(self.window, self.submit, lambda: self.engine.snapshot().generated,
                              admission=KvAdmission(enabled=cfg.kv_admission, output_reserve=cfg.kv_output_reserve),
-                             steps=lambda: self.engine.snapshot().steps)
+                             steps=lambda: self.engine.snapshot().steps, lora_slots=self.engine.lora_slots)
         """The prompts held here, submitted as the window allows."""
         self.kv: CacheEventForwarder | None = None
         """Sends the engine's KV-cache events to the router (`--kv-events`)."""

@@ -243,3 +243,21 @@ def test_feeder_reads_the_engines_steps_and_lets_in_what_fits_by_the_peak():
     feeder.feed()
     assert len(submitted) == 2, "at most 4 + 10 + 1 blocks at once"
     assert feeder.admission.reserved > feeder.admission.blocks >= feeder.admission.peak()
+
+
+def test_feeder_passes_over_prompts_of_an_adapter_without_a_slot():
+    """An engine of one LoRA slot: the prompts of a second adapter wait (in order) while
+    the first adapter's and the base model's go in; the slot frees when the first
+    adapter's last prompt is done, and the waiting adapter takes it."""
+    submitted: list[Held] = []
+    feeder = Feeder(Window(64, adaptive=False), submitted.append, lambda: 0, lora_slots=1)
+    prompts = [held(32, 8, [1], i) for i in range(6)]
+    for h, lora in zip(prompts, ["a", "b", "a", "", "b", "a"], strict=True):
+        h.prompt.lora = lora
+    feeder.hold(prompts)
+    assert [h.prompt.id for h in submitted] == [0, 2, 3, 5] and dict(feeder.engine_loras) == {"a": 3}
+    assert [h.prompt.id for h in feeder.pending] == [1, 4]
+    for h in [submitted[0], submitted[1], submitted[3]]:
+        feeder.finished(h.prompt, output_tokens=8)
+    feeder.feed()
+    assert [h.prompt.id for h in submitted] == [0, 2, 3, 5, 1, 4] and dict(feeder.engine_loras) == {"b": 2}

@@ -39,7 +39,11 @@ class Clock:
 def small_run(policy: str, monkeypatch):
     # Zipf-skewed prefixes: large groups (keyed buckets, splits) and a long tail (pooled
     # batches routed part by part); a KV cache and caps small enough for retry-after.
+    # Three LoRA adapters (prompt i under adapter i mod 4, one of them the base model) on
+    # engines of two slots: adapter-keyed buckets and the router's adapter candidates.
     wl = prefix_repetition(num_prompts=3000, prefix_len=256, suffix_len=128, num_prefixes=600, output_len=32, seed=3, zipf=1.1)
+    wl = wl.with_adapters(4)
+    wl.lora = [a if a != "lora3" else "" for a in wl.lora]
     profile = load_profile("l4-8b")
     profile.kv_blocks = 400
     built: list[tuple[m.RouteRequest, m.RouteRequest]] = []
@@ -50,16 +54,17 @@ def small_run(policy: str, monkeypatch):
         got = original(self, bucket)
         # The same bucket with wire prompts as payload, through the service's own code.
         wire = type(bucket)(
-            [type(it)(it.tokens, it.arrived, m.Prompt("j", it.payload, it.tokens, b"", int(wl.output_len[it.payload])), None, it.weight)
+            [type(it)(it.tokens, it.arrived, m.Prompt("j", it.payload, it.tokens, b"", int(wl.output_len[it.payload]),
+                                                      lora=it.lora), None, it.weight, it.lora)
              for it in bucket.items],
-            bucket.key, bucket.prefix_len, bucket.parts,
+            bucket.key, bucket.prefix_len, bucket.parts, bucket.pooled,
         )
         tokens = sum(it.payload.work_tokens for it in wire.items)
         built.append((real.route_request(wire, tokens, "b"), got))
         return got
 
     monkeypatch.setattr(BucketerSim, "route_request", both)
-    result = simulate(wl, profile, 6, policy, Options(nodes=2, record=True, include_startup=False))
+    result = simulate(wl, profile, 6, policy, Options(nodes=2, record=True, include_startup=False, max_loras=2))
     return result, built
 
 
@@ -101,11 +106,13 @@ def test_router_service_makes_the_sims_assignments(policy, monkeypatch):
             router.on_status(m.EngineStatus(
                 replica=name, ts=event[1], ready=st["ready"], outstanding_tokens=st["outstanding"],
                 done_tokens=st["done_tokens"], kv_blocks=st["kv_blocks"], block_size=st["engine_block_size"],
-                window=st["window"], decode_cost=st["decode_cost"],
+                window=st["window"], decode_cost=st["decode_cost"], adapters=st["adapters"],
+                lora_slots=st["lora_slots"], loras=st["loras"],
             ))
         else:
-            _, _, prompts, tokens, key, parts, output, sim_answer = event
-            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(*p) for p in parts], output=output)
+            _, _, prompts, tokens, key, parts, output, sim_answer, lora = event
+            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(*p) for p in parts], output=output,
+                                 lora=lora)
             reply = router.decide(req)
             got = [(a.replica, a.prompts, a.cost) for a in reply.assignments] if reply.assignments else None
             assert got == sim_answer, (answered, req)
@@ -113,9 +120,10 @@ def test_router_service_makes_the_sims_assignments(policy, monkeypatch):
     assert answered == len(routes)
     # The bucketer side: the service builds the same request from the same bucket.
     assert built
-    for service_req, (prompts, tokens, key, parts, output) in built:
-        assert (service_req.prompts, service_req.tokens, service_req.key, service_req.output) == (prompts, tokens, key, output)
-        assert [(p.prompts, p.tokens, p.key, p.output) for p in service_req.parts] == parts
+    for service_req, (prompts, tokens, key, parts, output, lora) in built:
+        assert (service_req.prompts, service_req.tokens, service_req.key, service_req.output, service_req.lora) == (
+            prompts, tokens, key, output, lora)
+        assert [(p.prompts, p.tokens, p.key, p.output, p.lora) for p in service_req.parts] == parts
     assert result.prompts == 3000
 
 

@@ -123,3 +123,34 @@ def test_preemption_recomputes_and_counts_lookups_apart():
     assert engine.stats.preemptions > 0
     assert engine.stats.preempted_queries > 0
     assert any(r.preemptions for r in reqs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(reqs=st.lists(st.tuples(st.sampled_from(["", "a", "b", "c"]), st.integers(1, 30), st.integers(1, 8)),
+                     min_size=1, max_size=30),
+       slots=st.integers(1, 2), policy=st.sampled_from(["fcfs", "priority"]))
+def test_lora_slots_bound_the_adapters_running_and_every_request_finishes(reqs, slots, policy):
+    """With `max_loras`, the running requests never hold more adapters than the slots (the
+    base model takes none); a request of another adapter waits, the ones behind it run."""
+    cfg = EngineConfig(num_blocks=60, block_size=BS, max_num_seqs=8, max_batched_tokens=64, policy=policy, max_loras=slots)
+    engine = Engine(cfg, lambda pf, dec, ctx: 0.01 + 0.001 * pf + 0.001 * dec)
+    for k, (lora, n, out) in enumerate(reqs):
+        engine.add(Req(k, chain(0, k, n // BS, min(n // BS, 2)), n, out, 0, float(k), lora=lora))
+    done, steps = [], 0
+    while not engine.idle():
+        done += engine.complete(engine.schedule())
+        running = {r.lora for r in engine.running.values() if r.lora}
+        assert len(running) <= slots and running == set(engine.loras)
+        steps += 1
+        assert steps < 10_000
+    assert sorted(r.rid for r in done) == list(range(len(reqs)))
+
+
+def test_an_adapters_prefix_is_its_own():
+    """The same tokens under two adapters share no cached block (the workload's chains)."""
+    from sim.workload import Workload
+
+    tokens = [bytes(range(64))] * 4
+    wl = Workload("w", tokens, [4] * 4, lora=["", "", "a", "b"])
+    h = wl.engine_hashes(4)
+    assert list(h[0]) == list(h[1]) and not set(h[0]) & set(h[2]) and not set(h[2]) & set(h[3])
