@@ -5,7 +5,9 @@ engines run two adapters at once (`--max-loras 2`), routed by prefix and adapter
 The job: `--prefixes` system prompts, each under each of `--adapters` random adapters of
 the local model (`prefixflow make-model --lora`), `--rows` rows in all (a `lora` column;
 the same system prompt under two adapters is two prefixes: vLLM's cache is per adapter).
-Each method runs the same job through `prefixflow run` in interleaved rounds; reported:
+Each method runs the same job through `prefixflow run` in interleaved rounds (with
+`--buffer-prompts` below the job's size, it streams through the bucketer in pieces, as a
+job larger than the buffer does); reported:
 the job's time without start-up (from the last replica ready, as `bench peers`), its
 hit rate against the ideal, the requests vLLM preempted. JSON with `--json`.
 """
@@ -70,8 +72,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                    str(args.output_len), "--min-tokens", str(args.output_len), *METHODS[method]]
             if args.kv_cache_blocks:
                 cmd += ["--kv-cache-blocks", str(args.kv_cache_blocks)]
+            env = {"PFX_BUFFER_PROMPTS": str(args.buffer_prompts)} if args.buffer_prompts else None
             with machine_lock(args.lock):
-                stdout, wall = run_logged([*cmd, "--", *engine], work / "logs" / f"{method}-{round_}.log", args.timeout)
+                stdout, wall = run_logged([*cmd, "--", *engine], work / "logs" / f"{method}-{round_}.log", args.timeout,
+                                          env=env)
             summary = json.loads((out / "_summary.json").read_text())
             run = {"method": method, "round": round_, "wall_seconds": round(wall, 3), **parse_prefixflow(summary, stdout)}
             runs.append(run)
@@ -113,6 +117,8 @@ def add_lora_parser(sub) -> None:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--kv-cache-blocks", type=int, default=80, help="KV blocks per replica (0: what fits)")
+    p.add_argument("--buffer-prompts", type=int, default=0,
+                   help="the bucketer's buffer (0: its default): a job larger than it streams through in pieces")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=27)

@@ -134,7 +134,10 @@ def lora_requests(modules: dict[str, str], base: str | None = None) -> dict[str,
     return out
 
 
-def unknown_adapter(lora: str, served: list[str]) -> str:
-    """The error row of a prompt asking for an adapter this engine does not serve."""
+def unknown_adapter(lora: str, served: list[str], base: str = "") -> str:
+    """The error row of a prompt asking for an adapter this engine does not serve (`base`:
+    the model's path: its last name, or no name, means the base model)."""
     have = ", ".join(repr(a) for a in served) if served else "none"
-    return f"unknown LoRA adapter {lora!r}: not the base model, nor an adapter this replica serves ({have})"
+    name = f" {Path(base).name!r}" if base else ""
+    return (f"unknown LoRA adapter {lora!r}: not the base model{name}, nor an adapter this replica serves ({have}); "
+            "name the base model by its name or not at all")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from pathlib import Path
 
 import jsonschema
 import pyarrow.parquet as pq
@@ -199,7 +200,7 @@ def test_openai_batch_file_good_and_bad_lines(vllm_cluster, tmp_path):
 
     chat = "/v1/chat/completions"
     lines = [
-        req("chat-1", chat, {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 5}),
+        req("chat-1", chat, {"model": Path(vllm_cluster.env["PFX_MODEL"]).name, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 5}),
         req("chat-json", chat, {"messages": [{"role": "user", "content": "JSON please"}], "max_completion_tokens": 200,
                                 "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}}),
         req("cmpl-1", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 4, "n": 2, "temperature": 0.9}),

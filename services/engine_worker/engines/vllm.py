@@ -145,7 +145,7 @@ class VllmEngine:
 
         lora_request = self.loras.get(lora)  # "": the base model (on CPU, its zero adapter)
         if lora and lora_request is None:
-            raise RequestFailed(unknown_adapter(lora, self.adapters))
+            raise RequestFailed(unknown_adapter(lora, self.adapters, self.args["model"]))
         if self.task == "embed":
             if lora:
                 raise RequestFailed("LoRA adapters are served for text generation only, not embeddings")
