@@ -18,7 +18,8 @@ What runs for real (imported, called as the services call it):
   prefix-group priorities (`services.engine_worker.grouping.GroupPriorities`).
 
 What is simulated: the engines (`sim.engine`), time (`sim.cost`), and NATS as a fixed
-hop latency. `tests/unit/test_sim_decisions.py` checks that this driver and the
+hop latency. The engine-worker's loop is `sim/worker.py`, the router's and the bucketers'
+`sim/services.py`; this module holds the clock, the methods and the results. `tests/unit/test_sim_decisions.py` checks that this driver and the
 services' own objects make the same decisions on the same stream.
 
 Methods (as `prefixflow bench methods` defines them):
@@ -41,22 +42,13 @@ import functools
 import heapq
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.bucketer.buffer import Bucket, Item, PrefixBuffer
-from services.engine_worker.admission import KvAdmission, Ticket
-from services.engine_worker.cost_fit import CostFit
-from services.engine_worker.feeder import LORA_SCAN
-from services.engine_worker.grouping import GroupPriorities
-from services.engine_worker.window import initial_window, next_window
-from services.router.fleet import Fleet
-from services.router.policies import make_policy
 from shared.prefix import sharding
-from shared.wire.messages import cost_shares
 from shared.prefix.block_keys import first_block_key
 from shared.process.config import (
     BucketerConfig,
@@ -65,7 +57,9 @@ from shared.process.config import (
     RouterConfig,
 )
 from sim.cost import Profile
-from sim.engine import Engine, EngineConfig, Req
+from sim.engine import Engine, EngineConfig
+from sim.services import BucketerSim, RouterSim  # noqa: F401 (tests patch them here)
+from sim.worker import Worker
 from sim.workload import Workload
 
 DIRECT_METHODS = ("naive", "continuous", "sorted")
@@ -74,18 +68,11 @@ METHODS = DIRECT_METHODS + PIPELINE_METHODS
 DEFAULT_METHODS = ("naive", "continuous", "sorted", "daft", "prefix-aware")
 WORK_BATCH = 16
 """Prompts per work message of the continuous and sorted methods (as the bench)."""
-STATUS_MIN_GAP = 0.02
-"""Seconds between two status messages at least (the engine-worker's)."""
-EAGER_MIN_WAIT = 0.1
-SEND_CONCURRENCY = 32
-INTAKE_MESSAGES = 4
 INGEST_MESSAGE = 256
 """Prompts per ingest -> bucketer message."""
 STAGGER_SEED = 7
 """The order in which replicas come up under `Options.stagger` (fixed: methods compared
 in one run see the same fleet)."""
-DISPATCH_TICK = 0.2
-INTAKE_POLL = 0.05
 
 
 @dataclass
@@ -159,433 +146,6 @@ def memoized_sharding():
         yield
     finally:
         sharding.ranking = original
-
-
-class Worker:
-    """One engine-worker and its engine."""
-
-    def __init__(self, sim: Sim, name: str, engine: Engine, prefix_groups: bool, admission: bool = False) -> None:
-        self.sim = sim
-        self.name = name
-        self.engine = engine
-        self.queue: deque[tuple[list[int], tuple[int, ...]]] = deque()
-        """Work batches received: (prompt indexes, bucket key)."""
-        self.inflight = 0
-        self.inflight_tokens = 0
-        self.done_tokens = 0
-        self.completed = 0
-        cfg = sim.opts.worker
-        self.window_cfg = cfg.window
-        self.window = initial_window(cfg.window)
-        self.max_running = 0
-        self.groups = GroupPriorities(block_size=cfg.hash_block_size, max_age=4 * cfg.window) if prefix_groups else None
-        self.busy = False
-        self.cost_fit = CostFit()
-        """What its engine's prompt and output tokens cost, measured from its steps."""
-        self.last_status = -1.0
-        self.status_pending = False
-        self.on_batch_done: Callable[[Worker], None] | None = None
-        self.batch_left = 0
-        self.probe = None
-        """The worker's adaptive window with its probe (`window.Window`), when simulated."""
-        if sim.opts.window_probe:
-            from services.engine_worker.window import Window
-
-            self.probe = Window(cfg.window, True, cfg.first_result_seconds)
-            self.window = self.probe.limit
-        self.admission: KvAdmission | None = None
-        """The worker's admission by KV memory (`admission.KvAdmission`), when simulated."""
-        self.tickets: dict[int, Ticket] = {}
-        if admission:
-            self.admission = KvAdmission(output_reserve=sim.opts.worker.kv_output_reserve)
-            self.admission.resize(engine.cfg.num_blocks, engine.cfg.block_size)
-        self.pending: deque[tuple[int, tuple[int, ...]]] = deque()
-        """Prompts of held work batches not yet submitted, with their bucket key (with the
-        probe or admission the worker feeds prompt by prompt)."""
-        self.loras: Counter[str] = Counter()
-        """Prompts held per LoRA adapter (its status reports them: `Feeder.loras`)."""
-        self.engine_loras: Counter[str] = Counter()
-        """Prompts in the engine per adapter (`Feeder.engine_loras`)."""
-
-    # feeding --------------------------------------------------------------------------
-
-    def pull(self, now: float) -> None:
-        if self.probe is None and self.admission is None:
-            while self.queue and self.inflight < self.window:
-                batch = self.queue.popleft()[0]
-                if self.sim.wl.lora:
-                    self.engine_loras.update(a for a in map(self.sim.wl.lora_of, batch) if a)
-                self.submit(batch, now)
-            return
-        # As the worker's feeder: held prompts go in one by one while the window (one
-        # prompt during the probe) and the KV cache (admission) have room.
-        while self.queue:
-            batch, key = self.queue.popleft()
-            self.pending.extend((i, key) for i in batch)
-        take: list[int] = []
-        wl, admission, probe = self.sim.wl, self.admission, self.probe
-        if admission is not None:
-            admission.clock = self.engine.stats.steps
-        slots, j = self.sim.opts.max_loras if self.sim.adapters else 0, 0
-        while j < len(self.pending) and self.inflight + len(take) < (probe.limit if probe is not None else self.window):
-            i, key = self.pending[j]
-            lora = wl.lora_of(i)
-            if slots and lora and lora not in self.engine_loras and len(self.engine_loras) >= slots:
-                j += 1  # as `Feeder.feed`: no slot for its adapter, the ones behind it go
-                if j >= LORA_SCAN:
-                    break
-                continue
-            if admission is not None:
-                ticket = admission.ticket(wl.tokens[i], int(wl.output_len[i]), wl.lora_of(i))
-                if not admission.admits(ticket):
-                    break
-                admission.admit(ticket)
-                self.tickets[i] = ticket
-            if self.probe is not None and self.inflight + len(take) == 0:
-                self.probe.work_arrives(now, 0, int(wl.output_len[i]), self.engine.stats.decode_tokens)
-            take.append(i)
-            del self.pending[j]
-            if lora:
-                self.engine_loras[lora] += 1
-        if take:
-            self.submit(take, now)
-
-    def submit(self, batch: list[int], now: float) -> None:
-        sim = self.sim
-        wl = sim.wl
-        hashes = sim.hashes
-        if sim.first_submit < 0:
-            sim.first_submit = now
-        for i in batch:
-            sim.start_time[i] = now
-            tokens = wl.tokens[i]
-            prio = self.groups.priority(tokens) if self.groups is not None else 0
-            out = int(wl.output_len[i])
-            self.engine.add(Req(i, hashes[i], len(tokens) // 4, out, prio, now, lora=wl.lora_of(i)))
-            self.inflight += 1
-            self.inflight_tokens += int(sim.cost[i]) or len(tokens) // 4 + out
-        if not self.busy and not self.engine.idle():
-            self.busy = True
-            sim.at(now, self.step)
-
-    def step(self, now: float) -> None:
-        dur = self.engine.schedule()
-        self.sim.at(now + dur, self.step_done, dur)
-
-    def step_done(self, now: float, dur: float) -> None:
-        st = self.engine.stats
-        before = st.prefill_tokens, st.decode_tokens
-        finished = self.engine.complete(dur)
-        self.cost_fit.add(dur, st.prefill_tokens - before[0], st.decode_tokens - before[1])
-        if finished:
-            sim = self.sim
-            wl = sim.wl
-            for req in finished:
-                i = req.rid
-                work = int(sim.cost[i]) or req.prompt_len + int(wl.output_len[i])  # `Prompt.load`
-                self.inflight -= 1
-                self.inflight_tokens -= work
-                self.done_tokens += work
-                self.completed += 1
-                if req.lora:
-                    for held in (self.loras, self.engine_loras):
-                        held[req.lora] -= 1
-                        if not held[req.lora]:
-                            del held[req.lora]
-                if self.admission is not None:
-                    self.admission.release(self.tickets.pop(i), int(wl.output_len[i]))
-                sim.finish_time[i] = now
-                sim.replica_of[i] = self.index
-                sim.cached[i] = req.cached
-                sim.done += 1
-                if self.probe is not None:
-                    self.probe.completed(now)
-            if self.on_batch_done is not None:
-                self.batch_left -= len(finished)
-                if self.batch_left <= 0:
-                    self.on_batch_done(now, self)
-            self.pull(now)
-            if sim.router is not None:
-                self.status_due(now)
-        if self.engine.idle():
-            self.busy = False
-        else:
-            self.step(now)
-
-    # status ---------------------------------------------------------------------------
-
-    def status_due(self, now: float) -> None:
-        if self.status_pending:
-            return
-        t = max(now, self.last_status + STATUS_MIN_GAP)
-        self.status_pending = True
-        self.sim.at(t, self.publish_status)
-
-    def publish_status(self, now: float) -> None:
-        self.status_pending = False
-        self.last_status = now
-        eng = self.engine
-        if self.probe is not None:
-            self.probe.observe(now, eng.cfg.num_blocks, len(eng.running), eng.stats.decode_tokens, self.inflight)
-            self.window = self.probe.limit
-        else:
-            self.window, self.max_running = next_window(
-                self.window, self.window_cfg, eng.cfg.num_blocks, len(eng.running), self.max_running
-            )
-        status = {"ready": True, "outstanding": self.inflight_tokens, "done_tokens": self.done_tokens,
-                  "kv_blocks": eng.cfg.num_blocks, "window": self.window, "engine_block_size": eng.cfg.block_size,
-                  "decode_cost": self.cost_fit.ratio, "adapters": self.sim.adapters,
-                  "lora_slots": self.sim.opts.max_loras if self.sim.adapters else 0, "loras": dict(self.loras)}
-        self.sim.at(now + self.sim.profile.hop_s, self.sim.router.on_status, self.name, status)
-        self.pull(now)
-
-    def tick(self, now: float) -> None:
-        """The status loop's periodic report (every status_interval when nothing is due)."""
-        if self.sim.done >= self.sim.n:
-            return
-        if now - self.last_status >= self.sim.opts.worker.status_interval - 1e-9:
-            self.publish_status(now)
-        self.sim.at(now + self.sim.opts.worker.status_interval, self.tick)
-
-
-class RouterSim:
-    """The router service's decisions: `Router.on_status` and `Router.decide`."""
-
-    def __init__(self, sim: Sim, policy: str) -> None:
-        cfg = sim.opts.router
-        self.sim = sim
-        self.fleet = Fleet(dead_after=cfg.dead_after, cap_tokens=cfg.replica_cap_tokens, history=cfg.history,
-                           cap_windows=cfg.cap_windows, lead_seconds=cfg.lead_seconds,
-                           hash_block_size=cfg.hash_block_size)
-        self.policy = make_policy(policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor,
-                                  hot_factor=cfg.hot_factor)
-        self.trace: list | None = [] if sim.opts.record else None
-        self.decisions = 0
-        self.splits = 0
-        self.version = 0
-        """Bumped by every status and every assignment: the fleet's state changed."""
-        self.failed_version = -1
-        self.retry_after = 0.05
-        """The version at the last decision that found no open replica."""
-
-    def on_status(self, now: float, name: str, st: dict) -> None:
-        if self.trace is not None:
-            self.trace.append(("status", now, name, dict(st)))
-        self.version += 1
-        r = self.fleet.replicas.get(name)
-        before = r.outstanding if r is not None else None
-        self.fleet.observe(name, now, **st)
-        r = self.fleet.replicas[name]
-        freed = before is None or r.outstanding < before
-        if freed and self.fleet.is_open(r, now):
-            # One NATS publish every bucketer receives; a notice still on its way to a
-            # bucketer covers this one too (setting an event twice = once).
-            hop = self.sim.profile.hop_s
-            for b in self.sim.bucketers:
-                if not b.freed_in_flight:
-                    b.freed_in_flight = True
-                    self.sim.at(now + hop, b.on_freed)
-
-    def room(self, now: float) -> float:
-        return self.fleet.room(now) if self.policy.eager else 0.0
-
-    def decide(self, now: float, prompts: int, tokens: int, key: list[int], parts: list[tuple], output: int = -1,
-               lora: str = ""):
-        if self.version == self.failed_version:
-            # Every policy answers None only when no replica is open, and changes nothing
-            # then; nothing happened since the last such answer (replicas only close with
-            # time), so this one would be None too.
-            return None
-        if parts:
-            chosen = self.policy.route_parts(self.fleet, now, parts, key)
-        else:
-            chosen = self.policy.route(self.fleet, now, prompts, tokens, key, output, lora)
-        out = None if chosen is None else [(r.name, n, c) for (r, n), c in zip(chosen, self.policy.last_costs, strict=True)]
-        if out is None:
-            self.failed_version = self.version
-            # Capped: retry once the next status may have freed room; none live: 1 s.
-            self.retry_after = 1.0 if not self.fleet.live(now) else 0.05
-        else:
-            self.version += 1
-        if self.trace is not None:
-            self.trace.append(("route", now, prompts, tokens, list(key),
-                               [(p[0], p[1], list(p[2]), *p[3:]) for p in parts], output, out, lora))
-        if out is not None:
-            self.decisions += 1
-            self.splits += len(out) > 1
-        return out
-
-
-class BucketerSim:
-    """One bucketer's intake and dispatch loops (`services/bucketer/service.py`)."""
-
-    def __init__(self, sim: Sim, node: str) -> None:
-        cfg = sim.opts.bucketer
-        self.sim = sim
-        self.node = node
-        self.cfg = cfg
-        self.buffer = PrefixBuffer(max_prompts=cfg.buffer_prompts, max_bytes=cfg.buffer_bytes, min_bucket=cfg.min_bucket,
-                                   threshold=cfg.threshold, max_wait=cfg.max_wait, block_size=cfg.hash_block_size,
-                                   pool_size=cfg.pool_size, max_bucket=cfg.max_bucket)
-        self.pending: deque[list[int]] = deque()
-        """Messages on this node's bucket stream, not yet taken."""
-        self.last_input = 0.0
-        self.intake_scheduled = False
-        self.dispatching = False
-        """A dispatch iteration is sending buckets."""
-        self.tick_at = math.inf
-        self.freed_waiters: list[Callable[[float], None]] = []
-        self.freed_in_flight = False
-        self.sends_left = 0
-        self.chunks: deque[list[Bucket]] = deque()
-
-    # intake -----------------------------------------------------------------------------
-
-    def deliver(self, now: float, msg: list[int]) -> None:
-        self.pending.append(msg)
-        self.schedule_intake(now)
-
-    def schedule_intake(self, now: float) -> None:
-        if not self.intake_scheduled:
-            self.intake_scheduled = True
-            self.sim.at(now, self.intake)
-
-    def intake(self, now: float) -> None:
-        self.intake_scheduled = False
-        if self.buffer.over():
-            self.last_input = now  # backpressure: input is waiting
-            if self.pending or not self.sim.ingest_done:
-                self.intake_scheduled = True
-                self.sim.at(now + INTAKE_POLL, self.intake)
-            return
-        took = False
-        wl = self.sim.wl
-        for _ in range(INTAKE_MESSAGES):
-            if not self.pending:
-                break
-            for i in self.pending.popleft():
-                t = wl.tokens[i]
-                self.buffer.insert(Item(t, now, i, None, len(t) // 4 + int(wl.output_len[i]), wl.lora_of(i)))
-            took = True
-        if took:
-            self.last_input = now
-            if self.pending:
-                self.schedule_intake(now)
-            self.wake(now)
-
-    def caught_up(self) -> bool:
-        return self.sim.ingest_done and not self.pending
-
-    # dispatch ---------------------------------------------------------------------------
-
-    def wake(self, now: float) -> None:
-        if not self.dispatching:
-            self.sim.at(now, self.dispatch)
-
-    def on_freed(self, now: float) -> None:
-        self.freed_in_flight = False
-        waiters, self.freed_waiters = self.freed_waiters, []
-        for w in waiters:
-            w(now)
-        self.wake(now)
-
-    def dispatch(self, now: float, tick: bool = False) -> None:
-        if self.dispatching:
-            return
-        if tick and now < self.tick_at - 1e-12:
-            return  # a stale timer: an earlier wake ran the loop since
-        cfg = self.cfg
-        buf = self.buffer
-        idle = bool(buf) and now - self.last_input >= cfg.idle_flush and self.caught_up()
-        oldest = buf.oldest()
-        waited = -1.0 if oldest is None else now - oldest
-        settled = waited >= cfg.eager_delay or (waited >= EAGER_MIN_WAIT and self.caught_up())
-        budget = 0.0
-        if settled and not idle and cfg.eager:
-            budget = self.sim.router.room(now)
-        before = len(buf)
-        buckets = buf.pop(now, flush=idle, budget=budget)
-        if len(buf) < before:
-            self.schedule_intake(now)
-        if buckets:
-            self.dispatching = True
-            self.chunks = deque(buckets[i : i + SEND_CONCURRENCY] for i in range(0, len(buckets), SEND_CONCURRENCY))
-            self.next_chunk(now)
-        else:
-            self.idle_wait(now)
-
-    def idle_wait(self, now: float) -> None:
-        if self.sim.done >= self.sim.n and not self.buffer:
-            return
-        self.tick_at = now + DISPATCH_TICK
-        self.sim.at(self.tick_at, self.dispatch, True)
-
-    def next_chunk(self, now: float) -> None:
-        if not self.chunks:
-            self.dispatching = False
-            self.idle_wait(now)
-            return
-        chunk = self.chunks.popleft()
-        self.sends_left = len(chunk)
-        hop = self.sim.profile.hop_s
-        for b in chunk:
-            self.sim.at(now + hop, self.route, b)
-
-    def route_request(self, bucket: Bucket) -> tuple[int, int, list[int], list[tuple], int, str]:
-        """As `Bucketer.route_request`: (prompts, work tokens, key, parts, output budget,
-        LoRA adapter)."""
-        parts = []
-        start = 0
-        out_len = self.sim.wl.output_len
-        for n, key in bucket.parts:
-            items = bucket.items[start : start + n]
-            parts.append((n, sum(it.weight for it in items), key, int(sum(out_len[it.payload] for it in items)),
-                          items[0].lora))
-            start += n
-        output = int(sum(out_len[it.payload] for it in bucket.items))
-        lora = "" if bucket.pooled or not bucket.items else bucket.items[0].lora
-        return len(bucket.items), sum(it.weight for it in bucket.items), bucket.key, parts, output, lora
-
-    def route(self, now: float, bucket: Bucket, request=None) -> None:
-        if request is None:  # built once per send, as the service encodes it once
-            request = self.route_request(bucket)
-        prompts, tokens, key, parts, output, lora = request
-        got = self.sim.router.decide(now, prompts, tokens, key, parts, output, lora)
-        hop = self.sim.profile.hop_s
-        if got is None:
-            delay = self.sim.router.retry_after
-            state = {"done": False}
-
-            def retry(t: float) -> None:
-                if not state["done"]:
-                    state["done"] = True
-                    self.sim.at(t + hop, self.route, bucket, request)
-
-            self.freed_waiters.append(retry)
-            self.sim.at(now + hop + delay, lambda t: retry(t - hop))
-            return
-        start = 0
-        max_batch = self.sim.opts.bucketer.max_batch
-        for name, n, cost in got:
-            items = bucket.items[start : start + n]
-            start += n
-            charge(self.sim.cost, items, cost)
-            w = self.sim.workers_by_name[name]
-            for k in range(0, len(items), max_batch):
-                self.sim.at(now + 2 * hop, w.receive, [it.payload for it in items[k : k + max_batch]], tuple(bucket.key))
-        self.sim.at(now + 3 * hop, self.sent)
-
-    def sent(self, now: float) -> None:
-        self.sends_left -= 1
-        if self.sends_left == 0:
-            self.next_chunk(now)
-
-
-def charge(costs: np.ndarray, items: list[Item], cost: int) -> None:
-    """As `messages.charge_prompts`: the assignment's cost shared out over its prompts."""
-    if cost > 0:
-        for it, share in zip(items, cost_shares(cost, [it.weight for it in items]), strict=True):
-            costs[it.payload] = share
 
 
 class Sim:

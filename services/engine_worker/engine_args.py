@@ -97,6 +97,7 @@ class HelpWithEngineArgs(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         parser.print_help()
         print("\nvLLM engine arguments (vLLM's own definitions, as for `vllm serve`; after the flags above,\n"
-              "after `--`, or in --engine-args; they override prefixflow's engine defaults):\n")
+              "after `--`, or in --engine-args; they override prefixflow's engine defaults), and vLLM's\n"
+              "`--lora-modules NAME=PATH ...` (LoRA adapters rows may name in their `lora` column):\n")
         print(vllm_parser(prog=parser.prog).format_help())
         sys.exit(0)
