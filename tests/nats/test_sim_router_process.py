@@ -32,9 +32,10 @@ run in another task than the route endpoint)."""
 
 def record(policy: str) -> list:
     wl = prefix_repetition(num_prompts=1500, prefix_len=256, suffix_len=128, num_prefixes=300, output_len=32, seed=5, zipf=1.1)
+    wl = wl.with_adapters(3)  # LoRA adapters on engines of two slots: the adapter fields cross the wire too
     profile = load_profile("l4-8b")
     profile.kv_blocks = 400
-    sim = Sim(wl, profile, 4, policy, Options(nodes=2, record=True, include_startup=False))
+    sim = Sim(wl, profile, 4, policy, Options(nodes=2, record=True, include_startup=False, max_loras=2))
     sim.run()
     return sim.router.trace
 
@@ -61,17 +62,17 @@ async def replay(url: str, trace: list) -> list:
                 status = m.EngineStatus(
                     replica=name, ts=t, ready=st["ready"], outstanding_tokens=st["outstanding"], done_tokens=st["done_tokens"],
                     kv_blocks=st["kv_blocks"], block_size=st["engine_block_size"], window=st["window"],
-                    decode_cost=st["decode_cost"],
+                    decode_cost=st["decode_cost"], adapters=st["adapters"], lora_slots=st["lora_slots"], loras=st["loras"],
                 )
                 await nc.publish(subjects.status(name), m.encode(status))
                 pending_status = True
                 continue
-            _, _, prompts, tokens, key, parts, output, answer = event
+            _, _, prompts, tokens, key, parts, output, answer, lora = event
             if pending_status:
                 await nc.flush()
                 await asyncio.sleep(STATUS_SETTLE)
                 pending_status = False
-            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(*p) for p in parts], output=output)
+            req = m.RouteRequest("node0", prompts, tokens, key, [m.RoutePart(*p) for p in parts], output=output, lora=lora)
             reply = m.route_reply_decoder.decode((await nc.request(subjects.ROUTE, m.encode(req), timeout=5)).data)
             got = [(a.replica, a.prompts, a.cost) for a in reply.assignments] if reply.assignments else None
             if got != answer:
