@@ -102,10 +102,14 @@ class DoneQueries:
     """Resume: which rows of a chunk the sink has written already (`DoneQuery` on
     `subjects.done_query(job)`). A query not answered (timeout, no sink listening, an
     error reply) sends the chunk's rows as they are (the sink drops duplicates); after
-    `DONE_QUERY_FAILURES` in a row it stops asking."""
+    `DONE_QUERY_FAILURES` in a row it stops asking. No sink listening yet (a cluster just
+    started: the sink subscribes after it is up) is asked again for `wait_for_sink` seconds
+    first, so a job resumed at once does not recompute its finished rows."""
 
-    def __init__(self, nc, job: str, *, timeout: float = DONE_QUERY_TIMEOUT) -> None:
+    def __init__(self, nc, job: str, *, timeout: float = DONE_QUERY_TIMEOUT,
+                 wait_for_sink: float = DONE_QUERY_TIMEOUT) -> None:
         self.nc, self.job, self.timeout = nc, job, timeout
+        self.wait_for_sink = wait_for_sink
         self.failures = 0
         self.problem: str | None = None
         """Why the last query went unanswered."""
@@ -116,13 +120,26 @@ class DoneQueries:
         if self.failures >= DONE_QUERY_FAILURES or self.none_done or not rows:
             return rows
         try:
-            done = await self._ask([r["id"] for r in rows])
+            done = await self._ask_when_listened([r["id"] for r in rows])
         except (nats.errors.Error, asyncio.TimeoutError, msgspec.DecodeError, ValueError) as exc:
             self.failures += 1
             self.problem = str(exc) or type(exc).__name__
             return rows
         self.failures = 0
         return [r for r, d in zip(rows, done) if not d]
+
+    async def _ask_when_listened(self, ids: list[Any]) -> list[bool]:
+        """`_ask`, again while no sink listens, for `wait_for_sink` seconds (the first time)."""
+        deadline = time.monotonic() + self.wait_for_sink
+        while True:
+            try:
+                return await self._ask(ids)
+            except nats.errors.NoRespondersError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
+            finally:
+                self.wait_for_sink = 0.0  # only a cluster that just started is waited for
 
     async def _ask(self, ids: list[Any]) -> list[bool]:
         data = m.encode(m.DoneQuery(ids))

@@ -92,11 +92,32 @@ def test_done_queries_keep_only_the_missing_rows():
 
 def test_done_queries_unanswered_send_everything_and_stop_asking():
     nc = FakeNc(fail=nats.errors.NoRespondersError())
-    q = DoneQueries(nc, "j")
+    q = DoneQueries(nc, "j", wait_for_sink=0)
     rows = [{"id": i} for i in range(3)]
     for _ in range(DONE_QUERY_FAILURES + 3):
         assert asyncio.run(q.missing(rows)) == rows
     assert nc.asked == DONE_QUERY_FAILURES and q.problem
+
+
+def test_done_queries_wait_for_a_sink_that_is_not_listening_yet():
+    """A cluster that just started: the first queries find no sink listening; the client
+    asks again until it answers (then no row done before is sent again), but only the
+    first time: a sink gone later costs no wait."""
+
+    class LateSink(FakeNc):
+        async def request(self, subject, data, timeout):
+            if self.asked < 3:
+                self.asked += 1
+                raise nats.errors.NoRespondersError()
+            return await super().request(subject, data, timeout)
+
+    nc = LateSink(done={0, 2})
+    q = DoneQueries(nc, "j", wait_for_sink=5)
+    rows = [{"id": i} for i in range(4)]
+    assert asyncio.run(q.missing(rows)) == [{"id": 1}, {"id": 3}] and nc.asked == 4
+    gone = FakeNc(fail=nats.errors.NoRespondersError())
+    q.nc = gone
+    assert asyncio.run(q.missing(rows)) == rows and gone.asked == 1
 
 
 def test_done_queries_end_once_the_sink_has_nothing_of_the_job():
