@@ -38,10 +38,6 @@ class Adapters:
         if lora and prompts > 0:
             self.held[lora] = self.held.get(lora, 0) + prompts
 
-    def has_slot(self, lora: str) -> bool:
-        """It can run `lora` now without an adapter waiting for a slot."""
-        return lora in self.held or len(self.held) < self.slots
-
 
 class HasAdapters(Protocol):
     adapters: Adapters
