@@ -24,11 +24,10 @@ apart never hold their whole outputs at once. So when the reservations do not fi
 prompt still goes in if the blocks the engine will hold **at its fullest** fit (`peak`):
 each prompt in it is as far through its expected output as the engine has run steps
 since it went in (`clock`, one token per step), it holds one more output token per step
-until it ends, and then frees its output and partial blocks; its full prompt blocks are
-counted as held to the end (shared ones are, by another prompt). The fullest moment is
-when one of them ends. Without a step clock (`clock` never advanced) no prompt
-has progressed, and the peak differs from the reservation only by the outputs that end
-sooner than others.
+until it ends, and then frees its blocks: its full prompt blocks as well, unless a prompt
+still running shares them. The fullest moment is when one of them ends. Without a step
+clock (`clock` never advanced) no prompt has progressed, and the peak differs from the
+reservation only by what the prompts that end sooner free.
 
 An engine that reports no KV capacity (the echo engine) admits everything.
 """
@@ -130,30 +129,41 @@ class KvAdmission:
     def peak(self, t: Ticket | None = None) -> float:
         """The most blocks the prompts in the engine, and `t` if it went in now, will
         hold from now on (beyond `EXACT_PEAK` prompts an upper bound: one partial block
-        each)."""
-        held = self.held
-        fixed = len(held) + (sum(1 for b in t.blocks if b not in held) if t is not None else 0)
+        each). A full prompt block counts while a prompt holding it runs: until the last
+        of its holders ends."""
         now = self.clock
         ends = []  # (steps left, tokens beyond its full prompt blocks now)
+        last: dict[int, int] = {}  # full prompt block -> steps left of the last of its holders to end
+
+        def hold(blocks: tuple[int, ...], left: int) -> None:
+            for b in blocks:
+                if last.get(b, -1) < left:
+                    last[b] = left
+
         for ticket, starts in self.running.values():
             for start in starts:
                 done = min(max(now - start, 0), ticket.output)
                 ends.append((ticket.output - done, ticket.rest + done))
+                hold(ticket.blocks, ticket.output - done)
         if t is not None:
             ends.append((t.output, t.rest))
+            hold(t.blocks, t.output)
         ends.sort(reverse=True)
-        top = tokens = n = 0
+        block_ends = sorted(last.values(), reverse=True)
+        top = tokens = n = fixed = 0
         bs = self.block_size
         exact = len(ends) <= EXACT_PEAK
-        for left, now_tokens in ends:  # when the k-th latest ends: the k latest alive
+        for left, now_tokens in ends:  # when the n-th latest ends: the n latest alive
             tokens += now_tokens
             n += 1
             s = left  # its last output token counted: as its reservation counts it
+            while fixed < len(block_ends) and block_ends[fixed] >= s:
+                fixed += 1  # prompt blocks a prompt alive then still holds
             if exact:
-                top = max(top, sum(-(-(x + s) // bs) for _, x in ends[:n]))
+                top = max(top, fixed + sum(-(-(x + s) // bs) for _, x in ends[:n]))
             else:
-                top = max(top, (tokens + n * s) / bs + n)
-        return fixed + top
+                top = max(top, fixed + (tokens + n * s) / bs + n)
+        return top
 
     def admit(self, t: Ticket) -> None:
         self.reserved += self.need(t)

@@ -535,6 +535,8 @@ class EngineWorker:
         """Size the window from what the engine runs and generates (`window.Window`)."""
         snap = self.engine.snapshot()
         self.feeder.admission.resize(snap.kv_blocks, snap.block_size)
+        if not self.ready:  # an engine still starting reports no KV cache yet: not the echo engine's "none"
+            return
         self.window.observe(time.monotonic(), snap.kv_blocks, snap.running, snap.generated, self.feeder.inflight)
         self.feeder.feed()
 

@@ -3,8 +3,9 @@
 (ZMQ), the engine-workers translate them into block keys and send them on
 `pfx.cache.<replica>`, and the router indexes what each replica holds and routes by it.
 
-A KV cache smaller than the prefixes (40 blocks of 128 tokens per replica for 24 prefixes
-of 256 tokens: blocks are evicted, so removal events flow too). Asserted: every row once and ok, both replicas reported as sending events in
+A KV cache smaller than the prefixes (30 blocks of 128 tokens per replica for 24 prefixes
+of 256 tokens: blocks are evicted, so removal events flow too; 3,840 tokens, less than the
+model's 4,096-token context: the engines start with the context vLLM fits to the cache). Asserted: every row once and ok, both replicas reported as sending events in
 the router's fleet log with a non-empty index and no sequence gap, and prefix-cache hits
 as the job's prefixes repeat.
 
@@ -37,7 +38,7 @@ def test_router_indexes_the_blocks_the_engines_report(tmp_path, tiny_model):
     out, workdir = tmp_path / "out", tmp_path / "cluster"
     proc = subprocess.run(
         [str(VENV_BIN / "prefixflow"), "run", str(data), "--out", str(out), "--model", str(tiny_model), "--replicas", "2",
-         "--max-tokens", "48", "--kv-cache-blocks", "40", "--no-progress", "--job", "kv", "--workdir", str(workdir)],
+         "--max-tokens", "48", "--kv-cache-blocks", "30", "--no-progress", "--job", "kv", "--workdir", str(workdir)],
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "PFX_KV_EVENTS": "1"}, timeout=500,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -192,6 +192,22 @@ def test_prompts_admitted_apart_share_the_cache_their_whole_reservations_could_n
     assert b.admitted == 2
 
 
+def test_a_prompt_about_to_end_frees_its_prompt_blocks_in_the_peak():
+    """A (4 prompt blocks of its own, 8 output tokens) runs; B (4 prompt blocks of its
+    own, 112 output tokens: 7 blocks) would reserve 11 blocks, 16 with A's 5, over the 14
+    usable. B only grows past one output block after A has ended and freed its prompt
+    blocks too: at most 11 blocks are ever in use, so B goes in. Counting A's prompt blocks
+    until B ends (the first peak) refused it (15 > 14)."""
+    a = admission(blocks=15)  # 14 usable
+    ta, tb = a.ticket(prompt(1, 64, tag=1), 8), a.ticket(prompt(2, 64, tag=2), 112)
+    assert (len(ta.blocks), ta.own, len(tb.blocks), tb.own) == (4, 1, 4, 7)
+    a.admit(ta)
+    assert a.reserved + a.need(tb) == 16 > a.blocks
+    assert a.peak(tb) == 11 and a.admits(tb)
+    shared = a.ticket(prompt(1, 64, shared=64, tag=3), 112)  # A's prompt blocks, its output as B's
+    assert a.peak(shared) == 4 + 7, "blocks it shares with A stay held until it ends"
+
+
 def prompt_bytes(pid: int, n: int) -> bytes:
     return prompt(1, n, shared=64, tag=pid + 1)
 

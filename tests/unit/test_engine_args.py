@@ -134,3 +134,19 @@ def test_max_model_len_is_the_models_own(tiny_model, tmp_path):
     assert load_model(str(model), 0, 16).max_model_len == 1536
     assert load_model(str(model), 1024, 16).max_model_len == 1024, "a smaller setting wins"
     assert load_model(str(model), 9999, 16).max_model_len == 1536, "never past the model's"
+
+
+def test_a_capped_kv_cache_lets_vllm_fit_the_context(tiny_model):
+    """`--kv-cache-blocks` smaller than one full-length request (30 x 128 < 4,096 tokens)
+    used to stop the engine at start ("To serve at least one request with the model's max
+    seq len"): unset, the context is vLLM's auto-fit (-1): the model's own where the cache
+    holds it, else what the cache holds (the e2e `test_kv_events` starts engines so). A
+    context given explicitly is kept."""
+    def engine(*flags: str):
+        parsed = parse_args(["serve", "engine-worker", "--replica", "r0", "--model", str(tiny_model), *flags])
+        return make_engine(load_config("engine-worker", parsed)).engine_args()
+
+    assert engine("--kv-cache-blocks", "30").max_model_len == -1
+    assert engine().max_model_len is None, "an uncapped cache: the model's own, as before"
+    assert engine("--kv-cache-blocks", "30", "--max-model-len", "2048").max_model_len == 2048
+    assert engine("--kv-cache-blocks", "30").create_engine_config().model_config.max_model_len == 4096

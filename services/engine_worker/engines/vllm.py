@@ -43,7 +43,9 @@ class VllmEngine:
             # Priority scheduling; with priority 0 for every request it is FCFS.
             scheduling_policy="priority",
             model=model,
-            max_model_len=max_model_len or None,  # 0: the model's own
+            # 0: the model's own; with a capped KV cache, -1 (vLLM's auto-fit): the model's own, or what the
+            # cache holds if that is less (vLLM would refuse to start otherwise)
+            max_model_len=max_model_len or (-1 if kv_cache_blocks else None),
             enable_prefix_caching=True,
             # enforce_eager and tensor_parallel_size from the replica's devices (engine_args.placement_defaults)
             **(placement or {"enforce_eager": True}),
