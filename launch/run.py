@@ -108,15 +108,8 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         print(f"{args.out} holds job {todo.job}'s unfinished output: resuming it", flush=True)
     from tqdm import tqdm
 
-    from launch.local_cluster import (
-        ClusterFailed,
-        LocalCluster,
-        ProcessExited,
-        describe_placement,
-        machine_devices,
-        processes,
-        wait_replicas_ready,
-    )
+    from launch.local_cluster import ClusterFailed, LocalCluster, ProcessExited, wait_replicas_ready
+    from launch.processes import describe_placement, machine_devices, processes
     from datagen.make_model import make_model
     from client.submit import AlreadyDone, DirTaken, JobFailed, submit
 

@@ -8,8 +8,8 @@
    batches (`result_batch` rows or `result_linger` seconds).
 3. The ack ledger acks a work batch once all its results are durably published.
 4. Every `status_interval` publish an `EngineStatus` on `pfx.status.<replica>` (ready,
-   load, KV cache, prefix-cache hits) for the router.
-5. When the engine dies (`EngineDead`: vLLM's engine-core process crashed or was killed;
+   load, KV cache, prefix-cache hits) for the router (`status.py`).
+5. When the engine dies (`recovery.py`) (`EngineDead`: vLLM's engine-core process crashed or was killed;
    a failure of one request is that row's error row, never a rebuild), report not ready,
    publish what did finish and re-publish the unfinished prompts to this replica's own
    work subject (`isolate.py`: the untried as they were, the ones in flight as suspect
@@ -37,7 +37,6 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from services.engine_worker import isolate
 from services.engine_worker.engines import Completion, EngineDead, RequestFailed, is_engine_death, make_engine
 from services.engine_worker.admission import KvAdmission
 from services.engine_worker.feeder import Feeder, Held
@@ -46,15 +45,15 @@ from services.engine_worker.kv_subscriber import CacheEventForwarder, KvEventSub
 from services.engine_worker.requests import prompt_sampling
 from services.engine_worker.grouping import GroupPriorities
 from services.engine_worker.outbox import Outbox
+from services.engine_worker.recovery import Recovery
+from services.engine_worker.status import StatusReport
 from services.engine_worker.rebuild import GAVE_UP_EXIT_CODE, EngineGaveUp, RebuildBudget
 from services.engine_worker.window import Window
 from shared.bus.connection import close, connect
 from shared.bus.jobs import JobCache
 from shared.bus.consume import receive
 from shared.bus.ledger import AckLedger, Lease
-from shared.bus.poison import dead_letter
 from shared.bus.provision import provision
-from shared.bus.publish import publish
 from shared.bus.pull import DurablePull, keep_in_progress
 from shared.prefix import tokens as tk
 from shared.process.config import EngineWorkerConfig
@@ -64,8 +63,6 @@ from shared.wire.control import ControlReply, encode_reply
 
 log = structlog.get_logger()
 
-STATUS_MIN_GAP = 0.02
-"""Seconds between two status messages at least."""
 KV_TRANSLATOR_NODES = 1 << 20
 """The KV-event translator's bound until the engine reports its size."""
 KV_TRANSLATOR_SLACK = 1024
@@ -76,7 +73,7 @@ def is_cancelled(lookup: m.JobLookup) -> bool:
     return lookup.spec is not None and bool(lookup.spec.ended_at(time.time()))
 
 
-class EngineWorker:
+class EngineWorker(Recovery, StatusReport):
     def __init__(self, cfg: EngineWorkerConfig) -> None:
         self.cfg = cfg
         self.engine = make_engine(cfg)
@@ -222,73 +219,6 @@ class EngineWorker:
         await close(self.nc, self.sub)
         await self.engine.shutdown()
 
-    def engine_died(self, exc: BaseException) -> None:
-        """The engine is dead (a request saw it, or it was found dead): stop feeding it
-        and report not ready at once; `pump` rebuilds it."""
-        if self.death is None:
-            log.error("engine died: re-publishing its work and rebuilding it", error=repr(exc))
-            self.death = exc
-            self.feeder.open = False
-            self.untried += self.feeder.drop_pending()
-            self.ready = False
-            self.status_due.set()
-            self.window_free.set()
-
-    async def rebuild(self, stop: asyncio.Event) -> None:
-        """Re-publish the dead engine's unfinished work, shut it down, start it again (with
-        backoff) and check it with a canary. Raises EngineGaveUp once the rebuild budget is
-        spent."""
-        t0 = time.monotonic()
-        # 1. Prompts still in flight died with the engine.
-        for t in self.prompt_tasks:
-            t.cancel()
-        if self.prompt_tasks:
-            await asyncio.wait(self.prompt_tasks)
-        # 2. Publish what did finish, re-publish the rest (isolating what was in flight),
-        #    ack what is all published; anything else still held is handed back (nak).
-        await self.outbox.flush_all()
-        charge = await self.retry_unfinished()
-        await self.outbox.flush_all()  # the culprits' error rows
-        handed = await self.ledger.hand_back()
-        await self.publish_status()
-        # 3. Shut the engine down and start it again.
-        try:
-            await self.engine.shutdown()
-        except Exception as exc:  # noqa: BLE001 - it is dead already; start anew regardless
-            log.warning("shutting the dead engine down failed", error=repr(exc))
-        while True:
-            delay = self.budget.next_delay(time.monotonic(), charge)
-            charge = True  # a failed start always counts
-            if delay is None:
-                raise EngineGaveUp(f"{self.cfg.max_rebuilds} rebuilds within {self.cfg.rebuild_window:g} s: {self.death!r}")
-            log.warning("rebuilding the engine", handed_back=handed, in_seconds=delay)
-            try:
-                await asyncio.wait_for(stop.wait(), delay)
-                return  # stopping: no point in a new engine
-            except TimeoutError:
-                pass
-            try:
-                await self.engine.start()
-                # NOTE: a rebuilt engine serves a canary before any suspect runs alone, so
-                # an engine that cannot serve at all counts against the budget instead of
-                # striking the prompts it is given.
-                await self.engine.canary()
-                break
-            except Exception as exc:  # noqa: BLE001 - counts against the budget; try again
-                log.error("engine rebuild failed", error=repr(exc))
-                try:
-                    await self.engine.shutdown()
-                except Exception as stop_exc:  # noqa: BLE001 - half-started: nothing more to stop
-                    log.warning("shutting the half-started engine down failed", error=repr(stop_exc))
-        self.death = None
-        self.window.reset()  # a new engine: cold, and its first result should come fast
-        self.feeder.open = True
-        self.rebuilds += 1
-        self.cache_epoch = uuid.uuid4().hex[:8]
-        self.ready = True
-        self.status_due.set()
-        log.info("engine rebuilt: taking work again", seconds=round(time.monotonic() - t0, 2), rebuilds=self.rebuilds)
-
     async def on_reset(self, msg: Msg) -> None:
         """Request/reply: empty the engine's prefix cache (benchmarks start each method
         from a cold cache without restarting the engine)."""
@@ -320,14 +250,6 @@ class EngineWorker:
         log.info("scheduling set", scheduling=mode)
         await msg.respond(encode_reply(ControlReply(True, mode)))
 
-    def _track_idle(self) -> None:
-        now = time.monotonic()
-        if self.feeder.inflight == 0 and self.idle_since is None:
-            self.idle_since = now
-        elif self.feeder.inflight > 0 and self.idle_since is not None:
-            self.idle_seconds += now - self.idle_since
-            self.idle_since = None
-
     async def start_batch(self, msg: Msg) -> None:
         got = await receive(self.js, msg, m.work_batch_decoder, "work batch", ledger=self.ledger,
                             count=lambda work: len(work.prompts), on_poison=self.isolate_all)
@@ -351,53 +273,6 @@ class EngineWorker:
             await self.run_batch(held)
             return
         self.feeder.hold(held)
-
-    async def isolate_all(self, work: m.WorkBatch, lease: Lease) -> None:
-        """A work message past the poison limit: its holder kept dying with it (the worker
-        process itself, not only its engine, whose deaths re-publish rather than
-        redeliver). Every prompt is a suspect, isolated like the prompts an engine died
-        with, never all error rows."""
-        await self.resplit(lease, work, list(range(len(work.prompts))), [], alone=len(work.prompts) == 1)
-        await self.outbox.flush_all()
-
-    async def retry_unfinished(self) -> bool:
-        """After an engine death: re-publish each held batch's unfinished prompts
-        (`isolate.split`: what was in flight as suspect batches, bisected or struck) and
-        ack the batches whose every output is published. Returns whether the death counts
-        against the rebuild budget (`isolate.charged`)."""
-        died = list(self.in_engine.values())
-        untried, self.untried = self.untried, []
-        self.in_engine.clear()
-        charge = isolate.charged([h.suspect for h in died])
-        alone = len(died) == 1
-        by_lease: dict[Lease, tuple[list[int], list[int], m.WorkBatch]] = {}
-        for h, kind in [(h, 0) for h in died] + [(h, 1) for h in untried]:
-            by_lease.setdefault(h.lease, ([], [], h.work))[kind].append(h.index)
-        for lease, (in_flight, waiting, work) in by_lease.items():
-            if self.ledger.active(lease):  # else handed back already: redelivered whole
-                await self.resplit(lease, work, sorted(in_flight), sorted(waiting), alone=alone)
-        if died:
-            log.warning("engine died with work in flight: re-published for isolation", in_flight=len(died),
-                        untried=len(untried), batches=len(by_lease), charged=charge)
-        return charge
-
-    async def resplit(self, lease: Lease, work: m.WorkBatch, died: list[int], untried: list[int], *, alone: bool) -> None:
-        """Re-publish the prompts `died` and `untried` of `work` to this replica's work
-        subject as `isolate.split` says, queue error rows for its culprits, and count them
-        all done on `lease` (acked once its other outputs are published too)."""
-        strikes = work.strikes or [0] * len(work.prompts)
-        plan = isolate.split(strikes, died, untried, suspect=bool(work.strikes), alone=alone)
-        for part in plan.parts:
-            sub = m.WorkBatch(work.bucket, [work.prompts[i] for i in part.indices], work.key, strikes=part.strikes)
-            # NOTE: the publish ack comes before the input's ack: nothing lost.
-            await publish(self.js, subjects.work(self.cfg.replica), m.encode(sub))
-        for i in plan.culprits:
-            p = work.prompts[i]
-            why = f"poison prompt: the engine died {isolate.STRIKES} times while it ran alone"
-            alone_batch = m.WorkBatch(work.bucket, [p], work.key, strikes=[strikes[i] + 1])
-            await dead_letter(self.js, lease.msg, why, data=m.encode(alone_batch), part=f"{p.job}:{p.id}")
-            await self.finish(lease, p, error=why, bucket=work.bucket)
-        await self.ledger.done(lease, sum(len(part.indices) for part in plan.parts))
 
     def submit(self, held: Held) -> None:
         """Start one prompt in the engine (the feeder calls this as the window allows)."""
@@ -500,70 +375,3 @@ class EngineWorker:
         self.completed += 1
         self.done_work_tokens += prompt.load
         await self.outbox.add(prompt.job, result, lease)
-
-    def status(self) -> m.EngineStatus:
-        s = self.engine.snapshot()
-        return m.EngineStatus(
-            replica=self.cfg.replica,
-            ts=time.time(),
-            ready=self.ready,
-            running=s.running,
-            waiting=s.waiting,
-            inflight=self.feeder.inflight,
-            outstanding_tokens=self.feeder.held_tokens,
-            kv_usage=s.kv_usage,
-            kv_blocks=s.kv_blocks,
-            block_size=s.block_size,
-            prompt_tokens=self.done_prompt_tokens,
-            done_tokens=self.done_work_tokens,
-            window=self.window.limit,
-            generated_tokens=s.generated,
-            jobs=dict(self.feeder.jobs),
-            cache_epoch=self.cache_epoch,
-            decode_cost=s.decode_cost,
-            preemptions=s.preemptions,
-            adapters=self.engine.adapters,
-            lora_slots=self.engine.lora_slots,
-            loras=dict(self.feeder.loras),
-            cached_tokens=self.cached_tokens,
-            completed=self.completed,
-            output_tokens=self.output_tokens,
-            idle_seconds=self.idle_seconds + (time.monotonic() - self.idle_since if self.idle_since is not None else 0.0),
-        )
-
-    def adapt_window(self) -> None:
-        """Size the window from what the engine runs and generates (`window.Window`)."""
-        snap = self.engine.snapshot()
-        self.feeder.admission.resize(snap.kv_blocks, snap.block_size)
-        if not self.ready:  # an engine still starting reports no KV cache yet: not the echo engine's "none"
-            return
-        self.window.observe(time.monotonic(), snap.kv_blocks, snap.running, snap.generated, self.feeder.inflight)
-        self.feeder.feed()
-
-    async def publish_status(self) -> None:
-        self.last_status = time.monotonic()
-        try:
-            await self.nc.publish(subjects.status(self.cfg.replica), m.encode(self.status()))
-        except Exception:  # noqa: BLE001 - reconnecting: the next tick retries
-            pass
-
-    async def report_status(self, stop: asyncio.Event) -> None:
-        last_log = 0.0
-        while not stop.is_set():
-            self.adapt_window()
-            await self.publish_status()
-            now = time.monotonic()
-            if now - last_log >= 10.0 and self.completed:
-                last_log = now
-                s = self.status()
-                log.info("engine status", inflight=s.inflight, running=s.running, waiting=s.waiting,
-                         completed=s.completed, kv_usage=round(s.kv_usage, 3),
-                         hit_rate=round(s.cached_tokens / max(s.prompt_tokens, 1), 3))
-            # Next status at the tick, or as soon as completed work is due (at most every
-            # STATUS_MIN_GAP: a fast engine must not flood the router).
-            await asyncio.sleep(STATUS_MIN_GAP)
-            try:
-                await asyncio.wait_for(self.status_due.wait(), max(self.cfg.status_interval - STATUS_MIN_GAP, 0.0))
-            except TimeoutError:
-                pass
-            self.status_due.clear()
