@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy", default="prefix-aware", choices=cfgmod.POLICIES, help="routing policy"
     )
-    p.add_argument("--kv-cache-blocks", type=int, default=0, help="cap each replica's KV cache (blocks)")
+    p.add_argument("--kv-cache-blocks", type=int, default=0, help="cap each replica's KV cache (blocks; a context longer than they hold is fitted to them)")
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1,
         help="GPUs per replica (CUDA_VISIBLE_DEVICES; on CPU each replica gets its share of the cores)",

@@ -209,7 +209,8 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
                   "are on average half way through their outputs; 1: the whole)", gt=0, le=1)
     ] = 1.0
     kv_cache_blocks: Annotated[
-        int, _d("cap the KV cache at this many blocks (0: as much as the memory budget allows)", ge=0)
+        int, _d("cap the KV cache at this many blocks (0: as much as the memory budget allows; without "
+                "--max-model-len the context is then the model's, or what the blocks hold if less)", ge=0)
     ] = 0
     hash_block_size: Annotated[int, _d("prefix-key block length in tokens (prefix groups)", gt=0)] = HASH_BLOCK_SIZE
     max_num_seqs: Annotated[int, _d("vLLM max_num_seqs (requests scheduled together)", gt=0)] = 256

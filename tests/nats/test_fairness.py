@@ -47,10 +47,23 @@ def test_a_small_job_is_not_queued_behind_a_large_one(cluster, tiny_model, tmp_p
         assert sorted(ids) == list(range(n)), job
 
 
+MIN_TOGETHER = 3.0
+"""Seconds both jobs must run at full speed for their rates to be compared: when one
+submit starts late (its process slow to start on a busy machine), the other runs mostly
+alone and the shared interval is too short to measure (seen once: 1.5 s, 390 and 202 rows);
+the pair is then submitted again, at most twice more."""
+
+
 def test_priorities_share_the_replicas_by_weight(cluster, tiny_model, tmp_path):
     a, b = data(tmp_path, tiny_model, "a", PAIR, 3), data(tmp_path, tiny_model, "b", PAIR, 4)
-    r = asyncio.run(fairness.weighted(cluster.url, a, b, tmp_path / "out", "t", 4, 3, PAIR))
-    print(r)
-    assert 2.0 <= r["rate_ratio"] <= 4.5, r  # the weight, 3 (the benchmark measures it closely)
-    for job in ("w1-t", "w3-t"):
-        assert sorted(pq.read_table(tmp_path / "out" / job).column("id").to_pylist()) == list(range(PAIR))
+    tries = []
+    for k in range(3):
+        r = asyncio.run(fairness.weighted(cluster.url, a, b, tmp_path / "out", f"t{k}", 4, 3, PAIR))
+        print(r)
+        tries.append(r)
+        for job in (f"w1-t{k}", f"w3-t{k}"):
+            assert sorted(pq.read_table(tmp_path / "out" / job).column("id").to_pylist()) == list(range(PAIR))
+        if r["seconds_together"] >= MIN_TOGETHER:
+            break
+    assert r["seconds_together"] >= MIN_TOGETHER, tries
+    assert 2.0 <= r["rate_ratio"] <= 4.5, tries  # the weight, 3 (the benchmark measures it closely)
