@@ -26,6 +26,7 @@ KNOBS = {
     "load-slack-tokens": ("router", "load_slack_tokens", int),
     "history": ("router", "history", int),
     "cap-windows": ("router", "cap_windows", float),
+    "start-windows": ("router", "start_windows", float),
     "lead-seconds": ("router", "lead_seconds", float),
     "kv-admission": ("worker", "kv_admission", lambda v: v.lower() in ("1", "true", "on", "yes")),
     "kv-output-reserve": ("worker", "kv_output_reserve", float),

@@ -32,7 +32,7 @@ class RouterSim:
         cfg = sim.opts.router
         self.sim = sim
         self.fleet = Fleet(dead_after=cfg.dead_after, cap_tokens=cfg.replica_cap_tokens, history=cfg.history,
-                           cap_windows=cfg.cap_windows, lead_seconds=cfg.lead_seconds,
+                           cap_windows=cfg.cap_windows, start_windows=cfg.start_windows, lead_seconds=cfg.lead_seconds,
                            hash_block_size=cfg.hash_block_size)
         self.policy = make_policy(policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor,
                                   hot_factor=cfg.hot_factor)
@@ -74,10 +74,11 @@ class RouterSim:
             # time), so this one would be None too.
             return None
         if parts:
-            chosen = self.policy.route_parts(self.fleet, now, parts, key)
+            chosen = self.policy.route_parts(self.fleet, now, parts, key, defer=True)
         else:
-            chosen = self.policy.route(self.fleet, now, prompts, tokens, key, output, lora)
-        out = None if chosen is None else [(r.name, n, c) for (r, n), c in zip(chosen, self.policy.last_costs, strict=True)]
+            chosen = self.policy.route(self.fleet, now, prompts, tokens, key, output, lora, defer=True)
+        out = None if chosen is None else [("" if r is None else r.name, n, c)
+                                           for (r, n), c in zip(chosen, self.policy.last_costs, strict=True)]
         if out is None:
             self.failed_version = self.version
             # Capped: retry once the next status may have freed room; none live: 1 s.
@@ -89,7 +90,7 @@ class RouterSim:
                                [(p[0], p[1], list(p[2]), *p[3:]) for p in parts], output, out, lora))
         if out is not None:
             self.decisions += 1
-            self.splits += len(out) > 1
+            self.splits += sum(1 for name, _, _ in out if name) > 1
         return out
 
 
@@ -243,13 +244,20 @@ class BucketerSim:
             return
         start = 0
         max_batch = self.sim.opts.bucketer.max_batch
+        back = []
         for name, n, cost in got:
             items = bucket.items[start : start + n]
             start += n
+            if not name:  # deferred: back into the buffer (`Bucketer.send`)
+                back += items
+                continue
             charge(self.sim.cost, items, cost)
             w = self.sim.workers_by_name[name]
             for k in range(0, len(items), max_batch):
                 self.sim.at(now + 2 * hop, w.receive, [it.payload for it in items[k : k + max_batch]], tuple(bucket.key))
+        if back:
+            for it in back:
+                self.buffer.insert(it)
         self.sim.at(now + 3 * hop, self.sent)
 
     def sent(self, now: float) -> None:

@@ -128,6 +128,22 @@ class Lanes:
         lane.last_input = max(lane.last_input, item.arrived)
         lane.buffer.insert(item)
 
+    def put_back(self, job: str, items: list[Item]) -> None:
+        """Prompts released but not placed (the router found no room for them: bounded
+        lead) return to their job's lane as they were (their arrival times kept), and the
+        lane's virtual time is refunded: what was not sent was not served."""
+        if not items:
+            return
+        lane = self.lanes.get(job)
+        if lane is None:
+            lane = self.lanes[job] = Lane(job, self.make_buffer(), vtime=self.clock)
+        work = PrefixBuffer.work(items)
+        lane.vtime -= work / lane.weight
+        lane.released -= work
+        for item in items:
+            lane.buffer.insert(item)
+        lane.last_input = max(lane.last_input, max(it.arrived for it in items))
+
     # --- release ----------------------------------------------------------------------
 
     def pop(self, now: float, *, budget: float | None, flush: Collection[str] = (),

@@ -367,6 +367,10 @@ class Bucketer:
         for a in assignments:
             items = bucket.items[start : start + a.prompts]
             start += a.prompts
+            if not a.replica:  # no room for them now (bounded lead): back into the lane
+                self.lanes.put_back(items[0].payload.job, items)
+                self.wake.set()
+                continue
             m.charge_prompts([it.payload for it in items], a.cost)  # the replica reports it done in this unit
             # Cut by encoded size under the server's max_payload (asked of the connection).
             limit = message_limit(self.js, subjects.WORK_STREAM.max_msg_size)
@@ -384,7 +388,7 @@ class Bucketer:
                 await self.release(part)
         log.debug("bucket sent", bucket=bucket_id, job=bucket.items[0].payload.job if bucket.items else "",
                   prompts=len(bucket.items), keyed=bool(bucket.key),
-                  prefix_tokens=bucket.prefix_len, to=[a.replica for a in assignments])
+                  prefix_tokens=bucket.prefix_len, to=[a.replica or "(kept)" for a in assignments])
 
     async def too_large(self, item: Item, size: int, limit: int) -> None:
         """The error row of a prompt that no message can carry."""

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from services.router.fleet import Fleet
-from services.router.policies import Assignments
+from services.router.assignments import Assignments
 from shared.bus.consume import decode_or_quarantine
 from shared.bus.poison import moved_headers
 from shared.bus.provision import ensure_consumer

@@ -21,9 +21,11 @@ KV capacity `kv_blocks` in *engine blocks* of `engine_block_size` tokens (16 on 
 Flow control is the same for every policy: replicas that stopped reporting, are not
 ready, or hold their cap of outstanding work are never chosen. A replica's cap is a
 bounded lead: its engine window of work plus `lead_seconds` of work at the rate it was
-measured to complete work (`cap_windows` windows until it has been busy long enough to be
-measured). What no replica has room for waits in the bucketers, where a job that comes
-later gets its share of it and a replica that comes up later finds work.
+measured to complete work (`start_windows` windows until it has been busy long enough to
+be measured). What no replica has room for waits in the bucketers, where a job that comes
+later gets its share of it and a replica that comes up later finds work; a bucket larger
+than its replica's room is cut to it, the rest handed back to its bucketer
+(`policies.fit_room`).
 
 Precise cache model: a replica that sends its KV-cache changes (`CacheEvents`, vLLM's KV
 events translated to prefix block keys by its worker) is scored by the blocks it actually
@@ -63,6 +65,7 @@ class Fleet:
         cap_tokens: int = 0,
         history: int = 64,
         cap_windows: float = 2.0,
+        start_windows: float = 1.0,
         lead_seconds: float = 0.4,
         hash_block_size: int = HASH_BLOCK_SIZE,
         block_index_entries: int = BLOCK_INDEX_ENTRIES,
@@ -72,8 +75,14 @@ class Fleet:
         self.cap_tokens = cap_tokens
         """Fixed cap on outstanding work tokens per replica; 0: automatic."""
         self.cap_windows = cap_windows
+        """The prefix-aware policy's load slack: this many engine windows of average-sized
+        prompts (`window_cap`)."""
+        self.start_windows = start_windows
         """Automatic cap until a replica's rate is measured: this many engine windows of
-        average-sized prompts (also the prefix-aware policy's load slack)."""
+        average-sized prompts. (Two let every replica that came up grab two windows - on a
+        GPU several rounds of the work it runs at once - before its first results
+        measured its rate: on a fleet starting over 30-120 s the last replicas found the
+        job queued on the first.)"""
         self.lead_seconds = lead_seconds
         """Automatic cap once its rate is measured: one engine window plus this many seconds
         of work at that rate."""
@@ -224,7 +233,7 @@ class Fleet:
     def _lead_cap(self, r: Replica, avg: float) -> float:
         if r.rate:
             return r.window * avg + self.lead_seconds * r.rate
-        return self.cap_windows * r.window * avg
+        return self.start_windows * r.window * avg
 
     def window_cap(self, r: Replica) -> float:
         """`cap_windows` engine windows of average prompts (inf while unknown)."""
@@ -313,7 +322,7 @@ class Fleet:
         """`charge` for each piece of a bucket (the shares of `tokens` add up to it when
         `output` is not told)."""
         costs = [self.charge(r, n, prompts, tokens, output, key) for r, n in placed]
-        if output < 0 and costs:
+        if output < 0 and costs and sum(n for _, n in placed) == prompts:
             costs[-1] += tokens - sum(costs)
         return costs
 

@@ -17,7 +17,9 @@ Policies:
   the cache has surely evicted does not); ties go to the most recent, then the least
   loaded; affinity never starves a replica (while one holds less than one engine window
   of work, a busier best match is passed over); a bucket larger than `split_factor` x a
-  replica's fair share is split; a hot prefix group is spread (`hot.py`).
+  replica's fair share is split; a hot prefix group is spread (`hot.py`); asked by a
+  bucketer, it places no more of a bucket on a replica than its room and hands the rest
+  back (`fit_room`: bounded lead).
 
 Cost: the router decides for the whole fleet, so a decision is one pass over the
 replicas plus one index lookup per block of the key (`PrefixIndex`, `BlockIndex`),
@@ -32,6 +34,7 @@ import math
 from collections.abc import Sequence
 
 from services.router.adapters import adapter_candidates, spare_slots, spread_cold
+from services.router.assignments import Assignments, commit, extend_merged, fit_room
 from services.router.fleet import NAME, OUTSTANDING, Fleet, Replica
 from services.router.hot import HotPrefixes, group_of, rendezvous
 from services.router.prefix_index import NO_MATCH, Match
@@ -40,7 +43,6 @@ from shared.process import config as cfgmod
 MIN_SPLIT_PROMPTS = 8
 
 
-Assignments = list[tuple[Replica, int]]
 Part = tuple  # (prompts, tokens, key[, output[, lora]])
 
 
@@ -64,22 +66,26 @@ class Policy:
     the hash blocks of its key the chosen replica's history held before it."""
     last_costs: list[int] = []
     """Of the last decision: what each returned assignment was charged (`Fleet.charge`)."""
+    defers = False
+    """Whether it bounds each replica's lead when the asker can take prompts back
+    (`fit_room`): the product's policy does; the baselines and the reference do not."""
 
     def route(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int],
-              output: int = -1, lora: str = "") -> Assignments | None:
+              output: int = -1, lora: str = "", defer: bool = False) -> Assignments | None:
         """Pick replicas for a bucket and record the assignment in `fleet`: its load is its
         engine cost (`Fleet.estimate` to choose, `Fleet.charge` on the replicas chosen)
         once `output`, the output budget among its `tokens`, is told. `lora`: its LoRA
-        adapter (empty: the base model)."""
+        adapter (empty: the base model). `defer`: the asker takes back what the chosen
+        replicas have no room for (a bucketer): with a policy that bounds the lead
+        (`defers`), such prompts come back as a (None, n) assignment (`fit_room`)."""
         self.last_matches = []
         self.last_costs = []
         chosen = self.choose(fleet, now, prompts, fleet.estimate(prompts, tokens, output, key), key, lora)
         if not chosen:
             return None
-        if key:
-            self.last_matches = [fleet.best_match(r, key)[0] for r, _ in chosen]
-        self.last_costs = fleet.charges(chosen, prompts, tokens, output, key)
-        fleet.assign_all(chosen, self.last_costs, key, lora)
+        if defer and self.defers:
+            chosen = fit_room(fleet, chosen, prompts, tokens, output, key)
+        self.last_matches, self.last_costs = commit(fleet, chosen, prompts, tokens, output, key, lora)
         return chosen
 
     def choose(self, fleet: Fleet, now: float, prompts: int, tokens: int, key: Sequence[int],
@@ -87,7 +93,7 @@ class Policy:
         raise NotImplementedError
 
     def route_parts(
-        self, fleet: Fleet, now: float, parts: Sequence[Part], key: Sequence[int] = ()
+        self, fleet: Fleet, now: float, parts: Sequence[Part], key: Sequence[int] = (), defer: bool = False
     ) -> Assignments | None:
         """Route a batch given its parts as (prompts, tokens, key[, output]): a pooled
         batch (no `key`), or a keyed bucket whose prompts share longer prefixes in groups.
@@ -97,7 +103,7 @@ class Policy:
         output = -1 if any(o < 0 for o in outputs) else sum(outputs)
         loras = {part_lora(p) for p in parts}
         return self.route(fleet, now, sum(p[0] for p in parts), sum(p[1] for p in parts), list(key), output,
-                          loras.pop() if len(loras) == 1 else "")
+                          loras.pop() if len(loras) == 1 else "", defer)
 
 
 class RoundRobin(Policy):
@@ -166,6 +172,7 @@ class Daft(Policy):
 
 class PrefixAware(Policy):
     name = "prefix-aware"
+    defers = True
 
     def __init__(self, slack_tokens: int = 0, split_factor: float = 2.0, hot_factor: float = 1.0) -> None:
         self.hot = HotPrefixes(factor=hot_factor) if hot_factor > 0 else None
@@ -290,16 +297,17 @@ class PrefixAware(Policy):
         base, extra = divmod(prompts, parts)
         return [(r, base + (1 if i < extra else 0)) for i, r in enumerate(ranked)]
 
-    def route_parts(self, fleet, now, parts, key=()):
+    def route_parts(self, fleet, now, parts, key=(), defer=False):
         """Each part goes where its own prefix is (the reference loses this: it sends a
         pooled batch with no key, and a keyed bucket by its shortest common prefix, say
         the system prompt every row of a labelling job shares, where its parts are the
         few-shot groups under it). A part far larger than the work the replicas hold is
-        split like a bucket. Consecutive parts for one replica are merged. The cap admits
-        the batch as a whole: parts are ranked among the replicas with room while any has
-        room, then among all live ones (still by affinity: an admitted batch's tail must
-        not scatter its prefixes). Each part is one decision (it sees the load and history
-        the previous parts left)."""
+        split like a bucket. Consecutive parts for one replica are merged. Each part is
+        one decision (it sees the load and history the previous parts left). With `defer`
+        each piece is cut to its replica's room (`fit_room`) and the parts left when no
+        replica has room go back; without it the cap admits the batch as a whole: parts
+        are ranked among the replicas with room while any has room, then among all live
+        ones (still by affinity: an admitted batch's tail must not scatter its prefixes)."""
         self.last_matches = []
         self.last_costs = []
         candidates = fleet.open(now)
@@ -310,27 +318,18 @@ class PrefixAware(Policy):
             prompts, tokens, part_key = part[:3]
             output, lora = part_output(part), part_lora(part)
             if i:  # the previous part changed loads (and caps, through the average prompt)
-                candidates = fleet.open(now) or fleet.live(now)
+                candidates = fleet.open(now) or ([] if defer else fleet.live(now))
+            if not candidates:
+                extend_merged(out, [(None, prompts)], self.last_costs, [0])
+                continue
             placed = self.place(fleet, candidates, prompts, fleet.estimate(prompts, tokens, output, part_key),
                                 part_key, now, lora)
-            if part_key:
-                self.last_matches += [fleet.best_match(r, part_key)[0] for r, _ in placed]
-            costs = fleet.charges(placed, prompts, tokens, output, part_key)
-            fleet.assign_all(placed, costs, part_key, lora)
+            if defer:
+                placed = fit_room(fleet, placed, prompts, tokens, output, part_key)
+            matches, costs = commit(fleet, placed, prompts, tokens, output, part_key, lora)
+            self.last_matches += matches
             extend_merged(out, placed, self.last_costs, costs)
         return out
-
-
-def extend_merged(out: Assignments, placed: Assignments, out_costs: list[int], costs: Sequence[int]) -> None:
-    """Append assignments to `out` (and their costs to `out_costs`), merging one for the
-    replica `out` ends with."""
-    for (r, n), cost in zip(placed, costs, strict=True):
-        if out and out[-1][0] is r:
-            out[-1] = (r, out[-1][1] + n)
-            out_costs[-1] += cost
-        else:
-            out.append((r, n))
-            out_costs.append(cost)
 
 
 POLICIES = cfgmod.POLICIES

@@ -44,6 +44,7 @@ class Router:
             cap_tokens=cfg.replica_cap_tokens,
             history=cfg.history,
             cap_windows=cfg.cap_windows,
+            start_windows=cfg.start_windows,
             lead_seconds=cfg.lead_seconds,
             hash_block_size=cfg.hash_block_size,
         )
@@ -104,15 +105,16 @@ class Router:
         now = time.monotonic()
         if req.parts:
             chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key, p.output, p.lora) for p in req.parts],
-                                             req.key)
+                                             req.key, defer=True)
         else:
-            chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key, req.output, req.lora)
+            chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key, req.output, req.lora,
+                                       defer=True)
         if chosen is None:
             # Capped: retry once the next status may have freed room (~50 ms); none live: 1 s.
             metrics.ROUTER_DECISIONS.labels(self.policy.name, "retry_after").inc()
             return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.05)
         self.routed += 1
-        split = len(chosen) > 1 and not req.parts  # one bucket over several replicas
+        split = sum(r is not None for r, _ in chosen) > 1 and not req.parts  # one bucket over several replicas
         self.split += split
         self.count(chosen, split)
         if self.cfg.log_level == "debug":  # per decision: only build the fields when shown
@@ -121,11 +123,11 @@ class Router:
                 prompts=req.prompts or sum(p.prompts for p in req.parts),
                 # Each part's prefix as (blocks, last block hash in 4 hex digits).
                 keys=[(len(k), f"{k[-1] & 0xFFFF:04x}" if k else "") for k in ([p.key for p in req.parts] or [req.key])],
-                to=[(r.name, n) for r, n in chosen],
+                to=[(r.name if r else "(kept)", n) for r, n in chosen],
                 outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
             )
         costs = self.policy.last_costs
-        return m.RouteReply([m.Assignment(r.name, n, cost) for (r, n), cost in zip(chosen, costs, strict=True)])
+        return m.RouteReply([m.Assignment(r.name if r else "", n, cost) for (r, n), cost in zip(chosen, costs, strict=True)])
 
     def count(self, chosen: list, split: bool) -> None:
         """Metrics of one decision."""
@@ -136,7 +138,10 @@ class Router:
             for blocks in self.policy.last_matches:
                 hist.observe(blocks)
         for r, n in chosen:
-            metrics.ROUTER_ROUTED_PROMPTS.labels(r.name).inc(n)
+            if r is None:
+                metrics.ROUTER_KEPT_PROMPTS.inc(n)
+            else:
+                metrics.ROUTER_ROUTED_PROMPTS.labels(r.name).inc(n)
 
     def report_fleet(self, now: float) -> None:
         """Per-replica gauges (every tick of the main loop, not per status message)."""

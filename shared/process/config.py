@@ -156,11 +156,14 @@ class RouterConfig(CommonConfig, kw_only=True):
         int, _d("prefix-key block length in tokens (as the bucketers'); engine KV blocks are converted", gt=0)
     ] = HASH_BLOCK_SIZE
     replica_cap_tokens: Annotated[
-        int, _d("outstanding work tokens per replica before retry-after (0: cap_windows engine windows)", ge=0)
+        int, _d("outstanding work tokens per replica before retry-after (0: automatic, a bounded lead)", ge=0)
     ] = 0
+    start_windows: Annotated[
+        float, _d("automatic cap until a replica's rate is measured: engine windows of average prompts", gt=0)
+    ] = 1.0
     cap_windows: Annotated[
-        float, _d("automatic cap until a replica's rate is measured: engine windows of average prompts (also "
-                  "the prefix-aware policy's load slack)", gt=0)
+        float, _d("prefix-aware: load slack (a replica this many engine windows of average prompts above the "
+                  "least loaded may still win on a prefix match)", gt=0)
     ] = 2.0
     lead_seconds: Annotated[
         float, _d("automatic cap once a replica's rate is measured: its engine window plus this many seconds of "

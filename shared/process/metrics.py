@@ -99,6 +99,9 @@ ROUTER_MATCH_BLOCKS = _histogram(
     "pfx_router_match_blocks", "Prefix blocks of a routed (part of a) bucket already in the chosen replica's history", ["policy"], BLOCK_BUCKETS
 )
 ROUTER_ROUTED_PROMPTS = _counter("pfx_router_routed_prompts", "Prompts routed to each replica", ["replica"])
+ROUTER_KEPT_PROMPTS = _counter(
+    "pfx_router_kept_prompts", "Prompts of routed buckets handed back to their bucketer: past the chosen replicas' room (bounded lead)"
+)
 ROUTER_OUTSTANDING = _gauge("pfx_router_outstanding_tokens", "Engine cost charged to a replica and not completed, in prompt tokens (the router's load measure)", ["replica"])
 ROUTER_LIVE = _gauge("pfx_router_replica_live", "1 while the replica reports ready within --dead-after", ["replica"])
 FAILOVER_MOVED = _counter("pfx_router_failover_moved", "Work batches moved off replicas that stopped reporting")
@@ -164,7 +167,7 @@ COMMON = [CONSUMER_PENDING, CONSUMER_FETCHED, CONSUMER_REDELIVERED, DEAD_LETTERS
 SERVICE_METRICS: dict[str, list] = {
     "ingestor": [PROMPTS_IN, INGEST_BATCH_SECONDS, TAKEOVER_MOVED],
     "bucketer": [BUCKETER_PROMPTS_IN, BUCKETER_BUFFERED, BUCKETER_HELD, BUCKET_SIZE, RELEASES, RELEASED_PROMPTS, ROUTE_RETRIES],
-    "router": [ROUTER_DECISIONS, ROUTER_MATCH_BLOCKS, ROUTER_ROUTED_PROMPTS, ROUTER_OUTSTANDING, ROUTER_LIVE, FAILOVER_MOVED],
+    "router": [ROUTER_DECISIONS, ROUTER_MATCH_BLOCKS, ROUTER_ROUTED_PROMPTS, ROUTER_KEPT_PROMPTS, ROUTER_OUTSTANDING, ROUTER_LIVE, FAILOVER_MOVED],
     "engine-worker": [],  # EngineCollector, plus vLLM's own
     "sink": [
         PROMPTS_OUT, ERROR_ROWS, SINK_DUPLICATES, SINK_PROMPT_TOKENS, SINK_CACHED_TOKENS, SINK_OUTPUT_TOKENS,

@@ -494,6 +494,8 @@ class RouteRequest(msgspec.Struct, omit_defaults=True):
 
 class Assignment(msgspec.Struct, array_like=True):
     replica: str
+    """Where these prompts go; empty: nowhere now (the replicas have no room for them:
+    the bucketer puts them back in its buffer)."""
     prompts: int
     cost: int = 0
     """What the router charged the replica for these prompts (engine cost: `Fleet.charge`);
@@ -502,7 +504,8 @@ class Assignment(msgspec.Struct, array_like=True):
 
 class RouteReply(msgspec.Struct, omit_defaults=True):
     """router -> bucketer. Either assignments covering every prompt of the bucket, in
-    order, or `retry_after` seconds when every live replica is at its cap."""
+    order (some of them, past what the chosen replicas have room for, to no replica: kept
+    by the bucketer for later), or `retry_after` seconds when every live replica is at its cap."""
 
     assignments: list[Assignment] = msgspec.field(default_factory=list)
     retry_after: float = 0.0

@@ -283,3 +283,28 @@ def test_jobs_submitted_together_share_by_weight_whatever_the_burst(weights):
     share_b = work["b"] / (work["a"] + work["b"])
     want = weights[1] / sum(weights)
     assert abs(share_b - want) <= 0.1 * want, (work, want)
+
+
+def test_prompts_put_back_are_released_again_and_cost_no_turn():
+    """A released bucket the router placed only in part (bounded lead): the rest goes back
+    to its lane with its arrival time, the lane's virtual time is refunded, and the
+    prompts come out again (each prompt placed exactly once in the end)."""
+    lanes = make_lanes()
+    fill(lanes, "a", 1, 64, prefixes=2)
+    fill(lanes, "b", 1, 64, prefixes=2)
+    before = {job: lane.vtime for job, lane in lanes.lanes.items()}
+    out = lanes.pop(10.0, budget=300)
+    job, bucket = out[0]
+    held = len(lanes)
+    lanes.put_back(job, bucket.items[1:])
+    assert len(lanes) == held + len(bucket.items) - 1
+    spent = PrefixBuffer.work(bucket.items[:1]) + sum(PrefixBuffer.work(b.items) for j, b in out[1:] if j == job)
+    assert lanes.lanes[job].vtime == pytest.approx(before[job] + spent)
+    placed = collections.Counter(it.payload for it in bucket.items[:1])
+    placed.update(it.payload for j, b in out[1:] for it in b.items)
+    for step in range(200):
+        for _, b in lanes.pop(11.0 + step, budget=300):
+            placed.update(it.payload for it in b.items)
+        if not len(lanes):
+            break
+    assert len(placed) == 128 and set(placed.values()) == {1}

@@ -103,7 +103,7 @@ def test_empty_fleet_routes_nowhere(name):
 
 
 def test_automatic_cap():
-    f = Fleet(cap_tokens=0, cap_windows=2.0)
+    f = Fleet(cap_tokens=0, start_windows=2.0)
     f.observe("r", NOW, ready=True, outstanding=0, done_tokens=0, window=4)
     r = f.replicas["r"]
     assert f.cap(r) == math.inf  # no prompt seen yet
@@ -136,13 +136,13 @@ def test_cap_is_a_bounded_lead_once_the_rate_is_measured():
     """Windows of work until the replica has been busy RATE_WARMUP seconds; then its window
     plus lead_seconds of work at its measured rate (issue #26: a replica holds no more than
     a few seconds of work beyond what it runs)."""
-    f = Fleet(cap_windows=2.0, lead_seconds=1.5)
+    f = Fleet(cap_windows=2.0, start_windows=1.0, lead_seconds=1.5)
     f.observe("r", NOW, ready=True, outstanding=0, done_tokens=0, window=4)
     r = f.replicas["r"]
     f.assign(r, 10, 1000, [])  # 100 tokens per prompt
     f.observe("r", NOW, ready=True, outstanding=1000, done_tokens=0, window=4)
     t = busy(f, "r", RATE_WARMUP - 0.5, 400.0)
-    assert r.rate == 0 and f.cap(r) == pytest.approx(2.0 * 4 * f.avg_prompt_tokens), "not measured yet"
+    assert r.rate == 0 and f.cap(r) == pytest.approx(1.0 * 4 * f.avg_prompt_tokens), "not measured yet"
     t = busy(f, "r", 1.0, 400.0, start=t)
     assert r.rate == pytest.approx(400.0)
     assert f.cap(r) == pytest.approx(4 * f.avg_prompt_tokens + 1.5 * 400.0)
@@ -206,6 +206,80 @@ def test_work_waits_for_a_replica_that_comes_up_later():
     f.observe("b", t, ready=True, outstanding=0, done_tokens=0, window=4)
     got = policy.route(f, t, 1, 100, [7, 7])
     assert got is not None and got[0][0].name == "b", "the later replica takes what a has no room for"
+
+
+def lead_fleet(window=4, rate=200.0):
+    """One replica `a` with a measured rate: its cap is a bounded lead."""
+    f = Fleet(lead_seconds=1.0)
+    f.observe("a", NOW, ready=True, outstanding=0, done_tokens=0, window=window)
+    f.assign(f.replicas["a"], window, 100 * window, [])
+    f.observe("a", NOW, ready=True, outstanding=100 * window, done_tokens=0, window=window)
+    return f, busy(f, "a", 3, rate)
+
+
+def test_a_bucket_past_the_room_is_cut_and_the_rest_kept():
+    """With `defer` (a bucketer asks), a 64-prompt bucket offered to a replica with room
+    for a few prompts places those few and hands the rest back (None); without it the
+    whole bucket lands there (failover, the baselines)."""
+    f, t = lead_fleet()
+    a = f.replicas["a"]
+    room = f.cap(a) - a.outstanding
+    assert 0 < room < 64 * 100
+    got = PrefixAware().route(f, t, 64, 64 * 100, [7, 7], defer=True)
+    assert [(r and r.name, n) for r, n in got] == [("a", math.ceil(room / 100)), (None, 64 - math.ceil(room / 100))]
+    assert a.outstanding - f.cap(a) < 100, "over its cap by less than one prompt"
+    f2, t2 = lead_fleet()
+    assert names(PrefixAware().route(f2, t2, 64, 64 * 100, [7, 7])) == [("a", 64)]
+
+
+def test_kept_prompts_go_to_a_replica_that_comes_up_later():
+    f, t = lead_fleet()
+    policy = PrefixAware()
+    got = policy.route(f, t, 64, 6400, [7, 7], defer=True)
+    kept = sum(n for r, n in got if r is None)
+    assert kept > 0
+    f.observe("b", t, ready=True, outstanding=0, done_tokens=0, window=4)
+    again = policy.route(f, t, kept, kept * 100, [7, 7], defer=True)
+    assert again[0][0].name == "b"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 3000), min_size=1, max_size=5),
+    parts=st.lists(st.tuples(st.integers(1, 80), st.integers(1, 200)), min_size=1, max_size=4),
+)
+def test_deferred_routing_property(loads, parts):
+    """Whatever the loads and parts: the assignments cover the batch's prompts in order,
+    at least one prompt is placed when any replica is open, every replica placed was open
+    and ends at most one prompt's cost over its cap, and the kept prompts cost nothing."""
+    f = Fleet(cap_tokens=2000)
+    for i, load in enumerate(loads):
+        f.observe(f"r{i}", NOW, ready=True, outstanding=load, done_tokens=0, kv_blocks=0)
+    before = {r.name: r.outstanding for r in f.replicas.values()}
+    was_open = {r.name for r in f.open(NOW)}
+    route = [(n, n * per, [k + 1, k + 2]) for k, (n, per) in enumerate(parts)]
+    policy = PrefixAware()
+    got = policy.route_parts(f, NOW, route, defer=True)
+    if not was_open:
+        assert got is None
+        return
+    assert sum(n for _, n in got) == sum(n for n, _ in parts)
+    assert any(r is not None for r, _ in got)
+    assert all(c == 0 for (r, _), c in zip(got, policy.last_costs, strict=True) if r is None)
+    most = max(per for _, per in parts)
+    for r in f.replicas.values():
+        grew = r.outstanding - before[r.name]
+        if grew:
+            assert r.name in was_open
+            assert r.outstanding <= 2000 + most
+    # What was charged is what was placed (no prefix cached, output not told: n x per prompt).
+    per_prompt = [per for n, per in parts for _ in range(n)]
+    placed, i = 0, 0
+    for r, n in got:
+        if r is not None:
+            placed += sum(per_prompt[i : i + n])
+        i += n
+    assert placed == sum(r.outstanding - before[r.name] for r in f.replicas.values())
 
 
 def test_make_policy():

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from bench.router import bench_router
 from services.router.fleet import MIN_HISTORY, Fleet
-from services.router.policies import PrefixAware, extend_merged
+from services.router.assignments import extend_merged
+from services.router.policies import PrefixAware
 from shared.prefix.block_keys import matched_blocks
 from shared.wire import messages as m
 

@@ -130,7 +130,7 @@ def test_router_service_makes_the_sims_assignments(policy, monkeypatch):
 def test_a_route_request_asked_again_gets_its_first_answer(monkeypatch):
     """A bucketer whose route reply was lost asks again with the same bucket id: the same
     replicas, and the work counted once (twice, it would hold the replica at its cap)."""
-    router = router_service.Router(RouterConfig(policy="prefix-aware", replica_cap_tokens=1000))
+    router = router_service.Router(RouterConfig(policy="prefix-aware", replica_cap_tokens=2000))
     for name in ("a", "b"):
         router.on_status(m.EngineStatus(replica=name, ts=0.0, ready=True))
     first = router.decide(m.RouteRequest("node0", 4, 600, [1, 2], bucket="x1"))
