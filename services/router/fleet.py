@@ -25,7 +25,7 @@ measured to complete work (`start_windows` windows until it has been busy long e
 be measured). What no replica has room for waits in the bucketers, where a job that comes
 later gets its share of it and a replica that comes up later finds work; a bucket larger
 than its replica's room is cut to it, the rest handed back to its bucketer
-(`policies.fit_room`).
+(`assignments.fit_room`).
 
 Precise cache model: a replica that sends its KV-cache changes (`CacheEvents`, vLLM's KV
 events translated to prefix block keys by its worker) is scored by the blocks it actually

@@ -18,8 +18,8 @@ Policies:
   loaded; affinity never starves a replica (while one holds less than one engine window
   of work, a busier best match is passed over); a bucket larger than `split_factor` x a
   replica's fair share is split; a hot prefix group is spread (`hot.py`); asked by a
-  bucketer, it places no more of a bucket on a replica than its room and hands the rest
-  back (`fit_room`: bounded lead).
+  bucketer, it places no more of a bucket on a replica than its room (at least a minimum
+  piece) and hands the rest back (`assignments.fit_room`: bounded lead).
 
 Cost: the router decides for the whole fleet, so a decision is one pass over the
 replicas plus one index lookup per block of the key (`PrefixIndex`, `BlockIndex`),

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.router.assignments import MIN_CUT_PROMPTS
 from services.router.fleet import MIN_HISTORY, RATE_WARMUP, Fleet
 from services.router.policies import (
     MIN_SPLIT_PROMPTS,
@@ -218,24 +219,30 @@ def lead_fleet(window=4, rate=200.0):
 
 
 def test_a_bucket_past_the_room_is_cut_and_the_rest_kept():
-    """With `defer` (a bucketer asks), a 64-prompt bucket offered to a replica with room
-    for a few prompts places those few and hands the rest back (None); without it the
-    whole bucket lands there (failover, the baselines)."""
+    """With `defer` (a bucketer asks), a 96-prompt bucket offered to a replica with room
+    for a few prompts places `MIN_CUT_PROMPTS` (or as many as its room takes, if more) and
+    hands the rest back (None); without it the whole bucket lands there (failover, the
+    baselines). A bucket no larger than the minimum is never cut."""
     f, t = lead_fleet()
     a = f.replicas["a"]
-    room = f.cap(a) - a.outstanding
-    assert 0 < room < 64 * 100
-    got = PrefixAware().route(f, t, 64, 64 * 100, [7, 7], defer=True)
-    assert [(r and r.name, n) for r, n in got] == [("a", math.ceil(room / 100)), (None, 64 - math.ceil(room / 100))]
-    assert a.outstanding - f.cap(a) < 100, "over its cap by less than one prompt"
+    room, before = f.cap(a) - a.outstanding, a.outstanding
+    assert 0 < room < 96 * 100
+    keep = max(MIN_CUT_PROMPTS, math.ceil(room / 100))
+    assert keep < 96
+    got = PrefixAware().route(f, t, 96, 96 * 100, [7, 7], defer=True)
+    assert [(r and r.name, n) for r, n in got] == [("a", keep), (None, 96 - keep)]
+    assert a.outstanding - before == keep * 100, "charged for what it got only"
     f2, t2 = lead_fleet()
-    assert names(PrefixAware().route(f2, t2, 64, 64 * 100, [7, 7])) == [("a", 64)]
+    assert names(PrefixAware().route(f2, t2, 96, 96 * 100, [7, 7])) == [("a", 96)]
+    f3, t3 = lead_fleet()
+    small = PrefixAware().route(f3, t3, MIN_CUT_PROMPTS, MIN_CUT_PROMPTS * 100, [7, 7], defer=True)
+    assert names(small) == [("a", MIN_CUT_PROMPTS)]
 
 
 def test_kept_prompts_go_to_a_replica_that_comes_up_later():
     f, t = lead_fleet()
     policy = PrefixAware()
-    got = policy.route(f, t, 64, 6400, [7, 7], defer=True)
+    got = policy.route(f, t, 96, 9600, [7, 7], defer=True)
     kept = sum(n for r, n in got if r is None)
     assert kept > 0
     f.observe("b", t, ready=True, outstanding=0, done_tokens=0, window=4)
@@ -251,7 +258,7 @@ def test_kept_prompts_go_to_a_replica_that_comes_up_later():
 def test_deferred_routing_property(loads, parts):
     """Whatever the loads and parts: the assignments cover the batch's prompts in order,
     at least one prompt is placed when any replica is open, every replica placed was open
-    and ends at most one prompt's cost over its cap, and the kept prompts cost nothing."""
+    and ends at most a minimum cut's cost over its cap, and the kept prompts cost nothing."""
     f = Fleet(cap_tokens=2000)
     for i, load in enumerate(loads):
         f.observe(f"r{i}", NOW, ready=True, outstanding=load, done_tokens=0, kv_blocks=0)
@@ -271,7 +278,7 @@ def test_deferred_routing_property(loads, parts):
         grew = r.outstanding - before[r.name]
         if grew:
             assert r.name in was_open
-            assert r.outstanding <= 2000 + most
+            assert r.outstanding <= 2000 + MIN_CUT_PROMPTS * most
     # What was charged is what was placed (no prefix cached, output not told: n x per prompt).
     per_prompt = [per for n, per in parts for _ in range(n)]
     placed, i = 0, 0
