@@ -87,7 +87,11 @@ RELEASES = _counter(
     "pfx_bucketer_releases", "Buckets released, by why: size (buffer over its bound), max_wait, eager (replicas had room), flush (end of input, shutdown)",
     ["node", "reason"],
 )
-RELEASED_PROMPTS = _counter("pfx_bucketer_released_prompts", "Prompts released, by why (as pfx_bucketer_releases)", ["node", "reason"])
+RELEASED_PROMPTS = _counter(
+    "pfx_bucketer_released_prompts",
+    "Prompts released, by why (as pfx_bucketer_releases); a prompt the router kept back (pfx_router_kept_prompts) is released again",
+    ["node", "reason"],
+)
 ROUTE_RETRIES = _counter("pfx_bucketer_route_retries", "Route requests answered retry-after (every open replica at its cap) or unanswered", ["node"])
 
 # --- router --------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Find the culprit, spare the rest (issue #22), through `prefixflow run` as a user runs it:
 one prompt kills the engine whenever it runs (the echo engine's crash token), in a bucket
-of 64; besides, three unrelated engine deaths mid-job (each replica's engine dies once
+of 32; besides, three unrelated engine deaths mid-job (each replica's engine dies once
 after `CRASH_AFTER` prompts, and engine0's worker process is SIGKILLed). Exactly one error
 row (the killer's), every other row generated, exit code 0.
 
@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from services.engine_worker.isolate import STRIKES
+from services.router.assignments import MIN_CUT_PROMPTS
 from tests.conftest import REPO, VENV_BIN
 from tests.nats.test_run_cli import job_rows, read_pids, wait_for
 
@@ -30,10 +31,14 @@ GROUPS, GROUP = 48, 64
 N = GROUPS * GROUP
 KILLER_TOKEN = 8000
 """In the killer's prompt only (the tiny model's vocabulary is 8192; other prompts use < 7000)."""
+SLICE = MIN_CUT_PROMPTS
+"""The bucketer releases each group in slices of this many prompts, which the router never
+cuts (a larger bucket may be cut to a replica's room, the rest sent later in a bucket of
+its own): the killer comes in a batch of this many."""
 CRASH_AFTER = 300
 """Each engine (each worker process) also dies once after this many prompts: unrelated deaths."""
 ENV = {
-    "PFX_ECHO_DELAY": "0.05", "PFX_WINDOW": "8", "PFX_MAX_BATCH": str(GROUP),
+    "PFX_ECHO_DELAY": "0.05", "PFX_WINDOW": "8", "PFX_MAX_BATCH": str(GROUP), "PFX_MAX_BUCKET": str(SLICE),
     "PFX_ECHO_CRASH_TOKEN": str(KILLER_TOKEN), "PFX_ECHO_CRASH_AFTER": str(CRASH_AFTER),
 }
 
@@ -98,4 +103,4 @@ def test_only_the_prompt_that_kills_the_engine_alone_is_an_error_row(tmp_path, t
     assert "poison" in errors[killer]
     assert all(r["output"] for i, r in rows.items() if i != killer), "every other row generated"
     bucket = rows[killer]["bucket"]
-    assert sum(1 for r in rows.values() if r["bucket"] == bucket) >= GROUP, "the killer came in a bucket of 64"
+    assert sum(1 for r in rows.values() if r["bucket"] == bucket) >= SLICE, "the killer came in a bucket of 32"
