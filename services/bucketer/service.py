@@ -91,6 +91,8 @@ class Bucketer:
         self.wake = asyncio.Event()
         self.freed = asyncio.Event()
         """Set (and replaced) whenever the router announces freed room."""
+        self.reference_rules = False
+        """The router's policy releases nothing early (the reference's): its last room reply said so."""
         node = cfg.node
         self.prompts_in = metrics.BUCKETER_PROMPTS_IN.labels(node)
         self.route_retries = metrics.ROUTE_RETRIES.labels(node)
@@ -268,7 +270,7 @@ class Bucketer:
                 return waited >= self.cfg.eager_delay or (waited >= EAGER_MIN_WAIT and self.settled(lane.job, held))
 
             early = any(lane.flowing or eligible(lane) for lane in self.lanes.lanes.values() if len(lane.buffer))
-            budget = await self.room() if early or not self.cfg.eager else 0.0
+            budget = await self.room() if early or self.reference_rules or not self.cfg.eager else 0.0
             # Without the router's room (the reference rules): a job with nothing left
             # upstream and no input for a while has reached its end of input here, so its
             # lane is flushed. (A slow ingest batch can leave this node without input for
@@ -308,12 +310,16 @@ class Bucketer:
 
     async def room(self) -> float | None:
         """Free room on the replicas (work tokens) if eager release is on; None when it is
-        off or the router does not answer (the lanes then follow the reference rules)."""
+        off here or at the router's policy (the reference's), or the router does not
+        answer: the lanes then follow the reference rules."""
         if not self.cfg.eager:
             return None
         try:
             reply = m.router_room_decoder.decode((await self.nc.request(subjects.ROUTER_ROOM, b"", timeout=1.0)).data)
         except Exception:  # noqa: BLE001 - router away: release by the reference rules only
+            return None
+        self.reference_rules = not reply.eager
+        if self.reference_rules:
             return None
         return float("inf") if reply.tokens < 0 else reply.tokens
 

@@ -213,7 +213,7 @@ class Router:
             now = time.monotonic()
             room = self.fleet.room(now) if self.policy.eager else 0.0
             tokens = -1 if room == float("inf") else int(room)
-            await request.respond(m.encode(m.RouterRoom(tokens, len(self.fleet.live(now)))))
+            await request.respond(m.encode(m.RouterRoom(tokens, len(self.fleet.live(now)), self.policy.eager)))
 
         await service.add_endpoint(name="route", subject=subjects.ROUTE, handler=on_route)
         await service.add_endpoint(name="room", subject=subjects.ROUTER_ROOM, handler=on_room)

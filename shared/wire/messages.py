@@ -514,11 +514,12 @@ class RouteReply(msgspec.Struct, omit_defaults=True):
 
 class RouterRoom(msgspec.Struct, omit_defaults=True):
     """router -> bucketer: free capacity of the fleet, in work tokens (-1: unbounded).
-    The `daft` policy reports 0: the reference releases buckets only when its buffer is
-    over its limit or at end of input."""
+    `eager` False (the `daft` policy): no early release; the bucketer follows the
+    reference's rules (a bucket at its size, over the buffer's limit, at end of input)."""
 
     tokens: int = 0
     live: int = 0
+    eager: bool = True
 
 
 router_room_decoder = msgspec.msgpack.Decoder(RouterRoom)

@@ -27,6 +27,7 @@ from datagen.dataset import write_prefix_repetition
 from launch.local_cluster import ClusterFailed, LocalCluster, processes
 from client.submit import JobFailed, Submitter
 from launch.supervisor import RestartPolicy
+from services.router.assignments import MIN_CUT_PROMPTS
 from shared.wire import messages as m
 from shared.wire import subjects
 from tests.conftest import REPO, VENV_BIN, run_cli
@@ -254,3 +255,33 @@ def test_run_submits_while_the_engines_start_and_the_work_waits_for_them(tmp_pat
     summary = json.loads((out / "_summary.json").read_text())
     # The job was created before the engines were ready: its first result waited for one.
     assert summary["rows"] == n and summary["first_result_seconds"] >= 4, summary
+
+
+@pytest.mark.parametrize("policy", ["prefix-aware", "daft"])
+def test_run_cuts_buckets_to_the_room_and_writes_every_row_once(tmp_path, tiny_model, policy):
+    """Bounded lead through `run`: 256-prompt buckets of 4 prefixes on two slowed echo
+    replicas with small windows. The product's policy places no more of a bucket than a
+    replica's room and hands the rest back (the router's debug log says "(kept)"), the
+    bucketer sends those prompts again later; the reference's rules (`daft`: no early
+    release, whole buckets) cut nothing. Either way every row is written exactly once,
+    on both replicas."""
+    n = 2048
+    out = tmp_path / "out"
+    env = {"PFX_ECHO_DELAY": "0.005", "PFX_WINDOW": "8", "PFX_MAX_BUCKET": "256", "PFX_LOG_LEVEL": "debug"}
+    proc = run_echo_job(tmp_path, tiny_model, n=n, num_prefixes=4, job="cut", env=env,
+                        extra=["--no-progress", "--policy", policy])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    routed = [json.loads(line) for line in (tmp_path / "cluster" / "logs" / "router.log").read_text().splitlines()
+              if '"routed"' in line]
+    kept = [r for r in routed if any(name == "(kept)" for name, _ in r["to"])]
+    if policy == "daft":
+        assert routed and not kept
+    else:
+        assert kept, f"no bucket was cut in {len(routed)} decisions"
+        placed = [sum(k for name, k in r["to"] if name != "(kept)") for r in kept]
+        assert min(placed) >= MIN_CUT_PROMPTS, placed  # a cut leaves a piece worth its prefix
+    table = pq.read_table(out)
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == n, "every id exactly once"
+    assert table.column("error").null_count == n
+    assert set(table.column("replica").to_pylist()) == {"r0", "r1"}
