@@ -136,6 +136,26 @@ class Result:
         }
 
 
+def work_bound(starts: list[float], busy: float) -> float:
+    """The earliest time a fleet could finish `busy` replica-seconds of engine work with
+    replica i up from `starts[i]` and every replica busy from then on (the work spread
+    perfectly): T with sum(max(0, T - s)) == busy. A run's wall time less its tail is
+    never below it; a target below a method's bound needs less engine work (a higher
+    hit rate, more prompts at once), not better placement."""
+    if not starts:
+        return 0.0
+    up = sorted(starts)
+    total = 0.0
+    for k, s in enumerate(up, 1):
+        # With the first k replicas up: T = (busy + their starts) / k, the answer unless
+        # the next replica is up before then.
+        total += s
+        t = (busy + total) / k
+        if k == len(up) or t <= up[k]:
+            return t
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
 def memoized_sharding():
     """`sharding.ranking` is a pure function of (key, nodes); the sharder calls it once
@@ -340,6 +360,8 @@ class Sim:
             "max_running": max(s.max_running for s in stats),
             "start_seconds": round(self.t0, 2),
             "first_start_seconds": round(self.first_submit, 4),
+            # The same engine work spread perfectly over the replicas from when each was up.
+            "bound_seconds": round(work_bound(self.starts, busy) + self.profile.tail_s, 2),
         }
         if self.router is not None:
             extra["route_decisions"] = self.router.decisions

@@ -4,6 +4,7 @@ copied), printing tables, writing JSON and plots."""
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -99,14 +100,14 @@ def plot(report: dict, path: str | Path) -> None:
 
 def print_rows(rows: list[dict], published: dict | None = None) -> None:
     published = published or {}
-    head = f"{'method':>14} {'wall s':>9} {'published':>10} {'hit (cached/prompt)':>20} {'hit (vLLM counters)':>20} {'published':>10} {'preempt':>8} {'busy':>6} {'split':>6}"
+    head = f"{'method':>14} {'wall s':>9} {'published':>10} {'hit (cached/prompt)':>20} {'hit (vLLM counters)':>20} {'published':>10} {'preempt':>8} {'busy':>6} {'split':>6} {'bound s':>8}"
     print(head)
     for r in rows:
         pub = published.get(r["method"])
         pt = f"{pub[0]:.0f}" if pub else ""
         ph = f"{pub[1]:.1%}" if pub else ""
         print(f"{r['method']:>14} {r['wall_seconds']:9.1f} {pt:>10} {r['hit_rate']:20.1%} {r['logged_hit_rate']:20.1%} {ph:>10}"
-              f" {r['preemptions']:8d} {r['busy_fraction']:6.1%} {r['groups_split']:6d}")
+              f" {r['preemptions']:8d} {r['busy_fraction']:6.1%} {r['groups_split']:6d} {r.get('bound_seconds', math.nan):8.1f}")
 
 
 def result_rows(results: list[Result]) -> list[dict]:
