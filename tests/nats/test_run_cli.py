@@ -265,7 +265,7 @@ def test_run_cuts_buckets_to_the_room_and_writes_every_row_once(tmp_path, tiny_m
     bucketer sends those prompts again later; the reference's rules (`daft`: no early
     release, whole buckets) cut nothing. Either way every row is written exactly once,
     on both replicas."""
-    n = 2048
+    n = 1024
     out = tmp_path / "out"
     env = {"PFX_ECHO_DELAY": "0.005", "PFX_WINDOW": "8", "PFX_MAX_BUCKET": "256", "PFX_LOG_LEVEL": "debug"}
     proc = run_echo_job(tmp_path, tiny_model, n=n, num_prefixes=4, job="cut", env=env,
