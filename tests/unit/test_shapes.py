@@ -29,9 +29,9 @@ def _counted(shape: S.Shape, block_size: int) -> float:
 
 def _shares_by_chance(shape: S.Shape, structural) -> bool:
     """Whether two prompts share more leading tokens than the shape puts there
-    (`structural(group_a, group_b)`): random tokens that happen to repeat (with 120
-    prompts of a million-word vocabulary, two equal first suffix tokens about once in 600
-    draws), which the formula rightly does not count. Sorted, each prompt's longest shared
+    (`structural(group_a, group_b)`): random tokens that happen to repeat (rare in a
+    million-word vocabulary, but a draw of 59 prompts once gave two the same first suffix
+    token), which the formula rightly does not count. Sorted, each prompt's longest shared
     prefix is with a neighbour, so neighbours are enough."""
     rows = sorted(zip(shape.token_ids, shape.prefix_id.tolist()), key=lambda r: tuple(r[0].tolist()))
     return any(_common(a, b) > structural(ga, gb) for (a, ga), (b, gb) in zip(rows, rows[1:]))
