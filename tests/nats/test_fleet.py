@@ -26,6 +26,7 @@ import json
 import subprocess
 import time
 
+import nats.errors
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -190,10 +191,14 @@ async def rejoined(fleet: Fleet, timeout: float = 60) -> dict:
         while True:
             state = {}
             for name in names:
-                info = await js.stream_info(name)
+                try:
+                    info = await js.stream_info(name)
+                except nats.errors.Error as exc:  # no answer while the restarted server catches up: not yet
+                    state[name] = (0, repr(exc))
+                    continue
                 peers = {info.cluster.leader: True, **{r.name: r.current for r in info.cluster.replicas or []}}
                 state[name] = (info.config.num_replicas, peers.get("nats-2", False))
-            if all(n == 3 and current for n, current in state.values()) and len(nc._server_info.get("connect_urls", [])) == 3:
+            if all(n == 3 and current is True for n, current in state.values()) and len(nc._server_info.get("connect_urls", [])) == 3:
                 return state
             assert time.monotonic() < deadline, f"nats-2 did not rejoin: {state}"
             await asyncio.sleep(0.5)
