@@ -259,7 +259,8 @@ async def bench_methods_async(args) -> dict[str, Any]:
     sampling = m.SamplingSpec(max_tokens=args.output_len, min_tokens=args.output_len, ignore_eos=True, temperature=1.0)
     replicas = [f"r{i}" for i in range(args.replicas)]
     engine_args = ["--kv-cache-blocks", str(args.kv_cache_blocks), "--window", str(args.window)]
-    env = {"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning"}
+    # The sink writes only under its output root: the work dir, wherever --work-dir puts it.
+    env = {"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning", "PFX_OUT_ROOT": str(out_root.resolve())}
     if args.buffer_prompts:
         env["PFX_BUFFER_PROMPTS"] = str(args.buffer_prompts)
     cluster = LocalCluster(

@@ -239,7 +239,7 @@ async def bench_pipeline_once(args, num_prompts: int) -> dict[str, Any]:
     cluster = LocalCluster(
         processes(args.replicas, engine=args.engine),
         workdir=workdir,
-        env={"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning"},
+        env={"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning", "PFX_OUT_ROOT": str(workdir.resolve())},
     )
     cluster.start()
     tap = Wiretap() if args.wiretap else None

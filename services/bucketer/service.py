@@ -261,13 +261,17 @@ class Bucketer:
                 return
             now = time.monotonic()
             held = self.held_by_job()
+            waiting = self.waiting(held)
 
             # Eager release once a job's input has landed (groups then go out whole, not as
-            # fragments of a burst still being ingested), or after --eager-delay anyway.
+            # fragments of a burst still being ingested) or its lane is full (no more of
+            # its input can come in until some leaves: waiting only idles the replicas),
+            # or after --eager-delay anyway.
             def eligible(lane: Lane) -> bool:
                 oldest = lane.buffer.oldest()
                 waited = -1.0 if oldest is None else now - oldest
-                return waited >= self.cfg.eager_delay or (waited >= EAGER_MIN_WAIT and self.settled(lane.job, held))
+                return waited >= self.cfg.eager_delay or (waited >= EAGER_MIN_WAIT and (
+                    self.settled(lane.job, held) or self.lanes.room(lane.job, lane.weight, waiting) <= 0))
 
             early = any(lane.flowing or eligible(lane) for lane in self.lanes.lanes.values() if len(lane.buffer))
             budget = await self.room() if early or self.reference_rules or not self.cfg.eager else 0.0

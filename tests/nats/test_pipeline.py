@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
+import subprocess
 import time
 
 import msgspec
@@ -19,7 +21,7 @@ from datagen.dataset import write_prefix_repetition
 from shared.wire import messages as m
 from shared.wire import subjects
 from shared.bus.connection import close, connect
-from tests.conftest import run_cli, wait_replicas_ready
+from tests.conftest import REPO, VENV_BIN, run_cli, wait_replicas_ready
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -151,3 +153,21 @@ def test_run_all_in_one_and_clean_shutdown(tmp_path, tiny_model):
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["rows"] == 50 and set(summary["replicas"]) <= {"r0", "r1"}
     assert "replicas ready" in res.stdout
+
+
+def test_bench_pipeline_with_its_work_dir_outside_the_checkout(tmp_path, tiny_model):
+    """`prefixflow bench pipeline --work-dir` anywhere: the bench's sink writes under that
+    directory (its output root), so the job completes instead of being refused as outside
+    the root (the sink's default root is its working directory, the checkout)."""
+    work, report = tmp_path / "bench", tmp_path / "pipeline.json"
+    n = 600
+    # As a user runs it: no PFX_OUT_ROOT in the environment (the suite sets one for its sinks).
+    env = {k: v for k, v in os.environ.items() if k != "PFX_OUT_ROOT"}
+    proc = subprocess.run([str(VENV_BIN / "prefixflow"), "bench", "pipeline", "--num-prompts", str(n), "--num-prefixes",
+                           "8", "--model", str(tiny_model), "--work-dir", str(work), "--json", str(report), "--no-wiretap"],
+                          capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads(report.read_text())["runs"][0]
+    assert run["num_prompts"] == n and run["prompts_per_second"] > 0
+    ids = pq.read_table(work / f"pipeline-{n}" / "out", columns=["id"]).column("id").to_pylist()
+    assert sorted(ids) == list(range(n)), "every prompt written once, under the work dir"
