@@ -324,14 +324,16 @@ class PrefixBuffer:
             parts.append(loose)
         return [(len(part), self._keyed(part).key) for part in parts]
 
-    def pop(self, now: float, *, flush: bool = False, budget: float = 0, bounded: bool = False) -> list[Bucket]:
+    def pop(self, now: float, *, flush: bool = False, budget: float = 0, bounded: bool = False,
+            why: str = "eager") -> list[Bucket]:
         """Release what is due at `now` (everything if `flush`), then, largest first,
         buckets worth up to about `budget` work tokens (the replicas' free room: feeding
         idle engines beats waiting for better buckets).
 
         `bounded` (a job's turn under fair sharing, `services/bucketer/lanes.py`): release
         only up to `budget`, overdue buckets first, then the largest; the size bound is
-        the caller's (it gates intake), so nothing goes out past the budget."""
+        the caller's (it gates intake), so nothing goes out past the budget. `why` labels
+        the largest buckets released for the budget ("size" when the caller's bound forced them)."""
         out: list[Bucket] = []
         pool = Bucket([], pooled=True)
 
@@ -368,7 +370,7 @@ class PrefixBuffer:
         while self._items and budget > 0:
             items = self._take(self._largest())
             budget -= self.work(items)
-            emit(items, "eager")
+            emit(items, why)
         if pool.items:  # a partial mixed batch goes too: its prompts were due
             out.append(pool)
         return out

@@ -86,6 +86,11 @@ class Lanes:
         """Past the bounds and the intake's slack: release regardless of fairness."""
         return len(self) > self.max_prompts + self.headroom + self.slack or self.nbytes > self.max_bytes
 
+    def full(self) -> bool:
+        """At the bounds (intake stops here, less a lane's headroom): under the reference's
+        rules the largest buckets go until it is not."""
+        return len(self) >= self.max_prompts or self.nbytes >= self.max_bytes
+
     def oldest(self) -> float | None:
         """Arrival time of the oldest prompt held, in any lane."""
         times = [t for lane in self.lanes.values() if (t := lane.buffer.oldest()) is not None]
@@ -150,8 +155,8 @@ class Lanes:
             eligible: Callable[[Lane], bool] = lambda lane: True) -> list[tuple[str, Bucket]]:
         """Release, as (job, bucket):
         1. every bucket of the lanes in `flush` (their job's end of input);
-        2. while over the total bounds: the largest buckets of the lane furthest over its
-           share;
+        2. while over the total bounds (without a `budget`: at them, the reference's size
+           rule): the largest buckets of the lane furthest over its share;
         3. with a `budget` (work tokens of free room on the replicas): lanes furthest
            behind in virtual time first, each turn a fair piece of the budget, among the
            lanes `eligible` says may release early (or that already do) (an unbounded budget: one turn per
@@ -162,11 +167,11 @@ class Lanes:
         for job in flush:
             if (lane := self.lanes.get(job)) is not None and len(lane.buffer):
                 self._emit(out, lane, lane.buffer.pop(now, flush=True))
-        while self.over():
+        while self.over() or (budget is None and self.full()):
             lane = max((ln for ln in self.lanes.values() if len(ln.buffer)),
                        key=lambda ln: len(ln.buffer) / self.share(ln.job)[0])
             before = len(out)
-            self._emit(out, lane, lane.buffer.pop(now, budget=1, bounded=True))
+            self._emit(out, lane, lane.buffer.pop(now, budget=1, bounded=True, why="size"))
             if len(out) == before:
                 break
         if budget is None:

@@ -308,3 +308,21 @@ def test_prompts_put_back_are_released_again_and_cost_no_turn():
         if not len(lanes):
             break
     assert len(placed) == 128 and set(placed.values()) == {1}
+
+
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_reference_rules_release_the_largest_buckets_at_the_bound(jobs):
+    """Without a budget (the reference's rules: a policy without early release, or no
+    router), lanes that together hold the buffer's bound - intake has stopped there - release
+    their largest buckets by the size rule until the buffer is below its bound, long before
+    any prompt is overdue; below the bound nothing goes."""
+    lanes = make_lanes(max_prompts=64, min_share=8, headroom=16)
+    for k in range(jobs):
+        fill(lanes, f"j{k}", 1, 64 // jobs + (1 if k < 64 % jobs else 0), prefixes=6)
+    assert len(lanes) == 64
+    out = lanes.pop(0.1, budget=None)
+    assert out and len(lanes) < 64
+    assert {why for _, bucket in out for _, why in bucket.released} == {"size"}
+    fill(lanes, "j0", 1, 1, now=0.2, prefixes=6)
+    if len(lanes) < 64:
+        assert lanes.pop(0.2, budget=None) == []
