@@ -239,11 +239,7 @@ class Ingestor:
 
 
 def incoming(msg: Msg) -> Incoming:
-    try:
-        seq = msg.metadata.sequence.stream
-    except Exception:  # noqa: BLE001 - not a JetStream message (tests)
-        seq = 0
-    return Incoming(msg.subject, msg.data, msg.headers, seq)
+    return Incoming(msg.subject, msg.data, msg.headers, msg.metadata.sequence.stream)
 
 
 _fields = msgspec.msgpack.Decoder(dict[str, Any])

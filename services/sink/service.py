@@ -263,10 +263,7 @@ class Sink:
             await dead_letter(self.js, msg, "sink failed repeatedly")
             why = f"poison message: result could not be written after {deliveries(msg)} deliveries"
             results = [m.error_result(r.id, why, replica=r.replica, src=r.src, row=r.row) for r in results]
-        try:  # when the results reached the stream: the finish time of rows that have none
-            reached = msg.metadata.timestamp.timestamp()
-        except Exception:  # noqa: BLE001 - not a JetStream message (tests)
-            reached = time.time()
+        reached = msg.metadata.timestamp.timestamp()  # the finish time of rows that have none
         added = sum(out.add(r, reached) for r in results)
         self.pending_rows += added
         if added < len(results):

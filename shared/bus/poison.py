@@ -44,10 +44,7 @@ PRIOR_DELIVERIES = "Pfx-Prior-Deliveries"
 
 def deliveries(msg: Msg) -> int:
     """Deliveries so far, including those before a failover moved the message."""
-    try:
-        n = msg.metadata.num_delivered
-    except Exception:  # noqa: BLE001 - not a JetStream message
-        n = 1
+    n = msg.metadata.num_delivered
     try:
         return n + int((msg.headers or {}).get(PRIOR_DELIVERIES, 0))
     except ValueError:
@@ -72,11 +69,9 @@ async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, *, data: byte
     log.error("poison message quarantined", subject=msg.subject, deliveries=n, reason=reason, part=part or None)
     error = reason if part else f"poison after {n} deliveries: {reason}"
     headers = {"Pfx-Error": error[:512], "Pfx-Deliveries": str(n), "Pfx-Subject": msg.subject}
-    try:  # the same message dead-lettered again (its holder crashed before ending it): one copy
-        meta = msg.metadata
-        headers["Nats-Msg-Id"] = f"dead:{meta.stream}:{meta.sequence.stream}" + (f":{part}" if part else "")
-    except Exception:  # noqa: BLE001 - not a JetStream message
-        pass
+    # The same message dead-lettered again (its holder crashed before ending it): one copy.
+    meta = msg.metadata
+    headers["Nats-Msg-Id"] = f"dead:{meta.stream}:{meta.sequence.stream}" + (f":{part}" if part else "")
     data = dead_payload(js, msg.data if data is None else data, headers)
     await publish(js, subjects.dead(msg.subject), data, headers=headers)
     metrics.DEAD_LETTERS.labels(metrics.stream_of(msg.subject)).inc()

@@ -82,11 +82,8 @@ class DurablePull:
         """Metrics of a fetch: messages, redeliveries, and the queue depth behind them
         (an empty fetch says nothing: the consumer may be at its max_ack_pending)."""
         self._fetched.inc(len(msgs))
-        try:
-            again = sum(1 for msg in msgs if msg.metadata.num_delivered > 1)
-            self._pending.set(msgs[-1].metadata.num_pending)
-        except Exception:  # noqa: BLE001 - not JetStream messages (tests)
-            return
+        again = sum(1 for msg in msgs if msg.metadata.num_delivered > 1)
+        self._pending.set(msgs[-1].metadata.num_pending)
         if again:
             self._redelivered.inc(again)
 

@@ -1,24 +1,33 @@
 """A JetStream message stand-in for unit tests of consume, failover and takeover logic:
-records what was done to it (ack, nak, in_progress, term)."""
+records what was done to it (ack, nak, in_progress, term). Its metadata is nats.py's own
+`Msg.Metadata`, with every field the real one carries, so product code reads it as it
+reads a delivered message (no test branches)."""
 
 from __future__ import annotations
 
+import datetime
 
-class Seq:
-    def __init__(self, stream: int) -> None:
-        self.stream = stream
+from nats.aio.msg import Msg
 
 
-class Meta:
-    def __init__(self, seq: int, delivered: int, stream: str) -> None:
-        self.sequence, self.num_delivered, self.stream = Seq(seq), delivered, stream
+def meta(seq: int, delivered: int, stream: str, pending: int = 0, consumer: str = "fake") -> Msg.Metadata:
+    """Metadata as nats.py parses it from a JetStream delivery's reply subject."""
+    return Msg.Metadata(
+        sequence=Msg.Metadata.SequencePair(stream=seq, consumer=seq),
+        num_pending=pending,
+        num_delivered=delivered,
+        timestamp=datetime.datetime.now(datetime.timezone.utc),
+        stream=stream,
+        consumer=consumer,
+        domain=None,
+    )
 
 
 class FakeMsg:
     def __init__(self, data: bytes, seq: int = 1, delivered: int = 1, headers: dict | None = None,
                  subject: str = "pfx.work.r0", stream: str = "PFX_WORK") -> None:
         self.data, self.headers, self.subject = data, headers, subject
-        self.metadata = Meta(seq, delivered, stream)
+        self.metadata = meta(seq, delivered, stream)
         self.calls: list[str] = []
 
     async def ack(self) -> None:

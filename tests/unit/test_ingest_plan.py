@@ -17,6 +17,7 @@ from shared.prefix import tokens as tk
 from shared.prefix.sharding import Sharder
 from shared.process.config import IngestorConfig
 from shared.wire import messages as m
+from tests.unit import fakes
 
 pytestmark = pytest.mark.unit
 
@@ -80,8 +81,9 @@ def test_poison_rows_keep_every_recoverable_id():
 
 
 class FakeMsg:
-    def __init__(self, subject: str, data: bytes) -> None:
+    def __init__(self, subject: str, data: bytes, seq: int = 1) -> None:
         self.subject, self.data, self.headers = subject, data, None
+        self.metadata = fakes.meta(seq, 1, "PFX_INGEST")
         self.acked = False
 
     async def ack(self) -> None:
@@ -116,11 +118,11 @@ def test_ingestor_tokenizes_off_the_event_loop(monkeypatch):
     monkeypatch.setattr("services.ingestor.service.publish", publish)
     monkeypatch.setattr("services.ingestor.service.put_blob", put_blob)
     ing.js = ing.nc = None
-    msgs = [FakeMsg("pfx.ingest.j", json.dumps({"id": i, "prompt": "abc"}).encode()) for i in range(3)]
+    msgs = [FakeMsg("pfx.ingest.j", json.dumps({"id": i, "prompt": "abc"}).encode(), seq=7 + i) for i in range(3)]
     asyncio.run(ing.handle(msgs))
     assert threads == [False], "tokenized once, in a worker thread"
     # The rows' other fields (their `prompt`) are stored before the prompts that refer to them.
-    assert published == [f"blob j/in-{m.INGEST_SRC_BASE}", "pfx.bucket.node0.j"] and all(x.acked for x in msgs)
+    assert published == [f"blob j/in-{m.INGEST_SRC_BASE + 7}", "pfx.bucket.node0.j"] and all(x.acked for x in msgs)
 
 
 def test_prompts_go_only_to_nodes_a_bucketer_reported():

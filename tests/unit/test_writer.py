@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import msgspec
 import pyarrow as pa
@@ -16,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.sink import service as sink_service
+from tests.unit import fakes
 from services.sink.writer import OUTPUT_TYPES, JobOutput, input_column
 from shared.bus.jobs import JobLookup
 from shared.bus.poison import PRIOR_DELIVERIES
@@ -359,7 +359,7 @@ class FakeMsg:
         self.subject = subjects.results(job)
         self.data = m.encode(m.ResultBatch(job, results))
         self.headers = {PRIOR_DELIVERIES: str(prior_deliveries)} if prior_deliveries else None
-        self.metadata = SimpleNamespace(num_delivered=1)
+        self.metadata = fakes.meta(1, 1, "PFX_RESULTS")
 
     async def _settle(self, what: str) -> None:
         self.rec.events.append((what, self.name, self.rec.on_disk()))
