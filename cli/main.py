@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -125,6 +126,7 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
                    help="the job's weight while other jobs share the cluster: a job of weight 3 gets three times "
                         "the engine work of a job of weight 1 (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="print the job's summary as JSON instead of a table")
     p.add_argument("--no-report", action="store_true",
                    help="no end-of-job report in OUT/_report (write it later: `prefixflow report OUT`)")
     p.add_argument("--task", choices=("generate", "embed"), default="generate",
@@ -137,7 +139,11 @@ def default_job_id(input_path: str) -> str:
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def print_summary(summary: dict[str, Any]) -> None:
+def print_summary(summary: dict[str, Any], as_json: bool = False) -> None:
+    """The job's summary: a table per replica, or (`--json`) the summary itself as JSON."""
+    if as_json:
+        print(json.dumps(summary, indent=2))
+        return
     cols = ("rows", "errors", "prompt_tokens", "cached_tokens", "output_tokens", "prefix_cache_hit_rate", "output_tokens_per_second")
     header = f"{'':8}" + "".join(f"{c:>26}" for c in cols)
     print(header)
@@ -192,7 +198,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     from launch.run import run_local
 
-    run_local(args, sampling=sampling_from(args), chat=chat_from(args), print_summary=print_summary,
+    run_local(args, sampling=sampling_from(args), chat=chat_from(args),
+              print_summary=functools.partial(print_summary, as_json=args.json),
               new_job=default_job_id(args.input))
 
 
@@ -225,11 +232,11 @@ def cmd_submit(args: argparse.Namespace) -> None:
     except AlreadyDone as done:
         print(f"{done} in {args.out}: nothing to send")
         if done.status.summary:
-            print_summary(done.status.summary)
+            print_summary(done.status.summary, args.json)
         return
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     if status.summary:
-        print_summary(status.summary)
+        print_summary(status.summary, args.json)
     if not args.no_report:
         from report.job_report import auto_report
 

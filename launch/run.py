@@ -185,8 +185,8 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     print(f"starting local cluster on {cluster.url} (workdir: {cluster.workdir}, logs: {cluster.workdir / 'logs'}) ...", flush=True)
     if args.tensor_parallel_size > 1:
         if devices.gpus:
-            print(f"note: the engine-worker has no tensor-parallel setting yet: each replica sees "
-                  f"{args.tensor_parallel_size} GPUs but vLLM uses one", flush=True)
+            print(f"each replica runs vLLM tensor-parallel over its own {args.tensor_parallel_size} GPUs "
+                  "(the engine-worker's default: the GPUs it sees)", flush=True)
         else:
             print("note: --tensor-parallel-size applies to GPUs only; ignored on CPU", flush=True)
     for p in procs:
@@ -232,7 +232,6 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     summary = read_json(Path(args.out) / "_summary.json") or status.summary
     if summary:
         print_summary(summary)
-        print(json.dumps(summary, indent=2))
     if not args.no_report:
         from report.job_report import auto_report
 

@@ -68,6 +68,8 @@ def first_run(tmp_path_factory, dataset, tiny_model) -> Path:
     out = base / "out"
     res = run_job(dataset, out, base / "w1", tiny_model, "--job", "first")
     assert res.returncode == 0, res.stdout + res.stderr
+    # The summary once, as a table (JSON only with --json).
+    assert res.stdout.count("wall seconds:") == 1 and '"wall_seconds"' not in res.stdout, res.stdout
     ids_once(out, N)
     return out
 
@@ -85,6 +87,14 @@ def test_the_same_run_twice_prints_the_summary_and_starts_nothing(first_run, dat
     assert not (tmp_path / "w2" / "pids.json").exists(), "no cluster started"
     assert took < 20, took
     assert snapshot(first_run) == before
+
+
+def test_json_prints_the_summary_as_json_only(first_run, dataset, tiny_model, tmp_path):
+    res = run_job(dataset, first_run, tmp_path / "w2j", tiny_model, "--json", timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "wall seconds:" not in res.stdout, "no table beside the JSON"
+    printed = json.loads(res.stdout[res.stdout.index("{"):])
+    assert printed == json.loads((first_run / "_summary.json").read_text())
 
 
 def test_another_job_into_a_bound_directory_is_refused(first_run, dataset, tiny_model, tmp_path):
