@@ -27,6 +27,8 @@ from shared.wire import messages as m
 from shared.wire import subjects
 from shared.wire.control import ControlReply, decode_reply
 
+pytest_plugins = ["tests.tiers", "pytester"]
+
 setup_logging("tests", fmt="console", level="warning")
 
 REPO = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ naive leading-run count, and it never holds more than its bound."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.router.block_index import BlockIndex
@@ -55,7 +55,6 @@ def naive_match(ref: dict[str, set[int]], key: list[int]) -> dict[str, int]:
     return out
 
 
-@settings(max_examples=400, deadline=None)
 @given(st.lists(event, max_size=60), st.lists(runs, min_size=1, max_size=5))
 def test_contents_are_stored_minus_removed_and_match_is_naive(events, keys):
     index = BlockIndex(max_entries=10_000)  # never reached: nothing is evicted
@@ -69,7 +68,6 @@ def test_contents_are_stored_minus_removed_and_match_is_naive(events, keys):
     assert index.evicted == 0
 
 
-@settings(max_examples=400, deadline=None)
 @given(st.integers(min_value=1, max_value=12), st.lists(event, max_size=80), runs)
 def test_never_grows_past_its_bound_and_never_invents_blocks(bound, events, key):
     index = BlockIndex(max_entries=bound)

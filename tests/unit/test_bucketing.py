@@ -4,7 +4,7 @@ clock advances, plus hand-checked cases of the reference rules."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.bucketer.buffer import Item, PrefixBuffer, linked, split_sorted
@@ -61,7 +61,6 @@ def check_bucket(bucket, buf: PrefixBuffer) -> None:
         assert bucket.key == block_hashes(toks[0][: common * tk.WIDTH], BLOCK, lora=lora)
 
 
-@settings(max_examples=300, deadline=None)
 @given(ops=ops, max_prompts=st.integers(1, 12), min_bucket=st.integers(1, 5), threshold=st.sampled_from([0.0, 0.33, 0.5, 0.9]))
 def test_no_loss_no_dup_bounds_wait_and_reference_buckets(ops, max_prompts, min_bucket, threshold):
     max_wait = 2.0

@@ -18,6 +18,7 @@ from services.bucketer.buffer import (
 )
 from shared.prefix import tokens as tk
 from shared.prefix.block_keys import block_hashes, matched_blocks
+from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +48,7 @@ def P(*ids: int) -> bytes:
 token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=40)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(COSTLY)
 @given(token_ids, token_ids)
 def test_tokens_pack_order_and_common_prefix(a, b):
     pa_, pb = tk.pack(a), tk.pack(b)
@@ -71,7 +72,6 @@ def reference_hashes(ids: list[int], block_size: int) -> list[int]:
     return out
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=64), st.integers(1, 9))
 def test_block_hashes_matches_reference_and_is_deterministic(ids, bs):
     h = block_hashes(tk.pack(ids), bs)
@@ -81,7 +81,6 @@ def test_block_hashes_matches_reference_and_is_deterministic(ids, bs):
     assert h == reference_hashes(ids, bs)
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 1000), max_size=64), st.integers(0, 64), st.integers(1, 9))
 def test_block_hashes_chain_property(ids, cut, bs):
     full = block_hashes(tk.pack(ids), bs)
@@ -90,7 +89,6 @@ def test_block_hashes_chain_property(ids, cut, bs):
     assert len(prefix) == min(cut, len(ids)) // bs
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 1000), max_size=40), st.lists(st.integers(0, 1000), min_size=1, max_size=8), st.integers(1, 8))
 def test_block_hashes_ignores_trailing_partial_block(ids, tail, bs):
     ids = ids[: len(ids) // bs * bs]
@@ -98,7 +96,6 @@ def test_block_hashes_ignores_trailing_partial_block(ids, tail, bs):
     assert block_hashes(tk.pack(ids + tail), bs) == block_hashes(tk.pack(ids), bs)
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.data(), st.integers(1, 8))
 def test_different_blocks_give_different_hashes(data, bs):
     a = data.draw(st.lists(st.integers(0, 50), min_size=bs, max_size=bs))
@@ -382,7 +379,6 @@ def check_buckets(buckets: list[Bucket], buf: PrefixBuffer) -> None:
     assert all(len(b.items) >= buf.min_bucket for b in pooled[:-1]), "only the last mixed batch is short"
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     ops=ops,
     max_prompts=st.integers(1, 20),

@@ -15,7 +15,7 @@ policy.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.router.fleet import Fleet
@@ -356,7 +356,6 @@ steps_st = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
 @given(n=st.integers(2, 4), kv=st.sampled_from([0, 1, 1000]), steps=steps_st)
 def test_property_matches_reference_rules(n, kv, steps):
     names = [f"r{i}" for i in range(n)]

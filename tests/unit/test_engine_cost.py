@@ -12,6 +12,7 @@ from services.engine_worker.cost_fit import MAX_RATIO, MIN_RATIO, CostFit
 from services.router.fleet import Fleet
 from services.router.policies import make_policy
 from shared.wire import messages as m
+from tests.tiers import COSTLY
 
 HB = 128  # hash block size of the keys below
 
@@ -26,7 +27,7 @@ def steps(a: float, b: float, n: int, rng: random.Random, noise: float = 0.0):
         yield seconds * (1 + rng.uniform(-noise, noise)), computed, generated
 
 
-@settings(max_examples=60, deadline=None)
+@settings(COSTLY)
 @given(a=st.floats(1e-5, 1e-3), ratio=st.floats(0.5, 50.0), seed=st.integers(0, 10**6))
 def test_the_fit_finds_what_an_output_token_costs(a, ratio, seed):
     fit = CostFit()
@@ -54,7 +55,6 @@ def test_the_fit_follows_a_change_of_load_and_ignores_what_it_cannot_separate():
     assert abs(fit.ratio - 8.0) < 0.4
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.floats(0, 10), st.integers(-5, 5000), st.integers(-5, 500)), max_size=80))
 def test_the_fit_never_reports_nonsense(samples):
     fit = CostFit(min_steps=1)
@@ -138,7 +138,6 @@ def test_the_router_charges_what_it_counts_and_the_replica_reports_it_done_in_th
         assert fleet.replicas[name].outstanding == 0
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 512)), min_size=1, max_size=40),
        st.integers(-5, 10**6))
 def test_charge_shares_add_up_to_the_charge(prompts, cost):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.engine_worker.feeder import Feeder, Held
@@ -31,7 +31,6 @@ def deaths(draw):
 
 
 @given(deaths())
-@settings(max_examples=300, deadline=None)
 def test_every_unfinished_prompt_is_retried_or_a_culprit_exactly_once(case):
     strikes, died, untried, suspect, alone = case
     plan = split(strikes, died, untried, suspect=suspect, alone=alone)
@@ -97,7 +96,6 @@ def test_one_killer_in_a_batch_of_64_is_the_only_error_row(window, killer):
 
 
 @given(st.sets(st.integers(1, 200), max_size=6), st.integers(1, 16), st.integers(0, 63))
-@settings(max_examples=200, deadline=None)
 def test_unrelated_deaths_never_make_healthy_prompts_error_rows(unrelated, window, killer):
     """Deaths at arbitrary moments besides the killer's: fewer than STRIKES of them can
     strike one healthy prompt, so only the killer becomes an error row."""

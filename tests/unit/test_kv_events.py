@@ -14,7 +14,7 @@ from collections import Counter
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.engine_worker.kv_events import (
@@ -112,7 +112,6 @@ def drive(data, pool: ReferencePool, prompts: list[list[int]], steps: int):
             yield [AllBlocksCleared()]
 
 
-@settings(max_examples=400, deadline=None)
 @given(st.sampled_from([2, 3, 4, 8, 12, 16]), st.sampled_from([4, 8]), prompts, st.integers(1, 40), st.data())
 def test_held_keys_are_those_whose_engine_blocks_are_all_cached(engine_block, hash_block, prompts, steps, data):
     pool = ReferencePool(engine_block, hash_block)
@@ -125,7 +124,6 @@ def test_held_keys_are_those_whose_engine_blocks_are_all_cached(engine_block, ha
     assert translator.skipped == translator.dropped == 0
 
 
-@settings(max_examples=300, deadline=None)
 @given(st.sampled_from([2, 4, 8]), st.integers(1, 6), prompts, st.integers(1, 40), st.data())
 def test_bounded_and_never_claims_a_block_the_engine_lacks(engine_block, bound, prompts, steps, data):
     pool = ReferencePool(engine_block, 4)

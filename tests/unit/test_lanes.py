@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from services.bucketer.buffer import Item, PrefixBuffer
 from services.bucketer.lanes import LANE_IDLE, Lanes
 from shared.prefix import tokens as tk
+from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit
 
@@ -143,7 +144,7 @@ def test_idle_empty_lanes_are_forgotten():
     assert lanes.forget(LANE_IDLE + 1) == ["a"] and not lanes.lanes
 
 
-@settings(max_examples=60, deadline=None)
+@settings(COSTLY)
 @given(
     st.lists(
         st.tuples(

@@ -10,7 +10,7 @@ import json
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from client.openai_batch import output_lines, parse_line, read_batch
@@ -183,7 +183,6 @@ def ready_fleet(n: int, slots: int, adapters: list[str]) -> Fleet:
     return fleet
 
 
-@settings(max_examples=150, deadline=None)
 @given(buckets=st.lists(st.tuples(st.sampled_from(["", "a", "b", "c", "d"]), st.integers(0, 5), st.integers(1, 40)),
                         min_size=1, max_size=80))
 def test_adapters_never_share_slots_beyond_the_fleets_while_there_is_room(buckets):

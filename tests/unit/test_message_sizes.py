@@ -9,7 +9,7 @@ import asyncio
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine, echo_completion
@@ -55,13 +55,11 @@ def check_batches(items, wrap, decode, max_bytes, max_items):
     return batches
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.lists(prompts, max_size=40), st.integers(64, 20_000), st.integers(1, 50))
 def test_prompt_batches_encode_under_the_limit_and_concatenate_back(items, max_bytes, max_items):
     check_batches(items, m.PromptBatch, lambda d: m.prompt_batch_decoder.decode(d).prompts, max_bytes, max_items)
 
 
-@settings(max_examples=200, deadline=None)
 @given(st.lists(results, max_size=40), st.integers(64, 20_000), st.integers(1, 50), st.text(min_size=1, max_size=64))
 def test_result_batches_encode_under_the_limit_and_concatenate_back(items, max_bytes, max_items, job):
     batches = check_batches(items, lambda run: m.ResultBatch(job, run),
@@ -69,14 +67,12 @@ def test_result_batches_encode_under_the_limit_and_concatenate_back(items, max_b
     assert all(m.result_batch_decoder.decode(b.data).job == job for b in batches)
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.lists(prompts, max_size=30), st.integers(256, 20_000), st.lists(st.integers(0, 2**64 - 1), max_size=100))
 def test_work_batches_count_their_key_and_bucket_id(items, max_bytes, key):
     wrap = lambda run: m.WorkBatch("b" * 12, run, key)  # noqa: E731
     check_batches(items, wrap, lambda d: m.work_batch_decoder.decode(d).prompts, max_bytes, 1000)
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 5000), max_size=60), st.integers(1, 6000), st.integers(1, 20))
 def test_runs_by_size_fill_greedily(sizes, budget, max_items):
     runs = m.runs_by_size(sizes, budget, max_items)
@@ -97,7 +93,6 @@ def test_a_batch_is_cut_by_its_real_size_not_a_guess():
     assert all(len(b.data) <= 3 * size + 100 for b in batches)
 
 
-@settings(max_examples=200, deadline=None)
 @given(prompts, st.integers(1, 256), st.integers(1000, 100_000))
 def test_prompt_fits_is_an_upper_bound_of_its_work_batch(p, block, max_bytes):
     """A prompt the ingestor lets through fits a work batch alone with the longest key

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from shared.wire import messages as m
 from shared.prefix import tokens as tk
+from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit
 
@@ -40,7 +41,7 @@ results = st.builds(
 # --- msgpack round trips -------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(COSTLY)
 @given(st.lists(prompts, max_size=5))
 def test_prompt_batch_round_trip(ps):
     batch = m.PromptBatch(ps)
@@ -49,14 +50,14 @@ def test_prompt_batch_round_trip(ps):
     assert [type(p.id) for p in out.prompts] == [type(p.id) for p in ps]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(COSTLY)
 @given(st.text(max_size=10), st.lists(prompts, max_size=4), st.lists(st.integers(0, 2**63 - 1), max_size=5))
 def test_work_batch_round_trip(bucket, ps, key):
     batch = m.WorkBatch(bucket, ps, key)
     assert m.work_batch_decoder.decode(m.encode(batch)) == batch
 
 
-@settings(max_examples=60, deadline=None)
+@settings(COSTLY)
 @given(st.text(max_size=10), st.lists(results, max_size=5))
 def test_result_batch_round_trip(job, rs):
     batch = m.ResultBatch(job, rs)

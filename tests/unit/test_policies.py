@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.router.assignments import MIN_CUT_PROMPTS
@@ -250,7 +250,6 @@ def test_kept_prompts_go_to_a_replica_that_comes_up_later():
     assert again[0][0].name == "b"
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     loads=st.lists(st.integers(0, 3000), min_size=1, max_size=5),
     parts=st.lists(st.tuples(st.integers(1, 80), st.integers(1, 200)), min_size=1, max_size=4),
@@ -367,7 +366,6 @@ def test_prefix_aware_affinity_never_starves_a_replica():
     assert f.hungry(f.replicas["a"]) and not f.hungry(f.replicas["b"])
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     loads=st.lists(st.integers(0, 2000), min_size=2, max_size=4),
     windows=st.lists(st.integers(1, 8), min_size=4, max_size=4),
@@ -520,7 +518,6 @@ def test_split_conserves_tokens():
     assert sum(r.outstanding for r in f.replicas.values()) == 10
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     loads=st.lists(st.integers(0, 10**6), min_size=1, max_size=8),
     prompts=st.integers(1, 5000),
@@ -589,7 +586,6 @@ def test_observe_counter_reset_after_restart():
     assert not r.ready and f.live(2.0) == []
 
 
-@settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 500), st.integers(0, 2000), st.integers(0, 2000)), max_size=20))
 def test_observe_property(steps):
     f = Fleet()
@@ -656,7 +652,6 @@ def test_write_off_waits_for_a_quiet_drained_replica(interrupt):
     assert f.written_off > 0 and r.outstanding == 0
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     steps=st.lists(
         st.tuples(st.floats(0.05, 1.0), st.one_of(st.just(0), st.integers(1, 800)), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.booleans()),
@@ -723,7 +718,6 @@ def build(specs, cap):
     return f
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     specs=replica_specs,
     key=st.lists(st.integers(0, 1), max_size=4),
@@ -756,7 +750,6 @@ def test_prefix_aware_choice_property(specs, key, slack, cap, tokens):
         assert choice.history[-1][0] == tuple(key)
 
 
-@settings(max_examples=120, deadline=None)
 @given(
     specs=replica_specs,
     key=st.lists(st.integers(0, 1), max_size=4),
@@ -843,7 +836,6 @@ route_parts_specs = st.lists(
 )
 
 
-@settings(max_examples=120, deadline=None)
 @given(specs=replica_specs, parts=route_parts_specs, name=st.sampled_from(POLICIES))
 def test_route_parts_property(specs, parts, name):
     f = build(specs, 10**6)

@@ -9,7 +9,7 @@ import json
 from collections import deque
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.router import bench_router
@@ -104,7 +104,6 @@ def prefixes_held(fleet) -> set[tuple[int, ...]]:
     return {key[:i] for r in fleet.replicas.values() for key, _ in r.history for i in range(1, len(key) + 1)}
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     ops=index_ops,
     kv=st.lists(st.sampled_from([0, 1, 3, 8, 20]), min_size=4, max_size=4),
@@ -232,7 +231,6 @@ def named(out):
     return None if out is None else [(r.name, n) for r, n in out]
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     specs=fleet_specs,
     steps=steps,

@@ -7,10 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import shutil
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -359,34 +356,6 @@ def test_node_certificates_are_signed_by_the_fleet_ca_for_the_node_address(tmp_p
         alt = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         names = [str(v) for v in alt.get_values_for_type(x509.IPAddress)] + alt.get_values_for_type(x509.DNSName)
         assert host in names and name in names
-
-
-@pytest.mark.parametrize("tls", ["generated", "given", "none"])
-def test_nats_server_accepts_the_generated_config(tmp_path, tls):
-    binary = Path(sys.executable).parent / "nats-server"
-    if not binary.exists():
-        binary = shutil.which("nats-server")
-    if not binary:
-        pytest.skip("no nats-server")
-    extra = ["--store-dir", str(tmp_path / "{node}"), "--etc-dir", str(tmp_path / "out" / "{node}")]
-    if tls == "given":
-        for name in ("c.pem", "k.pem", "ca.pem"):
-            (tmp_path / name).write_text("")
-        extra += ["--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem"), "--tls-ca", str(tmp_path / "ca.pem")]
-    if tls == "none":
-        extra.append("--no-tls")
-    run_config(tmp_path / "out", *extra)
-    conf = tmp_path / "out" / "nats-2" / "nats-server.conf"
-    env = (tmp_path / "out" / "nats-2" / "env").read_text()
-    if tls == "none":
-        assert "tls {" not in conf.read_text() and "nats://nats-2:4222," in env and "TLS_CA" not in env
-    else:
-        assert conf.read_text().count("verify: true") == 1 and "tls {" in conf.read_text()  # clients and (verified) routes
-        assert "PFX_NATS_TLS_CA=" in env and "tls://nats-2:4222," in env
-    if tls == "given":
-        return  # empty certificate files: nats-server -t would (rightly) refuse them
-    res = subprocess.run([str(binary), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=30)
-    assert res.returncode == 0 and "is valid" in res.stdout + res.stderr, res.stdout + res.stderr
 
 
 # --- connection options and replicas -------------------------------------------------

@@ -13,6 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from datagen import shapes as S
+from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +78,7 @@ def test_ideal_count_by_hand():
 # --- formula == count where the shape is not random ----------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+@settings(COSTLY)
 @given(n=st.integers(0, 120), p=st.integers(1, 20), prefix=st.integers(0, 300), suffix=st.integers(0, 100),
        block=BLOCKS, seed=st.integers(0, 3))
 def test_seed_formula_equals_count(n, p, prefix, suffix, block, seed):
@@ -87,7 +88,7 @@ def test_seed_formula_equals_count(n, p, prefix, suffix, block, seed):
     assert _counted(shape, block) == pytest.approx(shape.formula(block), abs=1e-12)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(COSTLY)
 @given(n=st.integers(0, 120), g=st.integers(1, 12), system=st.integers(0, 200), group=st.integers(0, 200),
        question=st.integers(0, 60), block=BLOCKS, seed=st.integers(0, 3))
 def test_hierarchical_formula_equals_count(n, g, system, group, question, block, seed):
@@ -98,7 +99,7 @@ def test_hierarchical_formula_equals_count(n, g, system, group, question, block,
     assert _counted(shape, block) == pytest.approx(shape.formula(block), abs=1e-12)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(COSTLY)
 @given(n=st.integers(0, 100), length=st.integers(1, 300), block=BLOCKS, seed=st.integers(0, 3))
 def test_no_sharing_has_nothing_to_reuse(n, length, block, seed):
     shape = S.no_sharing_shape(WORDS, num_prompts=n, prompt_len=length, seed=seed)
@@ -110,7 +111,7 @@ def test_no_sharing_has_nothing_to_reuse(n, length, block, seed):
 # --- formula ≈ count where the shape draws at random ---------------------------------------
 
 
-@settings(max_examples=12, deadline=None)
+@settings(COSTLY)
 @given(n=st.integers(300, 1500), p=st.integers(8, 200), s=st.floats(0.5, 2.0), block=BLOCKS, seed=st.integers(0, 99))
 def test_zipf_formula_close_to_count(n, p, s, block, seed):
     shape = S.zipf_shape(WORDS, num_prompts=n, num_prefixes=p, zipf_s=s, prefix_len=200, suffix_len=100, seed=seed)
@@ -125,7 +126,7 @@ def test_zipf_formula_close_to_count(n, p, s, block, seed):
     assert tolerance < 0.06
 
 
-@settings(max_examples=12, deadline=None)
+@settings(COSTLY)
 @given(n=st.integers(300, 1500), p=st.integers(1, 40), f=st.floats(0.0, 1.0), median=st.floats(20, 400),
        sigma=st.floats(0.0, 1.5), block=BLOCKS, seed=st.integers(0, 99))
 def test_variable_formula_close_to_count(n, p, f, median, sigma, block, seed):

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.prefix.sharding import Sharder, pick_node, ranking
@@ -86,14 +86,12 @@ def test_ranking_spreads_keys():
     assert all(800 <= c <= 1200 for c in counts.values()), counts
 
 
-@settings(max_examples=200, deadline=None)
 @given(key=KEY, nodes=NODES)
 def test_pick_node_is_first_in_ranking(key, nodes):
     assert pick_node(key, nodes) == ranking(key, nodes)[0]
     assert sorted(ranking(key, nodes)) == sorted(nodes)
 
 
-@settings(max_examples=100, deadline=None)
 @given(keys=st.lists(KEY, min_size=1, max_size=30), nodes=st.lists(NODE, min_size=2, max_size=6, unique=True), data=st.data())
 def test_removing_a_node_moves_only_its_keys(keys, nodes, data):
     gone = data.draw(st.sampled_from(nodes))
@@ -110,7 +108,6 @@ def test_removing_a_node_moves_only_its_keys(keys, nodes, data):
             assert after == before[1]
 
 
-@settings(max_examples=100, deadline=None)
 @given(keys=st.lists(KEY, min_size=1, max_size=30), nodes=NODES, new=NODE)
 def test_adding_a_node_moves_keys_only_to_it(keys, nodes, new):
     if new in nodes:
@@ -262,7 +259,6 @@ def test_no_decay_before_decay_every():
 # --- Sharder: the general bound (hypothesis) ---------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     nodes=st.lists(NODE, min_size=1, max_size=5, unique=True),
     picks=st.lists(
@@ -295,7 +291,6 @@ def test_overloaded_home_is_skipped_even_when_no_node_is_within_the_bound():
     assert s.pick(7, nodes) != home
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     nodes=st.lists(NODE, min_size=1, max_size=5, unique=True),
     keys=st.lists(st.one_of(st.integers(0, 5), KEY), min_size=1, max_size=200),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import array
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from sim.engine import Engine, EngineConfig, Req
@@ -72,7 +72,6 @@ def run(engine: Engine, reqs, check=True) -> list[Req]:
     return done
 
 
-@settings(max_examples=150, deadline=None)
 @given(reqs=requests, blocks=st.integers(14, 40), budget=st.integers(4, 64), seqs=st.integers(1, 8),
        policy=st.sampled_from(["fcfs", "priority"]))
 def test_every_request_finishes_exactly_once_within_capacity(reqs, blocks, budget, seqs, policy):
@@ -125,7 +124,6 @@ def test_preemption_recomputes_and_counts_lookups_apart():
     assert any(r.preemptions for r in reqs)
 
 
-@settings(max_examples=100, deadline=None)
 @given(reqs=st.lists(st.tuples(st.sampled_from(["", "a", "b", "c"]), st.integers(1, 30), st.integers(1, 8)),
                      min_size=1, max_size=30),
        slots=st.integers(1, 2), policy=st.sampled_from(["fcfs", "priority"]))

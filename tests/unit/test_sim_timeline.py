@@ -30,6 +30,7 @@ from sim.timeline import (
     with_coefficients,
 )
 from sim.workload import prefix_repetition
+from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit
 
@@ -126,7 +127,7 @@ def test_nelder_mead_finds_a_quadratic_minimum():
     assert np.allclose(x, target, atol=1e-4) and v < 1e-8
 
 
-@settings(max_examples=60, deadline=None)
+@settings(COSTLY)
 @given(
     hnp.arrays(np.float64, (12, 3), elements=st.floats(0, 100)),
     hnp.arrays(np.float64, 3, elements=st.floats(0, 5)),

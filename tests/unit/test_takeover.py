@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.ingestor import mover as mover_mod
@@ -93,7 +93,6 @@ def test_never_heard_node_counts_from_when_its_backlog_showed_up():
     assert "a" not in t.first_seen  # forgotten once drained: bounded by the nodes
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     heard=st.dictionaries(st.sampled_from("abcdef"), st.floats(0, 200), max_size=6),
     backlog=st.dictionaries(st.sampled_from("abcdefg"), st.integers(0, 3), max_size=7),
@@ -121,7 +120,6 @@ def prompt(i: int, prefix: int, n: int = 40) -> m.Prompt:
     return m.Prompt("j", i, tk.pack([prefix] * 20 + [i] * (n - 20)), max_tokens=4)
 
 
-@settings(max_examples=100, deadline=None)
 @given(
     ids=st.lists(st.integers(0, 10_000), unique=True, max_size=60),
     prefixes=st.integers(1, 8),

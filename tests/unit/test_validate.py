@@ -6,7 +6,7 @@ import json
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.ingestor.validate import ID_HEADER, PLAN_FIELDS, Record, Rejected, header_id, length_error, parse
@@ -233,7 +233,6 @@ extra_cols = st.dictionaries(  # (hypothesis also tries the module's own strings
 )
 
 
-@settings(max_examples=150, deadline=None)
 @given(
     rid=st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(max_size=20)),
     prompt=non_blank,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from client.window import STALL_SECONDS, Window
@@ -64,7 +64,6 @@ def test_a_stalled_count_lets_one_chunk_through_per_stall():
     assert w.may_send(50, 2 * STALL_SECONDS)
 
 
-@settings(max_examples=300, deadline=None)
 @given(limit=st.integers(1, 5000), steps=st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 3000), st.floats(0, 40)), max_size=40))
 def test_in_flight_stays_bounded_while_the_sink_keeps_up(limit, steps):
     """Sending only when allowed: never more than the limit in flight, except a single

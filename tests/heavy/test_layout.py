@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.heavy
 
 REPO = Path(__file__).resolve().parents[2]
 PURE = [

@@ -18,7 +18,7 @@ from services.registry import SERVICES
 from shared.process import config as cfgmod
 from tests.fleet import INSTALL_BIN, UNITS, VENV_BIN, exec_argv, parse_unit, unit_env, values
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(120)]
 
 SERVICE_UNITS = {
     "prefixflow-ingestor.service": "ingestor",

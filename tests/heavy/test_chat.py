@@ -15,7 +15,7 @@ from services.ingestor.plan import Incoming, plan_batch
 from shared.prefix import tokens as tk
 from shared.wire import messages as m
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
 
 SYSTEM = "You are a terse assistant. Answer in one sentence."
 CONVERSATIONS = [

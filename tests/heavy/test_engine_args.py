@@ -16,7 +16,7 @@ from cli.main import parse_args
 from services.engine_worker.engines import make_engine
 from services.registry import load_config
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
 
 
 def engine_config(argv: list[str], tiny_model):

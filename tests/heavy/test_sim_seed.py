@@ -27,7 +27,7 @@ from sim.cost import load_profile
 from sim.runner import run_many
 from sim.workload import SEED, prefix_repetition
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.heavy
 
 REPLICAS = 16
 SCALE_REPLICAS = {32: 4, 64: 8, 128: 16}

@@ -12,7 +12,7 @@ import pytest
 
 from services.engine_worker.guard import descendants, proc_stat
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.heavy
 
 WORKER = """
 import subprocess, sys, time
