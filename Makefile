@@ -42,7 +42,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "unit"
+	HYPOTHESIS_PROFILE=dev $(BIN)/python -m pytest -q -m "unit"
 
 # A local cluster under honcho (Procfile), on the default NATS port.
 up: model

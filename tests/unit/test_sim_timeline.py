@@ -155,10 +155,8 @@ def test_with_output_lengths_balances_and_sets_sampling(tmp_path):
 
 
 def test_window_probe_runs_each_replicas_first_prompt_alone():
-    from services.engine_worker import window
+    from services.engine_worker.window import Window  # noqa: F401 - a rename fails here, not a silent skip
 
-    if not hasattr(window, "Window"):
-        pytest.skip("the worker has no adaptive Window")
     wl = prefix_repetition(num_prompts=96, prefix_len=256, suffix_len=256, num_prefixes=8, output_len=64, seed=0)
     p = truth()
     on = simulate(wl, p, 2, "prefix-aware", Options(window_probe=True))
