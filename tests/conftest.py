@@ -220,7 +220,8 @@ def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
 @contextlib.contextmanager
 def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1, engine_args: tuple[str, ...] = (),
                     env: dict[str, str] | None = None):
-    """A local cluster of echo engines (`launch.local_cluster`) in `workdir`, ready."""
+    """A local cluster of echo engines (`launch.local_cluster`) in `workdir`, ready, of
+    its own (for tests that break or reconfigure it; others take `echo_clusters`)."""
     from launch.local_cluster import LocalCluster, processes
 
     cluster = LocalCluster(processes(replicas, engine="echo", extra_engine_args=list(engine_args)), workdir=workdir,
@@ -231,3 +232,92 @@ def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1, engine_args: 
         yield cluster
     finally:
         cluster.stop()
+
+
+async def wait_idle(url: str, replicas: list[str], timeout: float) -> bool:
+    """Whether every replica reports ready and holding no prompt in two status rounds in
+    a row within `timeout` seconds (what a test left running has drained)."""
+    nc = await connect(url, "tests-idle")
+    quiet: dict[str, int] = {}
+
+    async def on_status(msg) -> None:
+        st = m.engine_status_decoder.decode(msg.data)
+        if st.replica in replicas:
+            quiet[st.replica] = quiet.get(st.replica, 0) + 1 if st.ready and not st.inflight and not st.jobs else 0
+
+    await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(quiet.get(r, 0) >= 2 for r in replicas):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+    finally:
+        await close(nc)
+
+
+class EchoClusters:
+    """Echo-engine clusters shared by the whole session, one per (replicas, engine
+    arguments, environment): jobs are isolated by job id and output directory, so tests
+    that only submit jobs share one instead of each starting its own.
+
+    Before each test that takes one (`get`), the cluster is checked: every process alive,
+    every replica ready and idle (what an earlier test left running has drained). One that
+    fails the check is stopped and started again, so a test that broke it does not fail
+    the tests after it."""
+
+    IDLE_WAIT = 60.0
+    KEEP = 2
+    """Clusters kept running at once (least recently used stopped first): each is ~8
+    processes of a few hundred MB, beside the vLLM engines of other tests."""
+
+    def __init__(self, base: Path, model: Path) -> None:
+        self.base, self.model = base, model
+        self.clusters: dict[tuple, object] = {}
+        self.starts = 0
+
+    def get(self, replicas: int = 1, engine_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+        from launch.local_cluster import LocalCluster, processes
+
+        key = (replicas, tuple(engine_args), tuple(sorted((env or {}).items())))
+        names = [f"r{i}" for i in range(replicas)]
+        cluster = self.clusters.get(key)
+        if cluster is not None and not self.healthy(cluster, names):
+            print(f"\nshared echo cluster {key} failed its check: starting it again")
+            self.clusters.pop(key).stop()
+            cluster = None
+        if cluster is None:
+            while len(self.clusters) >= self.KEEP:
+                self.clusters.pop(next(iter(self.clusters))).stop()
+            self.starts += 1
+            cluster = LocalCluster(processes(replicas, engine="echo", extra_engine_args=list(engine_args)),
+                                   workdir=self.base / f"echo-{self.starts}", env={"PFX_MODEL": str(self.model), **(env or {})})
+            self.clusters[key] = cluster
+            cluster.start()
+            asyncio.run(cluster.wait_ready(names, 90))
+        self.clusters[key] = self.clusters.pop(key)  # most recently used last
+        return cluster
+
+    def healthy(self, cluster, names: list[str]) -> bool:
+        try:
+            cluster.check_alive()
+            return asyncio.run(wait_idle(cluster.url, names, self.IDLE_WAIT))
+        except Exception:  # noqa: BLE001 - any failure of the check means: start it again
+            return False
+
+    def stop(self) -> None:
+        for cluster in self.clusters.values():
+            cluster.stop()
+        self.clusters.clear()
+
+
+@pytest.fixture(scope="session")
+def echo_clusters(tmp_path_factory, tiny_model):
+    clusters = EchoClusters(tmp_path_factory.mktemp("echo-clusters"), tiny_model)
+    yield clusters
+    clusters.stop()
+
+
+SLOW_ECHO = ("--echo-delay", "0.02", "--window", "8")
+"""One replica of these runs ~400 prompts/s: a job of a few thousand rows lasts seconds."""

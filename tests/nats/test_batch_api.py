@@ -18,7 +18,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from launch.local_cluster import free_port
-from tests.conftest import REPO, VENV_BIN, echo_cluster_at
+from tests.conftest import REPO, SLOW_ECHO, VENV_BIN
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(400)]
 
@@ -28,12 +28,11 @@ def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("api-root")
 
 
-@pytest.fixture(scope="module")
-def cluster(root, tiny_model):
-    # ~400 prompts/s: a batch of a few thousand requests runs for seconds.
-    with echo_cluster_at(root / "cluster", tiny_model, engine_args=("--echo-delay", "0.02", "--window", "8"),
-                         env={"PFX_OUT_ROOT": str(root)}) as c:
-        yield c
+@pytest.fixture
+def cluster(echo_clusters):
+    # ~400 prompts/s: a batch of a few thousand requests runs for seconds. (The sinks'
+    # output root is the session's temporary directory, which holds `root`.)
+    return echo_clusters.get(engine_args=SLOW_ECHO)
 
 
 class ApiProcess:
@@ -62,7 +61,7 @@ class ApiProcess:
         return openai.OpenAI(api_key=key, base_url=f"http://127.0.0.1:{self.port}/v1", max_retries=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def api(cluster, tiny_model, root):
     a = ApiProcess(cluster.url, tiny_model, root)
     a.start()

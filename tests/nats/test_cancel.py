@@ -19,19 +19,17 @@ import pytest
 from client.submit import Submitter
 from datagen.dataset import write_prefix_repetition
 from shared.wire import messages as m
-from tests.conftest import REPO, VENV_BIN, echo_cluster_at, run_cli
+from tests.conftest import REPO, SLOW_ECHO, VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
 BIG, SMALL = 6000, 200
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model):
+@pytest.fixture
+def cluster(echo_clusters):
     # ~400 prompts/s: the big job takes ~15 s alone.
-    with echo_cluster_at(tmp_path_factory.mktemp("cancel") / "cluster", tiny_model,
-                         engine_args=("--echo-delay", "0.02", "--window", "8")) as c:
-        yield c
+    return echo_clusters.get(engine_args=SLOW_ECHO)
 
 
 def dataset(path: Path, model: Path, n: int, seed: int) -> Path:

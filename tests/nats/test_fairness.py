@@ -18,18 +18,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench import fairness
-from tests.conftest import echo_cluster_at
+from tests.conftest import SLOW_ECHO
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
 SMALL, LARGE = 200, 4000
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model):
-    with echo_cluster_at(tmp_path_factory.mktemp("fair") / "cluster", tiny_model,
-                         engine_args=("--echo-delay", "0.02", "--window", "8")) as c:
-        yield c
+@pytest.fixture
+def cluster(echo_clusters):
+    return echo_clusters.get(engine_args=SLOW_ECHO)
 
 
 def data(tmp_path, model, name: str, n: int, seed: int):

@@ -21,7 +21,7 @@ from datagen.dataset import write_prefix_repetition
 from shared.bus.connection import connect
 from shared.wire import messages as m
 from shared.wire import subjects
-from tests.conftest import REPO, VENV_BIN, echo_cluster_at
+from tests.conftest import REPO, VENV_BIN
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -29,10 +29,9 @@ N = 20_000
 WINDOW = 1024
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model):
-    with echo_cluster_at(tmp_path_factory.mktemp("in-flight") / "cluster", tiny_model) as c:
-        yield c
+@pytest.fixture
+def cluster(echo_clusters):
+    return echo_clusters.get()
 
 
 @pytest.fixture(scope="module")

@@ -31,40 +31,35 @@ def echo_cluster(tmp_path, tiny_model, **env: str) -> LocalCluster:
                         env={"PFX_MODEL": str(tiny_model), "PFX_OUT_ROOT": str(tmp_path), **env})
 
 
-def test_two_thousand_jobs_all_complete(tmp_path, tiny_model):
+def test_two_thousand_jobs_all_complete(tmp_path, echo_clusters):
     assert JOBS > 4 * MAX_OPEN_JOBS, "more jobs than the sink keeps open"
-    cluster = echo_cluster(tmp_path, tiny_model)
-    cluster.start()
-    try:
-        asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 60, cluster.check_alive))
+    cluster = echo_clusters.get(replicas=2)
 
-        async def go() -> list[m.JobStatus]:
-            async with Submitter(cluster.url) as client:
-                gate = asyncio.Semaphore(64)
+    async def go() -> list[m.JobStatus]:
+        async with Submitter(cluster.url) as client:
+            gate = asyncio.Semaphore(64)
 
-                async def one(i: int) -> m.JobStatus:
-                    job, out = f"many-{i}", str(tmp_path / "out" / f"j{i}")
-                    rows = [{"id": k, "prompt": f"job {i} row {k}"} for k in range(1 + i % 3)]
-                    async with gate:
-                        spec = m.JobSpec(job=job, out_dir=out, sampling=m.SamplingSpec(max_tokens=2))
-                        await client.create(spec)
-                        await client.publish_rows(job, rows)
-                        await client.create(m.JobSpec(job=job, out_dir=out, sampling=spec.sampling, total=len(rows)))
-                    deadline = time.monotonic() + 400
-                    while time.monotonic() < deadline:
-                        st = await client.status(job)
-                        if st is not None and (st.done or st.failed):
-                            return st
-                        await asyncio.sleep(1.0)
-                    raise TimeoutError(f"{job} not done: {await client.status(job)}")
+            async def one(i: int) -> m.JobStatus:
+                job, out = f"many-{i}", str(tmp_path / "out" / f"j{i}")
+                rows = [{"id": k, "prompt": f"job {i} row {k}"} for k in range(1 + i % 3)]
+                async with gate:
+                    spec = m.JobSpec(job=job, out_dir=out, sampling=m.SamplingSpec(max_tokens=2))
+                    await client.create(spec)
+                    await client.publish_rows(job, rows)
+                    await client.create(m.JobSpec(job=job, out_dir=out, sampling=spec.sampling, total=len(rows)))
+                deadline = time.monotonic() + 400
+                while time.monotonic() < deadline:
+                    st = await client.status(job)
+                    if st is not None and (st.done or st.failed):
+                        return st
+                    await asyncio.sleep(1.0)
+                raise TimeoutError(f"{job} not done: {await client.status(job)}")
 
-                return await asyncio.gather(*(one(i) for i in range(JOBS)))
+            return await asyncio.gather(*(one(i) for i in range(JOBS)))
 
-        t0 = time.monotonic()
-        statuses = asyncio.run(go())
-        took = time.monotonic() - t0
-    finally:
-        cluster.stop()
+    t0 = time.monotonic()
+    statuses = asyncio.run(go())
+    took = time.monotonic() - t0
     failed = [s for s in statuses if not s.done or s.failed]
     assert not failed, failed[:3]
     assert sum(s.rows for s in statuses) == sum(1 + i % 3 for i in range(JOBS))

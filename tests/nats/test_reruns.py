@@ -30,7 +30,7 @@ from client import columns
 from client.submit import Submitter
 from datagen.dataset import write_prefix_repetition
 from shared.wire import messages as m
-from tests.conftest import echo_cluster_at, run_cli
+from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -155,9 +155,8 @@ async def _rows_written(url: str, job: str, want: int, timeout: float) -> int:
 
 
 @pytest.fixture
-def echo_cluster(tmp_path, tiny_model):
-    with echo_cluster_at(tmp_path / "cluster", tiny_model) as cluster:
-        yield cluster
+def echo_cluster(echo_clusters):
+    return echo_clusters.get()
 
 
 def test_submit_resumes_a_job_interrupted_half_way_sending_only_the_missing_ids(echo_cluster, dataset, tmp_path):
