@@ -571,16 +571,6 @@ def encoded_size(msg: Any) -> int:
     return len(msgpack_encoder.encode(msg))
 
 
-def prompt_size(p: Prompt) -> int:
-    """Exact msgpack bytes of a prompt inside a batch."""
-    return encoded_size(p)
-
-
-def result_size(r: Result) -> int:
-    """Exact msgpack bytes of a result inside a batch."""
-    return encoded_size(r)
-
-
 def prompt_fits(p: Prompt, max_bytes: int, hash_block_size: int) -> bool:
     """Whether `p` alone fits a message of `max_bytes` everywhere it travels: in a
     `PromptBatch`, and in a `WorkBatch` with a bucket id and the longest key its bucket
