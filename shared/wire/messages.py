@@ -24,11 +24,12 @@ from shared.wire.structured import check_structured
 # --- job control (JSON, in the key-value buckets) ------------------------------------
 
 
-class StructuredSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class StructuredSpec(msgspec.Struct, omit_defaults=True):
     """Constrained output (vLLM's `StructuredOutputsParams`, xgrammar): exactly one form.
 
     Checked cheaply when decoded (one form, a valid JSON Schema, a non-empty choice);
-    compiled with xgrammar by the client and the ingestor (`shared/wire/sampling.py`)."""
+    compiled with xgrammar by the client and the ingestor (`shared/wire/sampling.py`).
+    Lenient like every wire struct; a user's form is checked strictly (`user_sampling`)."""
 
     json_schema: dict[str, Any] | None = None
     """Output is JSON valid against this JSON Schema."""
@@ -45,10 +46,14 @@ class StructuredSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         check_structured(self)
 
 
-class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class SamplingSpec(msgspec.Struct, omit_defaults=True):
     """Sampling parameters for every prompt of a job (a subset of vLLM's SamplingParams).
 
-    Strict: a misspelt or out-of-range parameter is rejected when the job is created."""
+    On the wire (a `JobSpec` in the jobs bucket, a `Prompt`'s own sampling) it is lenient
+    like every wire struct: a field added by a newer peer is ignored by an older one. A
+    user's parameters are checked strictly where they enter (`shared/wire/sampling.py`'s
+    `user_sampling`: the CLI, per-row `sampling` of the batch API and of input rows): a
+    misspelt parameter is an error there, as is one out of range (everywhere)."""
 
     max_tokens: Annotated[int, Meta(gt=0, le=1_000_000)] = 128
     """Upper bound on generated tokens per prompt."""
