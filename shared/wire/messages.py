@@ -1,10 +1,14 @@
-"""Every message that crosses the wire, as `msgspec.Struct`s, in one module.
+"""Every message the services send each other over NATS, as `msgspec.Struct`s, in one module.
 
 Encoding: msgpack for everything between services (compact, fast, binary-safe); JSON for
 the two key-value records (`JobSpec`, `JobStatus`) so people can read and write them with
-the `nats` CLI. One message type per subject, decoded with a typed decoder:
+the `nats` CLI. One message type per subject, decoded with a typed decoder; the few
+bodies that are no Struct are named below (a user's rows, a job id, blob pieces, empty
+requests). Not here: the batch API's own records (`batchapi/store.py`, written and read
+by it alone) and vLLM's KV events, which reach the engine-worker over ZMQ in vLLM's
+format (`services/engine_worker/kv_events.py`).
 
-    pfx.ingest.<job>             a user's row (a JSON or msgpack object; `services/ingestor/validate.py`)
+    pfx.ingest.<job>             a user's row, or an array of rows (JSON or msgpack; `services/ingestor/validate.py`)
     pfx.bucket.<node>.<job>      PromptBatch
     pfx.work.<replica>           WorkBatch
     pfx.results.<job>            ResultBatch
@@ -21,7 +25,7 @@ the `nats` CLI. One message type per subject, decoded with a typed decoder:
     pfx.engine.<replica>.status  (empty) -> EngineStatus
     pfx.jobs.cancelled           the job id as UTF-8 text (an event)
     pfx.blob.<job>.<key>.<n>     raw bytes: a piece of a blob (`shared/bus/blobs.py`)
-    KV jobs / job-status         JobSpec / JobStatus (JSON)
+    KV jobs / job-status         JobSpec / JobStatus (JSON); a jobs `dir.<hash>` key: the owning job id (text)
 
 The control subjects (the router's route, room and policy; an engine-worker's reset,
 scheduling and status) are nats.micro endpoints (`shared/bus/control.py`): a request that
