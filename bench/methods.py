@@ -46,7 +46,7 @@ from report.analysis import group_stats
 from shared.process import config as cfgmod
 from shared.wire import messages as m
 from shared.wire import subjects
-from shared.wire.control import decode_reply
+from shared.bus import control
 from shared.prefix import tokens as tk
 from shared.bus.connection import close, connect
 from shared.bus.provision import provision
@@ -125,18 +125,13 @@ class Observer:
                 pass
 
 
-async def engine_status(nc, replica: str) -> m.EngineStatus:
-    reply = await nc.request(subjects.engine_status_request(replica), b"", timeout=10)
-    return m.engine_status_decoder.decode(reply.data)
-
-
 async def prepare_engines(nc, replicas: list[str], scheduling: str) -> None:
     for r in replicas:
         for _ in range(60):  # reset refuses while requests run: wait them out
-            if decode_reply((await nc.request(subjects.engine_reset(r), b"", timeout=30)).data).ok:
+            if (await control.reset_prefix_cache(nc, r)).ok:
                 break
             await asyncio.sleep(0.5)
-        reply = decode_reply((await nc.request(subjects.engine_scheduling(r), scheduling.encode(), timeout=10)).data)
+        reply = await control.set_scheduling(nc, r, scheduling)  # ControlError for a mode it does not know
         assert reply.ok and reply.detail == scheduling, reply
 
 
@@ -277,7 +272,7 @@ async def bench_methods_async(args) -> dict[str, Any]:
         js = nc.jetstream()
         await provision(js)
         # Hits come in whole KV blocks of the engine's own size (reported in its status).
-        block_size = (await engine_status(nc, replicas[0])).block_size
+        block_size = (await control.engine_status(nc, replicas[0])).block_size
         ideal = ideal_hit_rate(table, block_size=block_size)
         prefix_tokens = dataset_metadata(table)["shared_prefix_tokens"] // block_size * block_size
         jobs_kv = await js.key_value(subjects.JOBS_KV)
@@ -300,7 +295,7 @@ async def bench_methods_async(args) -> dict[str, Any]:
             out_dir = out_root / method
             shutil.rmtree(out_dir, ignore_errors=True)  # the last run's rows would be taken as done
             await prepare_engines(nc, replicas, "prefix-groups" if method in ("bucketing", "bucketing-round-robin") else "fcfs")
-            before = {r: (await engine_status(nc, r)).idle_seconds for r in replicas}
+            before = {r: (await control.engine_status(nc, r)).idle_seconds for r in replicas}
             if method in ("naive", "continuous", "sorted"):
                 spec = m.JobSpec(job=job, out_dir=str(out_dir), sampling=sampling, created_at=time.time(), total=len(rows))
                 await jobs_kv.put(job, m.encode_json(spec))
@@ -308,10 +303,9 @@ async def bench_methods_async(args) -> dict[str, Any]:
                 extra = await run_direct(method, nc, js, job, make, replicas, args.naive_batch)
             else:
                 policy = {"bucketing-daft": "daft", "bucketing": "prefix-aware", "bucketing-round-robin": "round-robin"}[method]
-                reply = await nc.request(subjects.ROUTER_POLICY, policy.encode(), timeout=10)
-                assert decode_reply(reply.data).detail == policy, reply.headers
+                assert (await control.set_policy(nc, policy)).detail == policy  # ControlError for an unknown one
                 extra = await run_pipeline(nc, cluster.url, job, rows, out_dir, sampling)
-            after = {r: (await engine_status(nc, r)).idle_seconds for r in replicas}
+            after = {r: (await control.engine_status(nc, r)).idle_seconds for r in replicas}
             res = summarize(method, extra, {r: after[r] - before[r] for r in replicas}, group_of, prefix_tokens)
             results.append(res)
             print(

@@ -63,14 +63,14 @@ def sampling_from(args: argparse.Namespace) -> SamplingSpec:
         ignore_eos=args.ignore_eos,
         stop=args.stop or [],
     )
-    from shared.wire.sampling import compile_structured, job_structured
+    from shared.wire.sampling import compile_structured, job_structured, user_sampling
 
     try:
         forms = ("json_schema", "regex", "choice", "grammar", "response_format")
         structured = job_structured({k: getattr(args, k) for k in forms})
         if structured is not None:
             raw["structured"] = structured
-        spec = msgspec.convert(raw, SamplingSpec)
+        spec = user_sampling(raw)  # strict: the wire's SamplingSpec ignores unknown fields
         compile_structured(spec.structured)  # as vLLM would: refused now, not in an engine
         return spec
     except (msgspec.ValidationError, ValueError, OSError) as exc:

@@ -108,9 +108,6 @@ class Req:
         self.state = 0  # 0 waiting, 1 prefill, 2 decode, 3 done
         self.tag = tag
 
-    def block_hash(self, j: int) -> int:
-        return self.hashes[j] if j < len(self.hashes) else OUT_BASE + self.rid * 65536 + j
-
 
 @dataclass
 class EngineStats:
@@ -215,10 +212,6 @@ class Engine:
 
     def idle(self) -> bool:
         return not self.running and not self.n_waiting
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free)
 
     # --- blocks ---------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from sim.cluster import Options, Result, simulate
+from sim.cluster import Options, simulate
 from sim.cost import Profile
 from sim.workload import Workload
 
@@ -108,7 +108,3 @@ def print_rows(rows: list[dict], published: dict | None = None) -> None:
         ph = f"{pub[1]:.1%}" if pub else ""
         print(f"{r['method']:>14} {r['wall_seconds']:9.1f} {pt:>10} {r['hit_rate']:20.1%} {r['logged_hit_rate']:20.1%} {ph:>10}"
               f" {r['preemptions']:8d} {r['busy_fraction']:6.1%} {r['groups_split']:6d} {r.get('bound_seconds', math.nan):8.1f}")
-
-
-def result_rows(results: list[Result]) -> list[dict]:
-    return [r.row() for r in results]

@@ -424,20 +424,3 @@ def fit_costs(runs: list[Run], profile: Profile, kv_blocks: list[int], schedulin
         "replays": obj.evaluations,
     }
     return fitted, detail
-
-
-def replay_errors(run: Run, profile: Profile, scheduling: str = "prefix-groups") -> dict:
-    """How well the engine model with `profile` replays a run: finish-time residuals,
-    the last finish, and the hit rate."""
-    r = replay(run, profile, scheduling)
-    res = r.finished - run.finished
-    prompt = run.workload.total_prompt_tokens()
-    return {
-        "rmse_s": round(float(np.sqrt(np.mean(res**2))), 3),
-        "last_finish_measured_s": round(float(run.finished.max()), 3),
-        "last_finish_replayed_s": round(float(r.finished.max()), 3),
-        "engine_span_error": round(float((r.finished.max() - run.first_start()) / (run.finished.max() - run.first_start()) - 1), 4),
-        "hit_rate_measured": round(float(run.cached.sum() / prompt), 4),
-        "hit_rate_replayed": round(float(r.cached.sum() / prompt), 4),
-        "preemptions": r.preemptions,
-    }

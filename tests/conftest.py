@@ -21,11 +21,11 @@ import pytest
 
 from launch.local_cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
 from datagen.make_model import make_model
+from shared.bus import control
 from shared.bus.connection import close, connect
 from shared.process.logs import setup_logging
 from shared.wire import messages as m
 from shared.wire import subjects
-from shared.wire.control import ControlReply, decode_reply
 
 pytest_plugins = ["tests.tiers", "pytester"]
 
@@ -182,8 +182,7 @@ def router_process(url: str, log_path: Path, **env: str):
 async def set_policy(url: str, policy: str) -> None:
     nc = await connect(url, "tests")
     try:
-        reply = await nc.request(subjects.ROUTER_POLICY, policy.encode(), timeout=5)
-        assert decode_reply(reply.data) == ControlReply(True, policy), reply.headers
+        assert await control.set_policy(nc, policy, timeout=5) == m.ControlReply(True, policy)
     finally:
         await close(nc)
 
@@ -196,7 +195,7 @@ async def reset_prefix_caches(url: str, replicas: list[str], busy_for: float = 3
         for r in replicas:
             deadline = time.monotonic() + busy_for
             while True:
-                reply = decode_reply((await nc.request(subjects.engine_reset(r), b"", timeout=30)).data)
+                reply = await control.reset_prefix_cache(nc, r)
                 if reply.ok or reply.detail != "busy" or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.5)

@@ -32,6 +32,7 @@ from shared.wire import messages as m
 from shared.wire import subjects
 from shared.process import metrics
 from shared.process.config import BucketerConfig
+from shared.bus import control
 from shared.bus.connection import close, connect
 from shared.bus.consume import quarantine_held, receive
 from shared.bus.ledger import AckLedger, Lease
@@ -319,7 +320,7 @@ class Bucketer:
         if not self.cfg.eager:
             return None
         try:
-            reply = m.router_room_decoder.decode((await self.nc.request(subjects.ROUTER_ROOM, b"", timeout=1.0)).data)
+            reply = m.router_room_decoder.decode(await control.request(self.nc, subjects.ROUTER_ROOM, timeout=1.0))
         except Exception:  # noqa: BLE001 - router away: release by the reference rules only
             return None
         self.reference_rules = not reply.eager
@@ -344,18 +345,16 @@ class Bucketer:
         while True:
             freed = self.freed  # a freed-room notice from now on ends the retry wait
             try:
-                msg = await self.nc.request(subjects.ROUTE, req, timeout=2.0)
-                if msg.headers and msg.headers.get("Nats-Service-Error"):
-                    raise RuntimeError(f"router: {msg.headers.get('Nats-Service-Error')}")
-                reply = m.route_reply_decoder.decode(msg.data)
+                reply = m.route_reply_decoder.decode(await control.request(self.nc, subjects.ROUTE, req, timeout=2.0))
                 if reply.assignments:
                     return reply.assignments
                 self.route_retries.inc()
                 delay = reply.retry_after or 0.5
-                if reply.error:
+                if reply.error:  # an older router answers its failures in-band
                     log.warning("router error", error=reply.error)
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError, msgspec.DecodeError, RuntimeError) as exc:
-                log.warning("router unavailable", error=repr(exc))
+            except (control.ControlError, nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError,
+                    msgspec.DecodeError) as exc:  # ControlError: the router failed on it (a micro error reply)
+                log.warning("router error" if isinstance(exc, control.ControlError) else "router unavailable", error=repr(exc))
                 self.route_retries.inc()
                 delay = 1.0
             if stop_retrying:

@@ -35,7 +35,11 @@ import uuid
 
 import msgspec
 import structlog
+from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.micro import add_service
+from nats.micro.request import Request, ServiceError
+from nats.micro.service import Service
 
 from services.engine_worker.engines import Completion, EngineDead, RequestFailed, is_engine_death, make_engine
 from services.engine_worker.admission import KvAdmission
@@ -50,6 +54,7 @@ from services.engine_worker.status import StatusReport
 from services.engine_worker.rebuild import GAVE_UP_EXIT_CODE, EngineGaveUp, RebuildBudget
 from services.engine_worker.window import Window
 from shared.bus.connection import close, connect
+from shared.bus.control import SERVICE_VERSION, decode_request
 from shared.bus.jobs import JobCache
 from shared.bus.consume import receive
 from shared.bus.ledger import AckLedger, Lease
@@ -59,13 +64,14 @@ from shared.prefix import tokens as tk
 from shared.process.config import EngineWorkerConfig
 from shared.wire import messages as m
 from shared.wire import subjects
-from shared.wire.control import ControlReply, encode_reply
 
 log = structlog.get_logger()
 
 KV_TRANSLATOR_NODES = 1 << 20
 """The KV-event translator's bound until the engine reports its size."""
 KV_TRANSLATOR_SLACK = 1024
+SCHEDULING_MODES = ("prefix-groups", "fcfs")
+"""What `pfx.engine.<replica>.scheduling` may set (`EngineWorkerConfig.scheduling`)."""
 
 
 def is_cancelled(lookup: m.JobLookup) -> bool:
@@ -143,13 +149,7 @@ class EngineWorker(Recovery, StatusReport):
         self.outbox = Outbox(
             self.js, self.ledger, batch=self.cfg.result_batch, linger=self.cfg.result_linger, on_published=self.status_due.set
         )
-        await nc.subscribe(subjects.engine_reset(self.cfg.replica), cb=self.on_reset)
-        await nc.subscribe(subjects.engine_scheduling(self.cfg.replica), cb=self.on_scheduling)
-
-        async def on_status_request(msg: Msg) -> None:
-            await msg.respond(m.encode(self.status()))
-
-        await nc.subscribe(subjects.engine_status_request(self.cfg.replica), cb=on_status_request)
+        await self.serve(nc)
         self.ready = True
         log.info("engine-worker ready", engine=self.cfg.engine, window=self.cfg.window)
         finished = asyncio.Event()  # ends the background loops once the work is drained
@@ -219,36 +219,54 @@ class EngineWorker(Recovery, StatusReport):
         await close(self.nc, self.sub)
         await self.engine.shutdown()
 
-    async def on_reset(self, msg: Msg) -> None:
-        """Request/reply: empty the engine's prefix cache (benchmarks start each method
-        from a cold cache without restarting the engine)."""
-        reply = ControlReply(False, "not ready")
+    async def serve(self, nc: Client) -> Service:
+        """The control endpoints, a nats.micro service (`prefixflow-engine-worker`, its
+        replica in the metadata): a handler that fails raises and micro answers an error
+        reply and counts it (`shared/bus/control.py`). Drained with the connection."""
+        service = await add_service(nc, name="prefixflow-engine-worker", version=SERVICE_VERSION,
+                                    description="one engine replica's control", metadata={"replica": self.cfg.replica})
+        await service.add_endpoint(name="reset", subject=subjects.engine_reset(self.cfg.replica), handler=self.on_reset)
+        await service.add_endpoint(name="scheduling", subject=subjects.engine_scheduling(self.cfg.replica),
+                                   handler=self.on_scheduling)
+        await service.add_endpoint(name="status", subject=subjects.engine_status_request(self.cfg.replica),
+                                   handler=self.on_status_request)
+        return service
+
+    async def on_reset(self, request: Request) -> None:
+        """`pfx.engine.<replica>.reset` (empty -> `ControlReply`): empty the engine's prefix
+        cache (benchmarks start each method from a cold cache without restarting the
+        engine). `ok` False is a state, not an error: `busy` (vLLM refuses while requests
+        hold blocks) or `not ready` (the engine is being rebuilt); callers ask again. Any
+        other failure raises: an error reply (500)."""
+        reply = m.ControlReply(False, "not ready")
         if self.ready:
             try:
                 ok = await self.engine.reset_prefix_cache()
+            except EngineDead as exc:
+                self.engine_died(exc)
+            else:
                 if ok:
                     self.cache_epoch = uuid.uuid4().hex[:8]
                 if ok and self.kv is not None:
                     self.kv.cleared()  # vLLM reports it only at its next step
-                reply = ControlReply(ok, "" if ok else "busy")
-            except EngineDead as exc:
-                self.engine_died(exc)
-                reply = ControlReply(False, "not ready")
-            except Exception as exc:  # noqa: BLE001 - a refusal, not a dead engine
-                reply = ControlReply(False, repr(exc))
+                reply = m.ControlReply(ok, "" if ok else "busy")
         log.info("prefix cache reset", ok=reply.ok, detail=reply.detail)
-        await msg.respond(encode_reply(reply))
+        await request.respond(m.encode(reply))
 
-    async def on_scheduling(self, msg: Msg) -> None:
-        """Request/reply: switch between `prefix-groups` and `fcfs` (benchmarks run the
-        reference methods on vanilla FCFS vLLM)."""
-        mode = msg.data.decode(errors="replace").strip()
-        if mode not in ("prefix-groups", "fcfs"):
-            await msg.respond(encode_reply(ControlReply(False, "want prefix-groups or fcfs")))
-            return
+    async def on_scheduling(self, request: Request) -> None:
+        """`pfx.engine.<replica>.scheduling` (`SetScheduling` -> `ControlReply`): switch
+        between `prefix-groups` and `fcfs` (benchmarks run the reference methods on vanilla
+        FCFS vLLM); another mode is a 400 error reply."""
+        mode = decode_request(m.set_scheduling_decoder, request.data).mode
+        if mode not in SCHEDULING_MODES:
+            raise ServiceError("400", f"unknown scheduling {mode!r}; want {' or '.join(SCHEDULING_MODES)}")
         self.scheduling = mode
         log.info("scheduling set", scheduling=mode)
-        await msg.respond(encode_reply(ControlReply(True, mode)))
+        await request.respond(m.encode(m.ControlReply(True, mode)))
+
+    async def on_status_request(self, request: Request) -> None:
+        """`pfx.engine.<replica>.status` (empty -> `EngineStatus`): the status now."""
+        await request.respond(m.encode(self.status()))
 
     async def start_batch(self, msg: Msg) -> None:
         got = await receive(self.js, msg, m.work_batch_decoder, "work batch", ledger=self.ledger,
@@ -288,7 +306,7 @@ class EngineWorker(Recovery, StatusReport):
             try:
                 if h.lookup.spec is not None:
                     runnable.append((h, prompt_sampling(h.prompt, h.lookup.spec.sampling)))
-            except msgspec.DecodeError as exc:  # a sampling field this worker cannot read
+            except msgspec.DecodeError as exc:  # a sampling value this worker cannot take (unknown fields are ignored)
                 failed.append((h, f"bad sampling parameters: {exc}"))
         started = time.time()
         for h, _ in runnable:
@@ -337,7 +355,7 @@ class EngineWorker(Recovery, StatusReport):
                     sampling = prompt_sampling(prompt, spec.sampling)  # the row's own, else the job's
                     started = time.time()
                     completion = await self.engine.generate(request_id, prompt.id, token_ids, sampling, priority, prompt.lora)
-                except msgspec.DecodeError as exc:  # a (newer) sampling field this worker cannot read
+                except msgspec.DecodeError as exc:  # a sampling value this worker cannot take (unknown fields are ignored)
                     error = f"bad sampling parameters: {exc}"
                 except RequestFailed as exc:
                     error = str(exc)

@@ -1,10 +1,19 @@
-"""Router: a nats.micro request/reply service on `pfx.route`.
+"""Router: a nats.micro service (`prefixflow-router`) with three endpoints.
+
+- `pfx.route` (`RouteRequest` -> `RouteReply`): the replica chosen by the configured
+  policy for a bucket, or retry-after when every live replica is at its cap (or none is
+  up yet).
+- `pfx.router.room` (empty -> `RouterRoom`): the fleet's free room, for eager release.
+- `pfx.router.policy` (`SetPolicy` -> `ControlReply`): switch policy at run time.
 
 It listens to every engine's status (`pfx.status.*`) to know which replicas are live and
 how loaded they are, and to the KV-cache changes of the engines that send them
-(`pfx.cache.*`) to know which prefixes they hold. It answers each bucketer's route
-request with the replica chosen by the configured policy, or with retry-after when every
-live replica is at its cap (or none is up yet). Handler errors become error replies (nats.micro), never a dead subscription.
+(`pfx.cache.*`) to know which prefixes they hold. A handler that fails raises and
+nats.micro answers the request with an error reply (`Nats-Service-Error`, code 400 for a
+request that does not decode or names an unknown policy, 500 for anything else) and
+counts it in the endpoint's stats (`shared/bus/control.py`); the subscription keeps
+serving. A route reply never carries an error in its body (`RouteReply.error` is left to
+older routers).
 """
 
 from __future__ import annotations
@@ -15,16 +24,18 @@ import dataclasses
 import time
 
 import structlog
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.micro import add_service
-from nats.micro.request import Request
+from nats.micro.service import Service
+from nats.micro.request import Request, ServiceError
 
 from shared.wire import messages as m
 from shared.wire import subjects
-from shared.wire.control import ControlReply, encode_reply
 from shared.process import metrics
 from shared.process.config import RouterConfig
 from shared.bus.connection import close, connect
+from shared.bus.control import SERVICE_VERSION, decode_request
 from shared.bus.provision import provision
 from services.router.failover import Failover
 from services.router.fleet import Fleet
@@ -165,6 +176,44 @@ class Router:
             r.routed_prompts = 0
         log.info("policy set", policy=name)
 
+    async def on_route(self, request: Request) -> None:
+        """`pfx.route`: decide where a bucket goes."""
+        req = decode_request(m.route_request_decoder, request.data)
+        try:
+            reply = self.decide(req)
+        except Exception as exc:
+            # NOTE: logged and counted here, re-raised for nats.micro to answer and count.
+            log.error("route request failed", error=repr(exc))
+            metrics.ROUTER_DECISIONS.labels(self.policy.name, "error").inc()
+            raise
+        await request.respond(m.encode(reply))
+
+    async def on_room(self, request: Request) -> None:
+        """`pfx.router.room`: the fleet's free room (-1: unbounded)."""
+        now = time.monotonic()
+        room = self.fleet.room(now) if self.policy.eager else 0.0
+        tokens = -1 if room == float("inf") else int(room)
+        await request.respond(m.encode(m.RouterRoom(tokens, len(self.fleet.live(now)), self.policy.eager)))
+
+    async def on_policy(self, request: Request) -> None:
+        """`pfx.router.policy`: switch policy; an unknown one is a 400 error reply."""
+        name = decode_request(m.set_policy_decoder, request.data).name
+        try:
+            self.set_policy(name)
+        except ValueError as exc:  # an unknown policy
+            raise ServiceError("400", str(exc)) from None
+        await request.respond(m.encode(m.ControlReply(True, name)))
+
+    async def serve(self, nc: Client) -> Service:
+        """The nats.micro service and its endpoints (stopped by the caller)."""
+        service = await add_service(
+            nc, name="prefixflow-router", version=SERVICE_VERSION, description="prefix-aware bucket routing"
+        )
+        await service.add_endpoint(name="route", subject=subjects.ROUTE, handler=self.on_route)
+        await service.add_endpoint(name="room", subject=subjects.ROUTER_ROOM, handler=self.on_room)
+        await service.add_endpoint(name="policy", subject=subjects.ROUTER_POLICY, handler=self.on_policy)
+        return service
+
     async def run(self, stop: asyncio.Event) -> None:
         failover = Failover(self.fleet, self.place)
         nc = await connect(self.cfg.nats_url, "router", on_reconnect=failover.on_reconnect)
@@ -180,15 +229,6 @@ class Router:
             if freed:
                 await nc.publish(subjects.ROUTER_ROOM_FREED, b"")
 
-        async def on_route(request: Request) -> None:
-            try:
-                reply = self.decide(m.route_request_decoder.decode(request.data))
-            except Exception as exc:  # noqa: BLE001 - answer with an error, keep serving
-                log.error("route request failed", error=repr(exc))
-                metrics.ROUTER_DECISIONS.labels(self.policy.name, "error").inc()
-                reply = m.RouteReply(retry_after=1.0, error=repr(exc))
-            await request.respond(m.encode(reply))
-
         async def on_cache_events(msg: Msg) -> None:
             try:
                 self.on_cache_events(m.cache_events_decoder.decode(msg.data))
@@ -197,27 +237,7 @@ class Router:
 
         await nc.subscribe(subjects.ALL_STATUS, cb=on_status)
         await nc.subscribe(subjects.ALL_CACHE_EVENTS, cb=on_cache_events)
-        service = await add_service(
-            nc, name="prefixflow-router", version="0.1.0", description="prefix-aware bucket routing"
-        )
-        async def on_policy(request: Request) -> None:
-            name = request.data.decode().strip()
-            try:
-                self.set_policy(name)
-            except ValueError as exc:
-                await request.respond_error("400", str(exc))
-                return
-            await request.respond(encode_reply(ControlReply(True, name)))
-
-        async def on_room(request: Request) -> None:
-            now = time.monotonic()
-            room = self.fleet.room(now) if self.policy.eager else 0.0
-            tokens = -1 if room == float("inf") else int(room)
-            await request.respond(m.encode(m.RouterRoom(tokens, len(self.fleet.live(now)), self.policy.eager)))
-
-        await service.add_endpoint(name="route", subject=subjects.ROUTE, handler=on_route)
-        await service.add_endpoint(name="room", subject=subjects.ROUTER_ROOM, handler=on_room)
-        await service.add_endpoint(name="policy", subject=subjects.ROUTER_POLICY, handler=on_policy)
+        service = await self.serve(nc)
         log.info("router ready", policy=self.cfg.policy)
         last_report = time.monotonic()
         while not stop.is_set():

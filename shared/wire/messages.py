@@ -1,13 +1,46 @@
-"""Every message that crosses the wire, as `msgspec.Struct`s, in one module.
+"""Every message the services send each other over NATS, as `msgspec.Struct`s, in one module.
 
 Encoding: msgpack for everything between services (compact, fast, binary-safe); JSON for
 the two key-value records (`JobSpec`, `JobStatus`) so people can read and write them with
-the `nats` CLI. One message type per subject, decoded with a typed decoder.
+the `nats` CLI. One message type per subject, decoded with a typed decoder; the few
+bodies that are no Struct are named below (a user's rows, a job id, blob pieces, empty
+requests). Not here: the batch API's own records (`batchapi/store.py`, written and read
+by it alone) and vLLM's KV events, which reach the engine-worker over ZMQ in vLLM's
+format (`services/engine_worker/kv_events.py`).
+
+    pfx.ingest.<job>             a user's row, or an array of rows (JSON or msgpack; `services/ingestor/validate.py`)
+    pfx.bucket.<node>.<job>      PromptBatch
+    pfx.work.<replica>           WorkBatch
+    pfx.results.<job>            ResultBatch
+    pfx.status.<replica>         EngineStatus
+    pfx.cache.<replica>          CacheEvents
+    pfx.hb.bucketer.<node>       BucketerHeartbeat
+    pfx.sink.done.<job>          DoneQuery -> DoneReply
+    pfx.route                    RouteRequest -> RouteReply
+    pfx.router.room              (empty) -> RouterRoom
+    pfx.router.policy            SetPolicy -> ControlReply
+    pfx.router.freed             (empty: an event)
+    pfx.engine.<replica>.reset   (empty) -> ControlReply
+    pfx.engine.<replica>.scheduling  SetScheduling -> ControlReply
+    pfx.engine.<replica>.status  (empty) -> EngineStatus
+    pfx.jobs.cancelled           the job id as UTF-8 text (an event)
+    pfx.blob.<job>.<key>.<n>     raw bytes: a piece of a blob (`shared/bus/blobs.py`)
+    KV jobs / job-status         JobSpec / JobStatus (JSON); a jobs `dir.<hash>` key: the owning job id (text)
+
+The control subjects (the router's route, room and policy; an engine-worker's reset,
+scheduling and status) are nats.micro endpoints (`shared/bus/control.py`): a request that
+fails (one that does not decode, an unknown policy or mode, an exception in the handler)
+is answered with micro's error headers (`Nats-Service-Error`, `Nats-Service-Error-Code`)
+and counted in the endpoint's stats, never in the body. The sink's done query is no
+control subject: `DoneReply.error` says the sink cannot tell (the client then sends every
+row), an answer the client acts on.
 
 Schema evolution: new fields are appended with defaults and never retyped, so services of
-mixed versions keep running (wire structs are lenient: unknown fields are ignored).
-High-volume structs are `array_like` (positional, no field names on the wire) and
-`gc=False` (they hold no reference cycles).
+mixed versions keep running. Wire structs are lenient: a field this version does not know
+(sent by a newer peer) is ignored. User input is checked strictly where it enters, never
+by the wire structs (`shared/wire/sampling.py`'s `user_sampling`). High-volume structs are
+`array_like` (positional, no field names on the wire) and `gc=False` (they hold no
+reference cycles).
 """
 
 from __future__ import annotations
@@ -24,11 +57,12 @@ from shared.wire.structured import check_structured
 # --- job control (JSON, in the key-value buckets) ------------------------------------
 
 
-class StructuredSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class StructuredSpec(msgspec.Struct, omit_defaults=True):
     """Constrained output (vLLM's `StructuredOutputsParams`, xgrammar): exactly one form.
 
     Checked cheaply when decoded (one form, a valid JSON Schema, a non-empty choice);
-    compiled with xgrammar by the client and the ingestor (`shared/wire/sampling.py`)."""
+    compiled with xgrammar by the client and the ingestor (`shared/wire/sampling.py`).
+    Lenient like every wire struct; a user's form is checked strictly (`user_sampling`)."""
 
     json_schema: dict[str, Any] | None = None
     """Output is JSON valid against this JSON Schema."""
@@ -45,10 +79,14 @@ class StructuredSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
         check_structured(self)
 
 
-class SamplingSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class SamplingSpec(msgspec.Struct, omit_defaults=True):
     """Sampling parameters for every prompt of a job (a subset of vLLM's SamplingParams).
 
-    Strict: a misspelt or out-of-range parameter is rejected when the job is created."""
+    On the wire (a `JobSpec` in the jobs bucket, a `Prompt`'s own sampling) it is lenient
+    like every wire struct: a field added by a newer peer is ignored by an older one. A
+    user's parameters are checked strictly where they enter (`shared/wire/sampling.py`'s
+    `user_sampling`: the CLI, per-row `sampling` of the batch API and of input rows): a
+    misspelt parameter is an error there, as is one out of range (everywhere)."""
 
     max_tokens: Annotated[int, Meta(gt=0, le=1_000_000)] = 128
     """Upper bound on generated tokens per prompt."""
@@ -505,11 +543,14 @@ class Assignment(msgspec.Struct, array_like=True):
 class RouteReply(msgspec.Struct, omit_defaults=True):
     """router -> bucketer. Either assignments covering every prompt of the bucket, in
     order (some of them, past what the chosen replicas have room for, to no replica: kept
-    by the bucketer for later), or `retry_after` seconds when every live replica is at its cap."""
+    by the bucketer for later), or `retry_after` seconds when every live replica is at its
+    cap. A request the router fails on is a nats.micro error reply instead (no body)."""
 
     assignments: list[Assignment] = msgspec.field(default_factory=list)
     retry_after: float = 0.0
     error: str | None = None
+    """Set only by older routers (with `retry_after`), which answered a failure in-band;
+    kept so that a bucketer still decodes and logs their replies (a rolling upgrade)."""
 
 
 class RouterRoom(msgspec.Struct, omit_defaults=True):
@@ -554,6 +595,40 @@ class CacheEvents(msgspec.Struct, array_like=True, gc=False, omit_defaults=True)
     """When it was sent (Unix time)."""
 
 
+# --- control (request/reply, msgpack; nats.micro endpoints) -------------------------
+
+
+class Control(msgspec.Struct, tag_field="kind", omit_defaults=True):
+    """A control request or reply: tagged (`kind`), so a later type can share a subject."""
+
+
+class SetPolicy(Control, tag="policy"):
+    """operator -> router (`pfx.router.policy`): route with this policy from now on."""
+
+    name: str
+    """A policy name (`services/router/policies.py`); an unknown one is a 400 error reply."""
+
+
+class SetScheduling(Control, tag="scheduling"):
+    """operator -> engine-worker (`pfx.engine.<replica>.scheduling`): how it orders prompts."""
+
+    mode: str
+    """`prefix-groups` or `fcfs`; anything else is a 400 error reply."""
+
+
+class ControlReply(Control, tag="reply"):
+    """The answer of `pfx.router.policy`, `pfx.engine.<replica>.scheduling` and
+    `pfx.engine.<replica>.reset`. A failure is never this: it is a nats.micro error reply.
+    `ok` False is a state the caller waits out and asks again (a reset refused while
+    requests run), not an error."""
+
+    ok: bool
+    """Done (the cache is empty, the mode or policy is set)."""
+    detail: str = ""
+    """Why not yet (`busy`: requests are running; `not ready`: the engine is being
+    rebuilt), or the value now in effect."""
+
+
 # --- batching -----------------------------------------------------------------------
 
 MAX_MESSAGE_BYTES = 512 * 1024
@@ -569,16 +644,6 @@ items (array32, 5 bytes)."""
 def encoded_size(msg: Any) -> int:
     """Bytes of `msg` as msgpack (what goes on the wire)."""
     return len(msgpack_encoder.encode(msg))
-
-
-def prompt_size(p: Prompt) -> int:
-    """Exact msgpack bytes of a prompt inside a batch."""
-    return encoded_size(p)
-
-
-def result_size(r: Result) -> int:
-    """Exact msgpack bytes of a result inside a batch."""
-    return encoded_size(r)
 
 
 def prompt_fits(p: Prompt, max_bytes: int, hash_block_size: int) -> bool:
@@ -662,6 +727,9 @@ sampling_decoder = msgspec.msgpack.Decoder(SamplingSpec)
 job_status_decoder = msgspec.json.Decoder(JobStatus)
 columns_decoder = msgspec.msgpack.Decoder(dict[str, Any])
 cache_events_decoder = msgspec.msgpack.Decoder(CacheEvents)
+set_policy_decoder = msgspec.msgpack.Decoder(SetPolicy)
+set_scheduling_decoder = msgspec.msgpack.Decoder(SetScheduling)
+control_reply_decoder = msgspec.msgpack.Decoder(ControlReply)
 
 
 def encode(msg: msgspec.Struct) -> bytes:

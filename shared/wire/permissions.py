@@ -49,7 +49,8 @@ ANY_JOB = ">"
 
 JS_API = "$JS.API"
 SERVICE_DISCOVERY = "$SRV.>"
-"""nats.micro's discovery subjects (PING, INFO, STATS), served by the router."""
+"""nats.micro's discovery subjects (PING, INFO, STATS), served by the router and the
+engine-workers (their control endpoints are micro services)."""
 
 ROLES = ("ingestor", "bucketer", "router", "engine-worker", "sink", "submitter", "api", "tenant", "admin")
 SERVICE_ROLES = ROLES[:5]
@@ -242,7 +243,8 @@ def _engine_worker(replica: str = ANY):
             *blob_write(),  # a result too large for one message
             *kv_read(s.JOBS_KV),
         ],
-        [s.engine_reset(replica), s.engine_scheduling(replica), s.engine_status_request(replica), s.JOB_CANCELLED],
+        [s.engine_reset(replica), s.engine_scheduling(replica), s.engine_status_request(replica), s.JOB_CANCELLED,
+         SERVICE_DISCOVERY],
         responds=True,
     )
 

@@ -11,18 +11,44 @@ Two levels of checking a structured-output form:
   `validate_xgrammar_grammar` does before it accepts a request, so a schema, regex or
   grammar that vLLM would refuse is refused at job creation (or becomes an error row)
   instead of failing inside an engine. xgrammar is imported on first use.
+
+Strict where a user's input enters, lenient on the wire: `SamplingSpec` and
+`StructuredSpec` ignore unknown fields (a newer peer may add one), so a user's parameters
+go through `user_sampling`, which refuses a field neither struct knows (a typo stays an
+error): the CLI's job sampling (`cli/main.py`) and every row's own sampling
+(`row_sampling`: input rows, the batch API's request bodies).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
 from shared.wire.messages import SamplingSpec, StructuredSpec
 from shared.wire.structured import FORMS, ROW_FIELDS, check_structured  # noqa: F401 (re-exported)
+
+
+def refuse_unknown(raw: Mapping[str, Any], cls: type[msgspec.Struct], path: str = "$") -> None:
+    """Raise msgspec.ValidationError (msgspec's own words) when `raw` names a field that
+    `cls` does not have: the strict check of user input that the lenient wire structs skip."""
+    for name in raw:
+        if name not in cls.__struct_fields__:
+            where = "" if path == "$" else f" - at `{path}`"
+            raise msgspec.ValidationError(f"Object contains unknown field `{name}`{where}")
+
+
+def user_sampling(raw: Mapping[str, Any]) -> SamplingSpec:
+    """A user's sampling parameters (`SamplingSpec` fields, `structured` a `StructuredSpec`'s)
+    as a `SamplingSpec`, strictly: an unknown field, a value of the wrong type or out of
+    range raises msgspec.ValidationError."""
+    refuse_unknown(raw, SamplingSpec)
+    if isinstance(structured := raw.get("structured"), Mapping):
+        refuse_unknown(structured, StructuredSpec, "$.structured")
+    return msgspec.convert(raw, SamplingSpec)
 
 
 def compile_structured(spec: StructuredSpec | None) -> None:
@@ -125,7 +151,7 @@ def row_sampling(job: SamplingSpec, row: dict[str, Any]) -> SamplingSpec | None:
     if structured is not None:
         merged["structured"] = structured
     try:
-        spec = msgspec.convert(merged, SamplingSpec)
+        spec = user_sampling(merged)
     except msgspec.ValidationError as exc:
         raise ValueError(f"bad sampling: {exc}") from None
     compile_structured(spec.structured)

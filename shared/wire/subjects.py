@@ -71,17 +71,20 @@ def cache_events(replica: str) -> str:
 
 
 def engine_reset(replica: str) -> str:
-    """Request/reply: reset the replica's prefix cache."""
+    """Request/reply (nats.micro endpoint; empty -> `messages.ControlReply`): reset the
+    replica's prefix cache."""
     return f"{PREFIX}.engine.{replica}.reset"
 
 
 def engine_scheduling(replica: str) -> str:
-    """Request/reply: set the replica's scheduling (`prefix-groups` or `fcfs`)."""
+    """Request/reply (nats.micro endpoint; `messages.SetScheduling` -> `messages.ControlReply`):
+    set the replica's scheduling (`prefix-groups` or `fcfs`)."""
     return f"{PREFIX}.engine.{replica}.scheduling"
 
 
 def engine_status_request(replica: str) -> str:
-    """Request/reply: the replica's status now (instead of waiting for the next tick)."""
+    """Request/reply (nats.micro endpoint; empty -> `messages.EngineStatus`): the replica's
+    status now (instead of waiting for the next tick)."""
     return f"{PREFIX}.engine.{replica}.status"
 
 
@@ -120,7 +123,8 @@ def job_from_subject(subject: str) -> str:
 ROUTE = f"{PREFIX}.route"
 """Request/reply subject of the router service (nats.micro endpoint)."""
 ROUTER_ROOM = f"{PREFIX}.router.room"
-"""Request/reply: work tokens the open replicas can still take (`messages.RouterRoom`)."""
+"""Request/reply (nats.micro endpoint; empty -> `messages.RouterRoom`): work tokens the open
+replicas can still take."""
 ROUTER_ROOM_FREED = f"{PREFIX}.router.freed"
 """Event (core NATS, no reply): a status freed room on the fleet. Bucketers waiting on a
 retry-after, or holding buckets for room, try again now rather than at their next poll."""
@@ -128,7 +132,8 @@ JOB_CANCELLED = f"{PREFIX}.jobs.cancelled"
 """Event (core NATS, no reply; body: the job id): a job's spec now says it is cancelled.
 Services drop their cached copy of the spec at once (the spec is the durable record)."""
 ROUTER_POLICY = f"{PREFIX}.router.policy"
-"""Request/reply: switch the router's policy (body: the policy name)."""
+"""Request/reply (nats.micro endpoint; `messages.SetPolicy` -> `messages.ControlReply`):
+switch the router's policy."""
 ALL_STATUS = f"{PREFIX}.status.*"
 ALL_CACHE_EVENTS = f"{PREFIX}.cache.*"
 ALL_BUCKETER_HEARTBEATS = f"{PREFIX}.hb.bucketer.*"

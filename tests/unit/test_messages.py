@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.wire import messages as m
+from shared.wire.sampling import user_sampling
 from shared.prefix import tokens as tk
 from tests.tiers import COSTLY
 
@@ -165,9 +166,12 @@ def test_job_status_json_round_trip():
     assert m.job_status_decoder.decode(b'{"job": "x"}') == m.JobStatus("x")
 
 
-def test_job_spec_rejects_unknown_sampling_field():
-    with pytest.raises(msgspec.ValidationError):
-        m.job_spec_decoder.decode(b'{"job": "j", "out_dir": "/o", "sampling": {"max_token": 5}}')
+def test_job_spec_ignores_an_unknown_sampling_field_a_user_gets_it_refused():
+    """Lenient on the wire (a newer client's field), strict at the user's boundary."""
+    spec = m.job_spec_decoder.decode(b'{"job": "j", "out_dir": "/o", "sampling": {"max_tokens": 5, "max_token": 5}}')
+    assert spec.sampling == m.SamplingSpec(max_tokens=5)
+    with pytest.raises(msgspec.ValidationError, match="unknown field `max_token`"):
+        user_sampling({"max_token": 5})
 
 
 # --- SamplingSpec validation -------------------------------------------------------------
@@ -190,8 +194,9 @@ def test_job_spec_rejects_unknown_sampling_field():
     ],
 )
 def test_sampling_spec_rejects(bad):
+    """A user's sampling (`user_sampling`, where it enters) is checked strictly."""
     with pytest.raises((msgspec.ValidationError, ValueError)):
-        msgspec.convert(bad, m.SamplingSpec)
+        user_sampling(bad)
 
 
 @pytest.mark.parametrize(
@@ -208,7 +213,8 @@ def test_sampling_spec_rejects(bad):
     ],
 )
 def test_sampling_spec_accepts(good):
-    spec = msgspec.convert(good, m.SamplingSpec)
+    spec = user_sampling(good)
+    assert spec == msgspec.convert(good, m.SamplingSpec)
     for k, v in good.items():
         assert getattr(spec, k) == v
 
