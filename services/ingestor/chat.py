@@ -1,6 +1,6 @@
 """Chat rows: validate OpenAI-style `messages` and render them with the model's chat
 template, before tokenization (pure logic, no I/O; tested against vLLM's own rendering in
-`tests/unit/test_chat.py`).
+`tests/heavy/test_chat.py`).
 
 Rendering follows vLLM's chat path (`vllm/renderers/hf.py`, `safe_apply_chat_template`):
 the tokenizer's `apply_chat_template` with `add_generation_prompt=True`, the template's
