@@ -5,6 +5,7 @@ or cli; a service never imports cli)."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +43,50 @@ PURE = [
 ]
 
 
+IMPORTS_IN_A_FRESH_PROCESS = """
+import json, os, sys
+FORBIDDEN = ("nats", "vllm", "torch")
+import msgspec, numpy, pyarrow  # noqa: E401,F401 - loaded once here, shared by every forked child
+
+def forbidden():
+    return sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN)
+
+found = {"(preloaded)": forbidden()}
+for module in sys.argv[1:]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a child imports one module into the parent's clean interpreter
+        os.close(r)
+        try:
+            __import__(module)
+            got = forbidden()
+        except BaseException as exc:
+            got = f"import failed: {exc!r}"
+        os.write(w, json.dumps(got).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        found[module] = json.loads(f.read())
+    os.waitpid(pid, 0)
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def imported() -> dict[str, object]:
+    """For each pure module: the NATS/vLLM/torch modules importing it loads, each in a
+    fresh interpreter (a child forked from one that loaded only msgspec, numpy and pyarrow,
+    which must load none of them themselves)."""
+    out = subprocess.run([sys.executable, "-c", IMPORTS_IN_A_FRESH_PROCESS, *PURE], capture_output=True, text=True,
+                         cwd=REPO, check=True).stdout
+    found = json.loads(out)
+    assert found.pop("(preloaded)") == [], "the shared preloads pull in NATS, vLLM or torch"
+    return found
+
+
 @pytest.mark.parametrize("module", PURE)
-def test_pure_modules_import_no_nats_or_vllm(module):
-    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'vllm', 'torch')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
-    assert out.strip() == "[]", f"{module} pulls in {out}"
+def test_pure_modules_import_no_nats_or_vllm(module, imported):
+    assert imported[module] == [], f"{module} pulls in {imported[module]}"
 
 
 LAYERS: dict[str, set[str]] = {
