@@ -35,6 +35,16 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
 
+RUN_LAST = ("tests/e2e/test_e2e.py::test_vllm_replica_killed_at_a_third_fails_over",
+            "tests/e2e/test_engine_core_kill.py::")
+"""The engine-kill tests run after every other test (and next to each other, on their one
+shared cluster): nothing after them depends on a recovery."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.nodeid.startswith(RUN_LAST))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def sink_out_root(tmp_path_factory) -> Path:
     """The sink writes only under its output root (`PFX_OUT_ROOT`, default its working
@@ -256,52 +266,63 @@ async def wait_idle(url: str, replicas: list[str], timeout: float) -> bool:
         await close(nc)
 
 
-class EchoClusters:
-    """Echo-engine clusters shared by the whole session, one per (replicas, engine
+class Clusters:
+    """Local clusters shared by the whole session, one per (engine, replicas, engine
     arguments, environment): jobs are isolated by job id and output directory, so tests
     that only submit jobs share one instead of each starting its own.
 
     Before each test that takes one (`get`), the cluster is checked: every process alive,
-    every replica ready and idle (what an earlier test left running has drained). One that
-    fails the check is stopped and started again, so a test that broke it does not fail
-    the tests after it."""
+    every replica ready and idle (what an earlier test left running has drained), the
+    router back on the cluster's own policy. One that fails the check is stopped and
+    started again, so a test that broke it does not fail the tests after it. A test may
+    kill and restart a shared cluster's processes (`cluster.start_one`) as long as it
+    leaves them running; the check catches one that did not."""
 
     IDLE_WAIT = 60.0
-    KEEP = 2
-    """Clusters kept running at once (least recently used stopped first): each is ~8
-    processes of a few hundred MB, beside the vLLM engines of other tests."""
+    KEEP = {"echo": 2, "vllm": 1}
+    """Clusters of each engine kept running at once (least recently used stopped first):
+    an echo cluster is ~8 processes of a few hundred MB, a vLLM one holds two engines."""
+    READY = {"echo": 90.0, "vllm": 400.0}
 
     def __init__(self, base: Path, model: Path) -> None:
         self.base, self.model = base, model
         self.clusters: dict[tuple, object] = {}
-        self.starts = 0
+        self.starts: dict[str, int] = {"echo": 0, "vllm": 0}
 
-    def get(self, replicas: int = 1, engine_args: tuple[str, ...] = (), env: dict[str, str] | None = None):
+    def get(self, replicas: int = 1, engine_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+            engine: str = "echo"):
         from launch.local_cluster import LocalCluster, processes
 
-        key = (replicas, tuple(engine_args), tuple(sorted((env or {}).items())))
+        env = dict(env or {})
+        key = (engine, replicas, tuple(engine_args), tuple(sorted(env.items())))
         names = [f"r{i}" for i in range(replicas)]
         cluster = self.clusters.get(key)
-        if cluster is not None and not self.healthy(cluster, names):
-            print(f"\nshared echo cluster {key} failed its check: starting it again")
+        if cluster is not None and not self.healthy(cluster, names, env.get("PFX_POLICY", "")):
+            print(f"\nshared cluster {key} failed its check: starting it again")
             self.clusters.pop(key).stop()
             cluster = None
         if cluster is None:
-            while len(self.clusters) >= self.KEEP:
-                self.clusters.pop(next(iter(self.clusters))).stop()
-            self.starts += 1
-            cluster = LocalCluster(processes(replicas, engine="echo", extra_engine_args=list(engine_args)),
-                                   workdir=self.base / f"echo-{self.starts}", env={"PFX_MODEL": str(self.model), **(env or {})})
+            while sum(k[0] == engine for k in self.clusters) >= self.KEEP[engine]:
+                self.clusters.pop(next(k for k in self.clusters if k[0] == engine)).stop()
+            self.starts[engine] += 1
+            cluster = LocalCluster(processes(replicas, engine=engine, extra_engine_args=list(engine_args)),
+                                   workdir=self.base / f"{engine}-{sum(self.starts.values())}",
+                                   env={"PFX_MODEL": str(self.model), **env})
             self.clusters[key] = cluster
             cluster.start()
-            asyncio.run(cluster.wait_ready(names, 90))
+            asyncio.run(cluster.wait_ready(names, self.READY[engine]))
         self.clusters[key] = self.clusters.pop(key)  # most recently used last
         return cluster
 
-    def healthy(self, cluster, names: list[str]) -> bool:
+    def healthy(self, cluster, names: list[str], policy: str) -> bool:
+        from shared.process.config import RouterConfig
+
         try:
             cluster.check_alive()
-            return asyncio.run(wait_idle(cluster.url, names, self.IDLE_WAIT))
+            if not asyncio.run(wait_idle(cluster.url, names, self.IDLE_WAIT)):
+                return False
+            asyncio.run(set_policy(cluster.url, policy or RouterConfig().policy))
+            return True
         except Exception:  # noqa: BLE001 - any failure of the check means: start it again
             return False
 
@@ -312,11 +333,17 @@ class EchoClusters:
 
 
 @pytest.fixture(scope="session")
-def echo_clusters(tmp_path_factory, tiny_model):
-    clusters = EchoClusters(tmp_path_factory.mktemp("echo-clusters"), tiny_model)
-    yield clusters
-    clusters.stop()
+def clusters(tmp_path_factory, tiny_model):
+    """The session's shared local clusters (`Clusters.get`)."""
+    shared = Clusters(tmp_path_factory.mktemp("clusters"), tiny_model)
+    yield shared
+    shared.stop()
 
+
+KILL_CLUSTER = {"engine": "vllm", "replicas": 2, "engine_args": ("--kv-cache-blocks", "96"), "env": {"PFX_DEAD_AFTER": "3"}}
+"""Two vLLM replicas for the tests that kill an engine worker or an engine core and
+restart it (each leaves both replicas running; the check before each test catches one
+that did not): `clusters.get(**KILL_CLUSTER)`."""
 
 SLOW_ECHO = ("--echo-delay", "0.02", "--window", "8")
 """One replica of these runs ~400 prompts/s: a job of a few thousand rows lasts seconds."""

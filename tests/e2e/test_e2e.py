@@ -170,82 +170,73 @@ def test_prefix_aware_routing_reaches_ideal_hit_rate(vllm_cluster, tiny_model, t
     assert mean["prefix-aware"] - mean["round-robin"] >= 0.02, rates
 
 
-def test_vllm_replica_killed_at_a_third_fails_over(tmp_path, tiny_model):
-    """Two real vLLM replicas (their own cluster: killing an engine under honcho would
-    stop honcho); r0 is SIGKILLed at about a third of the job and not restarted."""
-    from launch.local_cluster import LocalCluster, processes
+def test_vllm_replica_killed_at_a_third_fails_over(tmp_path, tiny_model, clusters):
+    """Two real vLLM replicas (the engine-kill tests' shared cluster: killing an engine
+    under honcho would stop honcho); r0 is SIGKILLed at about a third of the job and not
+    restarted; then killed and restarted at once. It ends with both replicas running."""
     from services.engine_worker.guard import descendants, proc_stat
-    from tests.conftest import wait_replicas_ready
+    from tests.conftest import KILL_CLUSTER, wait_replicas_ready
 
     data = tmp_path / "prompts.parquet"
     write_prefix_repetition(data, tokenizer_dir=tiny_model, num_prompts=300, prefix_len=128, suffix_len=64, num_prefixes=6, output_len=16, seed=11)
-    cluster = LocalCluster(
-        processes(2, engine="vllm", extra_engine_args=["--kv-cache-blocks", "96"]),
-        workdir=tmp_path / "cluster",
-        env={"PFX_MODEL": str(tiny_model), "PFX_DEAD_AFTER": "3"},
-    )
-    cluster.start()
-    try:
-        asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
-        rows = [{"id": r["id"], "prompt": r["prompt"]} for r in pq.read_table(data).to_pylist()]
+    cluster = clusters.get(**KILL_CLUSTER)
+    rows = [{"id": r["id"], "prompt": r["prompt"]} for r in pq.read_table(data).to_pylist()]
 
-        async def go() -> tuple[m.JobStatus, float]:
-            out = str(tmp_path / "out")
-            async with Submitter(cluster.url) as client:
-                sampling = m.SamplingSpec(max_tokens=16, min_tokens=16, ignore_eos=True)
-                await client.create(m.JobSpec(job="failover", out_dir=out, sampling=sampling, total=len(rows)))
-                await client.publish_rows("failover", rows)
-                while ((await client.status("failover")) or m.JobStatus("failover")).rows < len(rows) // 3:
-                    await asyncio.sleep(0.05)
-                children = descendants(cluster.running["engine0"].pid)
-                assert children, "the vLLM engine core runs in child processes"
-                killed_at = time.monotonic()
-                cluster.running["engine0"].kill()
-                status = await client.wait("failover", len(rows), progress=False, timeout=600)
-                # The guard SIGKILLs the engine core of a SIGKILLed worker: no orphans.
-                while any(proc_stat(pid) is not None and proc_stat(pid)[1] == t for pid, t in children.items()):
-                    assert time.monotonic() - killed_at < 30, "vLLM engine core orphaned by a killed worker"
-                    await asyncio.sleep(0.2)
-                return status, time.monotonic() - killed_at
-
-        status, after_kill = asyncio.run(go())
-        print(f"\nvllm failover: job finished {after_kill:.1f} s after r0 was killed")
-        assert status.done and status.rows == 300 and status.errors == 0
-        out_rows = pq.read_table(tmp_path / "out").to_pylist()
-        assert sorted(r["id"] for r in out_rows) == sorted(r["id"] for r in rows)
-        assert cluster.running["engine0"].poll() is not None, "r0 stayed dead"
-        assert {r["replica"] for r in out_rows} == {"r0", "r1"}, "r0 did part of the job before it died"
-
-        # SIGKILL and immediate restart: r0 comes back under its name and gets work again.
-        engine0 = next(p for p in cluster.procs if p.name == "engine0")
-        cluster.start_one(engine0)
-        asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
-
-        async def kill_and_restart() -> tuple[m.JobStatus, float]:
-            out = str(tmp_path / "out2")
+    async def go() -> tuple[m.JobStatus, float]:
+        out = str(tmp_path / "out")
+        async with Submitter(cluster.url) as client:
             sampling = m.SamplingSpec(max_tokens=16, min_tokens=16, ignore_eos=True)
-            rows2 = [{"id": r["id"], "prompt": r["prompt"]} for r in rows]
-            async with Submitter(cluster.url) as client:
-                await client.create(m.JobSpec(job="restart", out_dir=out, sampling=sampling, total=len(rows2)))
-                await client.publish_rows("restart", rows2[: len(rows2) // 2])
-                while ((await client.status("restart")) or m.JobStatus("restart")).rows < len(rows2) // 6:
-                    await asyncio.sleep(0.05)
-                t_kill = time.monotonic()
-                cluster.running["engine0"].kill()
-                cluster.running["engine0"].wait()
-                cluster.start_one(engine0)
-                await wait_replicas_ready(cluster.url, ["r0"], 300, cluster.check_alive)
-                back = time.monotonic() - t_kill
-                await client.publish_rows("restart", rows2[len(rows2) // 2 :])
-                status = await client.wait("restart", len(rows2), progress=False, timeout=600)
-                return status, back
+            await client.create(m.JobSpec(job="failover", out_dir=out, sampling=sampling, total=len(rows)))
+            await client.publish_rows("failover", rows)
+            while ((await client.status("failover")) or m.JobStatus("failover")).rows < len(rows) // 3:
+                await asyncio.sleep(0.05)
+            children = descendants(cluster.running["engine0"].pid)
+            assert children, "the vLLM engine core runs in child processes"
+            killed_at = time.monotonic()
+            cluster.running["engine0"].kill()
+            status = await client.wait("failover", len(rows), progress=False, timeout=600)
+            # The guard SIGKILLs the engine core of a SIGKILLed worker: no orphans.
+            while any(proc_stat(pid) is not None and proc_stat(pid)[1] == t for pid, t in children.items()):
+                assert time.monotonic() - killed_at < 30, "vLLM engine core orphaned by a killed worker"
+                await asyncio.sleep(0.2)
+            return status, time.monotonic() - killed_at
 
-        status, back = asyncio.run(kill_and_restart())
-        print(f"vllm restart: r0 ready again {back:.1f} s after SIGKILL")
-        assert status.done and status.rows == 300 and status.errors == 0
-        out2 = pq.read_table(tmp_path / "out2").to_pylist()
-        assert sorted(r["id"] for r in out2) == sorted(r["id"] for r in rows)
-        second_half = {r["id"] for r in rows[len(rows) // 2 :]}
-        assert any(r["replica"] == "r0" for r in out2 if r["id"] in second_half), "r0 rejoined and got new work"
-    finally:
-        cluster.stop()
+    status, after_kill = asyncio.run(go())
+    print(f"\nvllm failover: job finished {after_kill:.1f} s after r0 was killed")
+    assert status.done and status.rows == 300 and status.errors == 0
+    out_rows = pq.read_table(tmp_path / "out").to_pylist()
+    assert sorted(r["id"] for r in out_rows) == sorted(r["id"] for r in rows)
+    assert cluster.running["engine0"].poll() is not None, "r0 stayed dead"
+    assert {r["replica"] for r in out_rows} == {"r0", "r1"}, "r0 did part of the job before it died"
+
+    # SIGKILL and immediate restart: r0 comes back under its name and gets work again.
+    engine0 = next(p for p in cluster.procs if p.name == "engine0")
+    cluster.start_one(engine0)
+    asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
+
+    async def kill_and_restart() -> tuple[m.JobStatus, float]:
+        out = str(tmp_path / "out2")
+        sampling = m.SamplingSpec(max_tokens=16, min_tokens=16, ignore_eos=True)
+        rows2 = [{"id": r["id"], "prompt": r["prompt"]} for r in rows]
+        async with Submitter(cluster.url) as client:
+            await client.create(m.JobSpec(job="restart", out_dir=out, sampling=sampling, total=len(rows2)))
+            await client.publish_rows("restart", rows2[: len(rows2) // 2])
+            while ((await client.status("restart")) or m.JobStatus("restart")).rows < len(rows2) // 6:
+                await asyncio.sleep(0.05)
+            t_kill = time.monotonic()
+            cluster.running["engine0"].kill()
+            cluster.running["engine0"].wait()
+            cluster.start_one(engine0)
+            await wait_replicas_ready(cluster.url, ["r0"], 300, cluster.check_alive)
+            back = time.monotonic() - t_kill
+            await client.publish_rows("restart", rows2[len(rows2) // 2 :])
+            status = await client.wait("restart", len(rows2), progress=False, timeout=600)
+            return status, back
+
+    status, back = asyncio.run(kill_and_restart())
+    print(f"vllm restart: r0 ready again {back:.1f} s after SIGKILL")
+    assert status.done and status.rows == 300 and status.errors == 0
+    out2 = pq.read_table(tmp_path / "out2").to_pylist()
+    assert sorted(r["id"] for r in out2) == sorted(r["id"] for r in rows)
+    second_half = {r["id"] for r in rows[len(rows) // 2 :]}
+    assert any(r["replica"] == "r0" for r in out2 if r["id"] in second_half), "r0 rejoined and got new work"

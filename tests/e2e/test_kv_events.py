@@ -1,13 +1,16 @@
-"""KV-cache events from real vLLM engines reach the router (`--kv-events`), through
-`prefixflow run` as a user starts it: the engines publish `BlockStored`/`BlockRemoved`
-(ZMQ), the engine-workers translate them into block keys and send them on
-`pfx.cache.<replica>`, and the router indexes what each replica holds and routes by it.
+"""KV-cache events from real vLLM engines reach the router (`--kv-events`): the engines
+publish `BlockStored`/`BlockRemoved` (ZMQ), the engine-workers translate them into block
+keys and send them on `pfx.cache.<replica>`, and the router indexes what each replica
+holds and routes by it.
 
-A KV cache smaller than the prefixes (30 blocks of 128 tokens per replica for 24 prefixes
-of 256 tokens: blocks are evicted, so removal events flow too; 3,840 tokens, less than the
-model's 4,096-token context: the engines start with the context vLLM fits to the cache). Asserted: every row once and ok, both replicas reported as sending events in
-the router's fleet log with a non-empty index and no sequence gap, and prefix-cache hits
-as the job's prefixes repeat.
+Both tests share one cluster (`KV_CLUSTER`: two replicas with KV events, 48 KV blocks of
+128 tokens each, a 96-prompt bucketer buffer); each empties the prefix caches first and
+reads only the router log lines written during it.
+
+A KV cache smaller than the prefixes (48 blocks per replica for 24 prefixes of 256 tokens
+and their suffixes: blocks are evicted, so removal events flow too). Asserted: every row
+once and ok, both replicas reported as sending events in the router's fleet log with a
+non-empty index and no sequence gap, and prefix-cache hits as the job's prefixes repeat.
 
 Routing by KV events on hierarchical prefixes, where the history is most wrong: the hit
 rate, and how often the history would have erred (the same job routed by the history is a
@@ -17,35 +20,47 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
 
 import pyarrow.parquet as pq
 import pytest
 
 from datagen.dataset import write_prefix_repetition, write_shape
-from tests.conftest import REPO, VENV_BIN
+from tests.conftest import reset_prefix_caches, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 N = 320
 
 
-def test_router_indexes_the_blocks_the_engines_report(tmp_path, tiny_model):
+KV_CLUSTER = {"engine": "vllm", "replicas": 2, "engine_args": ("--kv-cache-blocks", "48"),
+              "env": {"PFX_KV_EVENTS": "1", "PFX_BUFFER_PROMPTS": "96"}}
+
+
+@pytest.fixture
+def kv_cluster(clusters):
+    cluster = clusters.get(**KV_CLUSTER)
+    asyncio.run(reset_prefix_caches(cluster.url, ["r0", "r1"]))
+    return cluster
+
+
+def router_log_size(cluster) -> int:
+    path = cluster.workdir / "logs" / "router.log"
+    return path.stat().st_size if path.exists() else 0
+
+
+def test_router_indexes_the_blocks_the_engines_report(tmp_path, tiny_model, kv_cluster):
     data = tmp_path / "prompts.parquet"
     write_prefix_repetition(data, tokenizer_dir=tiny_model, num_prompts=N, prefix_len=256, suffix_len=64,
                             num_prefixes=24, seed=5)
-    out, workdir = tmp_path / "out", tmp_path / "cluster"
-    proc = subprocess.run(
-        [str(VENV_BIN / "prefixflow"), "run", str(data), "--out", str(out), "--model", str(tiny_model), "--replicas", "2",
-         "--max-tokens", "48", "--kv-cache-blocks", "30", "--no-progress", "--job", "kv", "--workdir", str(workdir)],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PFX_KV_EVENTS": "1"}, timeout=500,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    since = router_log_size(kv_cluster)
+    res = run_cli("submit", str(data), "--out", str(out), "--nats", kv_cluster.url, "--max-tokens", "48", "--job", "kv",
+                  "--no-progress", "--timeout", "500", timeout=550)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = pq.read_table(out)
     assert sorted(table.column("id").to_pylist()) == list(range(N))
     assert table.column("error").null_count == N
-    fleet = fleet_log(workdir)
+    fleet = fleet_log(kv_cluster.workdir, since)
     # The router logs its fleet every 5 s; the job lasts long enough for a few mid-job.
     during = [e for e in fleet if e["live"] == ["r0", "r1"] and e["routed"]]
     assert during, fleet
@@ -55,9 +70,13 @@ def test_router_indexes_the_blocks_the_engines_report(tmp_path, tiny_model):
     assert summary["prefix_cache_hit_rate"] > 0.2, summary
 
 
-def fleet_log(workdir) -> list[dict]:
+def fleet_log(workdir, since: int = 0, until: int | None = None) -> list[dict]:
+    """The router's fleet lines, from byte `since` of its log (to byte `until`)."""
     entries = []
-    for line in (workdir / "logs" / "router.log").read_text().splitlines():
+    with open(workdir / "logs" / "router.log", "rb") as f:
+        f.seek(since)
+        text = f.read(-1 if until is None else until - since).decode(errors="replace")
+    for line in text.splitlines():
         try:
             entry = json.loads(line)
         except ValueError:
@@ -68,7 +87,7 @@ def fleet_log(workdir) -> list[dict]:
 
 
 @pytest.mark.timeout(700)
-def test_kv_event_routing_on_hierarchical_prefixes_where_the_history_errs(tmp_path, tiny_model):
+def test_kv_event_routing_on_hierarchical_prefixes_where_the_history_errs(tmp_path, tiny_model, kv_cluster):
     """Where the history is most wrong: hierarchical prefixes (a system prompt every row
     shares, then one of 28 few-shot groups, then a question), 48 KV blocks per replica
     (blocks are evicted), and every group routed again after a while: two jobs over the
@@ -84,9 +103,6 @@ def test_kv_event_routing_on_hierarchical_prefixes_where_the_history_errs(tmp_pa
     precise model would not). The same job routed by the history, beside it: a benchmark
     (docs/benchmarks.md "KV events or history"; on two replicas the two are within a
     point or two)."""
-    from launch.local_cluster import LocalCluster, processes
-    from tests.conftest import run_cli, wait_replicas_ready
-
     data = tmp_path / "hier.parquet"
     table = write_shape(data, "hierarchical", tokenizer_dir=tiny_model, block_size=128, num_prompts=1024,
                         num_groups=28, output_len=32)
@@ -94,30 +110,27 @@ def test_kv_event_routing_on_hierarchical_prefixes_where_the_history_errs(tmp_pa
     halves = [tmp_path / "first.parquet", tmp_path / "second.parquet"]
     for i, path in enumerate(halves):  # consecutive halves of the shuffled table: every group in both
         pq.write_table(table.slice(512 * i, 512), path)
-    workdir = tmp_path / "cluster"
-    cluster = LocalCluster(
-        processes(2, engine="vllm", extra_engine_args=["--kv-cache-blocks", "48"]), workdir=workdir,
-        env={"PFX_MODEL": str(tiny_model), "PFX_KV_EVENTS": "1", "PFX_BUFFER_PROMPTS": "96"},
-    )
-    cluster.start()
+    since = router_log_size(kv_cluster)
     tokens = [0, 0]  # prompt, cached
-    try:
-        asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
-        for i, path in enumerate(halves):
-            out = tmp_path / f"out-{i}"
-            res = run_cli("submit", str(path), "--out", str(out), "--nats", cluster.url, "--job", f"hier-{i}",
-                          "--no-progress", "--timeout", "500")
-            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-            rows = pq.read_table(out, columns=["id", "error"])
-            assert sorted(rows.column("id").to_pylist()) == list(range(512 * i, 512 * (i + 1)))
-            assert rows.column("error").null_count == 512
-            summary = json.loads((out / "_summary.json").read_text())
-            tokens[0] += summary["prompt_tokens"]
-            tokens[1] += summary["cached_tokens"]
-    finally:
-        cluster.stop()
+    for i, path in enumerate(halves):
+        out = tmp_path / f"out-{i}"
+        res = run_cli("submit", str(path), "--out", str(out), "--nats", kv_cluster.url, "--job", f"hier-{i}",
+                      "--no-progress", "--timeout", "500")
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        rows = pq.read_table(out, columns=["id", "error"])
+        assert sorted(rows.column("id").to_pylist()) == list(range(512 * i, 512 * (i + 1)))
+        assert rows.column("error").null_count == 512
+        summary = json.loads((out / "_summary.json").read_text())
+        tokens[0] += summary["prompt_tokens"]
+        tokens[1] += summary["cached_tokens"]
     hit = tokens[1] / tokens[0]  # over both jobs
-    checks = max((e.get("history_checks") or {} for e in fleet_log(workdir)), key=lambda c: c.get("decisions", 0))
+    # The router's history checks are counted since it started: this test's are the growth
+    # over its own log lines.
+    def latest(entries: list[dict]) -> dict:
+        return max((e.get("history_checks") or {} for e in entries), key=lambda c: c.get("decisions", 0), default={})
+
+    start, end = latest(fleet_log(kv_cluster.workdir, 0, until=since)), latest(fleet_log(kv_cluster.workdir))
+    checks = {k: v - start.get(k, 0) for k, v in end.items() if isinstance(v, (int, float))}
     print(f"\nideal {ideal:.1%}; hit rate by KV events {hit:.1%}; history checks: {checks}")
     # How often it errs depends on how the groups leave the bucketer (49 of 111 alone, 7 of 58
     # in the full suite on a loaded machine): asserted is that it measurably errs.

@@ -1,9 +1,11 @@
 """LoRA adapters per row (issue #27) on real vLLM with three random adapters of the local
 model (`prefixflow make-model --lora`):
 
-- through `prefixflow run`: an OpenAI batch file whose lines name the adapters, the base
-  model (by its name) and an unknown adapter by `model`, on two replicas with
-  `--lora-modules ... --max-loras 2`: greedy outputs of one prompt differ by adapter and
+Both tests share one cluster of two replicas serving the adapters (`--lora-modules ...
+--max-loras 2`; its prefix caches emptied before each test):
+
+- through `prefixflow submit`: an OpenAI batch file whose lines name the adapters, the
+  base model (by its name) and an unknown adapter by `model`: greedy outputs of one prompt differ by adapter and
   are the same for every copy of it under one adapter; the unknown adapter is an error
   line; each (adapter, shared prefix) group reaches its ideal hit rate and no more (an
   adapter's cache is its own: the same text under another adapter is a miss);
@@ -30,7 +32,7 @@ from tokenizers import Tokenizer
 
 from datagen.make_lora import make_adapters
 from datagen.make_model import _synthetic_corpus
-from tests.conftest import REPO, VENV_BIN, run_cli, set_policy, wait_replicas_ready
+from tests.conftest import REPO, VENV_BIN, reset_prefix_caches, run_cli, set_policy
 from tests.e2e.test_batch_api_vllm import finished, lines, upload
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -60,7 +62,15 @@ def ideal_hit(tokenizer: Tokenizer, prompts: list[str]) -> float:
     return (len(ids) - 1) * (common // BLOCK * BLOCK) / sum(map(len, ids))
 
 
-def test_adapters_through_run_on_a_batch_file(tiny_model, tmp_path):
+@pytest.fixture
+def lora_cluster(clusters, tiny_model):
+    cluster = clusters.get(engine="vllm", replicas=2, engine_args=("--", *lora_modules(tiny_model)),
+                           env={"PFX_LORA_ADAPTERS": ",".join(ADAPTERS)})
+    asyncio.run(reset_prefix_caches(cluster.url, ["r0", "r1"]))
+    return cluster
+
+
+def test_adapters_through_submit_on_a_batch_file(tiny_model, tmp_path, lora_cluster):
     rng = random.Random(27)
     sentences = _synthetic_corpus(27)
     prefixes = [" ".join(rng.sample(sentences, 30)) for _ in range(2)]
@@ -78,9 +88,8 @@ def test_adapters_through_run_on_a_batch_file(tiny_model, tmp_path):
     data = tmp_path / "batch.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in reqs))
     out = tmp_path / "out"
-    res = run_cli("run", str(data), "--out", str(out), "--replicas", "2", "--model", str(tiny_model), "--no-progress",
-                  "--no-report", "--timeout", "600", "--workdir", str(tmp_path / "cluster"), "--",
-                  *lora_modules(tiny_model), timeout=850)
+    res = run_cli("submit", str(data), "--out", str(out), "--nats", lora_cluster.url, "--no-progress", "--no-report",
+                  "--timeout", "600", timeout=850)
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
 
     rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
@@ -110,21 +119,17 @@ def test_adapters_through_run_on_a_batch_file(tiny_model, tmp_path):
     assert {o["custom_id"].rsplit("-", 2)[0]: o["response"]["body"]["model"] for o in ok} == {n: n for n in names}
 
 
-def test_adapters_through_the_batch_api_and_a_lora_column(tiny_model, tmp_path):
-    from launch.local_cluster import LocalCluster, free_port, processes
+def test_adapters_through_the_batch_api_and_a_lora_column(tiny_model, tmp_path, lora_cluster):
+    from launch.local_cluster import free_port
 
-    modules = lora_modules(tiny_model)
+    cluster = lora_cluster
     env = {"PFX_MODEL": str(tiny_model), "PFX_LORA_ADAPTERS": ",".join(ADAPTERS)}
-    cluster = LocalCluster(processes(2, engine="vllm", extra_engine_args=["--", *modules]), workdir=tmp_path / "cluster",
-                           env=env)
-    cluster.start()
     port = free_port()
     log = tmp_path / "api.log"
     api = subprocess.Popen([str(VENV_BIN / "prefixflow"), "serve", "api"], cwd=REPO, stdout=log.open("w"),
                            stderr=subprocess.STDOUT,
                            env={**os.environ, **env, "PFX_NATS_URL": cluster.url, "PFX_PORT": str(port)})
     try:
-        asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
         c = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=2)
         names = [tiny_model.name, *ADAPTERS]
         reqs = [request(f"{name}-{i}", name, f"{PROBE} {i}") for name in names for i in range(2)]
@@ -168,4 +173,3 @@ def test_adapters_through_the_batch_api_and_a_lora_column(tiny_model, tmp_path):
             api.wait(timeout=20)
         except subprocess.TimeoutExpired:
             api.kill()
-        cluster.stop()

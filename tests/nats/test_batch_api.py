@@ -29,10 +29,10 @@ def root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cluster(echo_clusters):
+def cluster(clusters):
     # ~400 prompts/s: a batch of a few thousand requests runs for seconds. (The sinks'
     # output root is the session's temporary directory, which holds `root`.)
-    return echo_clusters.get(engine_args=SLOW_ECHO)
+    return clusters.get(engine_args=SLOW_ECHO)
 
 
 class ApiProcess:

@@ -27,9 +27,9 @@ BIG, SMALL = 6000, 200
 
 
 @pytest.fixture
-def cluster(echo_clusters):
+def cluster(clusters):
     # ~400 prompts/s: the big job takes ~15 s alone.
-    return echo_clusters.get(engine_args=SLOW_ECHO)
+    return clusters.get(engine_args=SLOW_ECHO)
 
 
 def dataset(path: Path, model: Path, n: int, seed: int) -> Path:

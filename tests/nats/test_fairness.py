@@ -26,8 +26,8 @@ SMALL, LARGE = 200, 4000
 
 
 @pytest.fixture
-def cluster(echo_clusters):
-    return echo_clusters.get(engine_args=SLOW_ECHO)
+def cluster(clusters):
+    return clusters.get(engine_args=SLOW_ECHO)
 
 
 def data(tmp_path, model, name: str, n: int, seed: int):

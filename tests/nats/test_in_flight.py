@@ -30,8 +30,8 @@ WINDOW = 1024
 
 
 @pytest.fixture
-def cluster(echo_clusters):
-    return echo_clusters.get()
+def cluster(clusters):
+    return clusters.get()
 
 
 @pytest.fixture(scope="module")

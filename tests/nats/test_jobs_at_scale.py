@@ -31,9 +31,9 @@ def echo_cluster(tmp_path, tiny_model, **env: str) -> LocalCluster:
                         env={"PFX_MODEL": str(tiny_model), "PFX_OUT_ROOT": str(tmp_path), **env})
 
 
-def test_two_thousand_jobs_all_complete(tmp_path, echo_clusters):
+def test_two_thousand_jobs_all_complete(tmp_path, clusters):
     assert JOBS > 4 * MAX_OPEN_JOBS, "more jobs than the sink keeps open"
-    cluster = echo_clusters.get(replicas=2)
+    cluster = clusters.get(replicas=2)
 
     async def go() -> list[m.JobStatus]:
         async with Submitter(cluster.url) as client:

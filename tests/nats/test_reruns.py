@@ -155,8 +155,8 @@ async def _rows_written(url: str, job: str, want: int, timeout: float) -> int:
 
 
 @pytest.fixture
-def echo_cluster(echo_clusters):
-    return echo_clusters.get()
+def echo_cluster(clusters):
+    return clusters.get()
 
 
 def test_submit_resumes_a_job_interrupted_half_way_sending_only_the_missing_ids(echo_cluster, dataset, tmp_path):
