@@ -98,30 +98,29 @@ def test_openai_client_runs_batches_on_vllm(vllm_cluster, tiny_model, tmp_path):
     assert {chat_batch.id, cmpl_batch.id, big.id} <= {b.id for b in c.batches.list(limit=2)}  # pages through
 
 
-def test_an_embeddings_batch_on_pooling_engines(tiny_model, tmp_path):
-    """`/v1/embeddings` through the API on a cluster of vLLM pooling engines (`PFX_TASK=embed`):
-    every response validates as openai's `CreateEmbeddingResponse`, identical inputs get
-    identical vectors, and a chat batch is refused there (400)."""
-    import asyncio
+def test_an_embeddings_batch_on_pooling_engines(tiny_model, tmp_path, clusters):
+    """`/v1/embeddings` through the API on a cluster of vLLM pooling engines (`PFX_TASK=embed`,
+    the one tests/e2e/test_embeddings.py shares): every response validates as openai's
+    `CreateEmbeddingResponse`, identical inputs get identical vectors, and a chat batch is
+    refused there (400)."""
     import os
     import signal
     import subprocess
 
     from openai.types import CreateEmbeddingResponse
 
-    from launch.local_cluster import LocalCluster, free_port, processes
-    from tests.conftest import REPO, VENV_BIN, wait_replicas_ready
+    from launch.local_cluster import free_port
+    from tests.conftest import REPO, VENV_BIN
+    from tests.e2e.test_embeddings import EMBED_CLUSTER
 
-    env = {"PFX_MODEL": str(tiny_model), "PFX_TASK": "embed", "PFX_OUT_ROOT": str(tmp_path)}
-    cluster = LocalCluster(processes(1, engine="vllm"), workdir=tmp_path / "cluster", env=env)
-    cluster.start()
+    cluster = clusters.get(**EMBED_CLUSTER)
+    env = {"PFX_MODEL": str(tiny_model), "PFX_TASK": "embed"}
     port = free_port()
     log = tmp_path / "api.log"
     api = subprocess.Popen([str(VENV_BIN / "prefixflow"), "serve", "api"], cwd=REPO, stdout=log.open("w"),
                            stderr=subprocess.STDOUT,
                            env={**os.environ, **env, "PFX_NATS_URL": cluster.url, "PFX_PORT": str(port)})
     try:
-        asyncio.run(wait_replicas_ready(cluster.url, ["r0"], 300, cluster.check_alive))
         c = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=2)
         texts = [f"document {i % 5} about prefixes" for i in range(10)]
         reqs = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
@@ -140,4 +139,3 @@ def test_an_embeddings_batch_on_pooling_engines(tiny_model, tmp_path):
     finally:
         api.send_signal(signal.SIGTERM)
         api.wait(20)
-        cluster.stop()

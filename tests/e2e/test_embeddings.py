@@ -1,7 +1,8 @@
-"""Embeddings end to end: `prefixflow run --task embed` on an OpenAI Batch file of
-`/v1/embeddings` requests starts vLLM pooling engines (its own cluster: a different
-engine mode than the session cluster), writes an `embedding` column of the model's hidden
-size, identical vectors for identical inputs, and `_batch/output.jsonl` lines that
+"""Embeddings end to end: `prefixflow submit --task embed` of an OpenAI Batch file of
+`/v1/embeddings` requests to a cluster of vLLM pooling engines (`EMBED_CLUSTER`, shared
+with the batch API's embeddings test; `run --task embed` starting pooling engines itself
+is tested on echo engines in tests/nats/test_large_rows.py) writes an `embedding` column
+of the model's hidden size, identical vectors for identical inputs, and `_batch/output.jsonl` lines that
 validate as `CreateEmbeddingResponse`; bucketing and
 routing still apply (documents with a shared preamble: the prefix-cache hit rate is
 printed). A generate cluster refuses an embed job with a clear error."""
@@ -21,9 +22,12 @@ from tests.conftest import run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 HIDDEN = 256  # the local model's hidden size
+EMBED_CLUSTER = {"engine": "vllm", "replicas": 2, "env": {"PFX_TASK": "embed"}}
+"""Two vLLM pooling replicas (`PFX_TASK=embed`): `clusters.get(**EMBED_CLUSTER)`."""
 
 
-def test_embed_job_through_run(tiny_model, tmp_path):
+def test_embed_job_of_a_batch_file_through_submit(tiny_model, tmp_path, clusters):
+    cluster = clusters.get(**EMBED_CLUSTER)
     rng = random.Random(2)
     sentences = _synthetic_corpus(7)
     preambles = [" ".join(rng.sample(sentences, 25)) for _ in range(4)]
@@ -37,8 +41,8 @@ def test_embed_job_through_run(tiny_model, tmp_path):
     lines.append(json.dumps({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}))
     data.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    res = run_cli("run", str(data), "--out", str(out), "--task", "embed", "--replicas", "2", "--model", str(tiny_model),
-                  "--no-progress", "--timeout", "600", "--workdir", str(tmp_path / "cluster"), timeout=850)
+    res = run_cli("submit", str(data), "--out", str(out), "--task", "embed", "--nats", cluster.url, "--no-progress",
+                  "--timeout", "600", timeout=850)
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     table = pq.read_table(out)
     kind = table.schema.field("embedding").type
