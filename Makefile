@@ -38,8 +38,10 @@ demo: model
 	$(BIN)/prefixflow run $(DEMO)/prompts.parquet --out $(DEMO)/out --model $(MODEL) \
 		--replicas 2 --max-tokens 32 --job demo
 
+# Two workers (pytest-xdist): one runs the e2e tier (real vLLM engines, one test at a time),
+# the other every other file (tests/tiers.py groups them).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 test-fast: install
 	HYPOTHESIS_PROFILE=dev $(BIN)/python -m pytest -q -m "unit"

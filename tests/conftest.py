@@ -36,9 +36,10 @@ VENV_BIN = Path(sys.executable).parent
 
 
 RUN_LAST = ("tests/e2e/test_e2e.py::test_vllm_replica_killed_at_a_third_fails_over",
-            "tests/e2e/test_engine_core_kill.py::")
-"""The engine-kill tests run after every other test (and next to each other, on their one
-shared cluster): nothing after them depends on a recovery."""
+            "tests/e2e/test_engine_core_kill.py::", "tests/e2e/test_honcho_engine_kill.py::")
+"""The engine-kill tests run after every other test: the first two next to each other on
+their one shared cluster, then the one that kills an engine core of the session's honcho
+cluster. Nothing after them depends on a recovery."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -47,6 +47,14 @@ def tier_of(path: Path, root: Path = TESTS) -> str | None:
     return first if first in TIERS else None
 
 
+def xdist_group(item: pytest.Item, tier: str) -> str:
+    """With pytest-xdist (`make test`: two workers, `--dist loadgroup`): every e2e test in
+    one group, so one worker runs the vLLM engines' tests one after another (two at once
+    would only share the cores) while the other runs the rest; every other test grouped
+    by its file, so a module's fixtures start once."""
+    return "e2e" if tier == "e2e" else item.nodeid.split("::")[0]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, what in TIERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
@@ -55,6 +63,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath)) / "tests" if (Path(str(config.rootpath)) / "tests").is_dir() else TESTS
     wrong = []
+    parallel = config.pluginmanager.hasplugin("xdist")
     for item in items:
         tier = tier_of(item.path, root)
         declared = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
@@ -65,5 +74,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if declared - {tier}:
             wrong.append(f"{item.nodeid}: marked {sorted(declared)} but lives in tests/{tier}/")
         item.add_marker(getattr(pytest.mark, tier))
+        if parallel:
+            item.add_marker(pytest.mark.xdist_group(name=xdist_group(item, tier)))
     if wrong:
         raise pytest.UsageError("test tiers disagree with their directories:\n  " + "\n  ".join(wrong))
