@@ -120,7 +120,7 @@ def processes(
     replicas: int = 2,
     *,
     engine: str = "vllm",
-    kv_cache_space_gib: int = 2,
+    kv_cache_space_gib: int | None = None,
     extra_engine_args: list[str] | None = None,
     tensor_parallel_size: int = 1,
     devices: Devices | None = None,
@@ -128,7 +128,9 @@ def processes(
 ) -> list[Process]:
     """nats-server, ingestor, one bucketer, router, `replicas` engine-workers, sink.
     The machine is divided among the engines (`assign_devices`): on CPU each gets its
-    share of the cores and its own KV-cache budget, on GPUs its own devices."""
+    share of the cores and its own KV-cache budget (`kv_cache_space_gib`; default the
+    environment's `VLLM_CPU_KVCACHE_SPACE`, vLLM's own setting, else 2 GiB), on GPUs its
+    own devices."""
     devices = devices or machine_devices()
     placements = assign_devices(replicas, devices, tensor_parallel_size)
     procs = [
@@ -140,7 +142,7 @@ def processes(
     for i, placement in enumerate(placements):
         env = dict(placement)
         if not devices.gpus:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib)
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_space_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE") or 2)
             # The engines take every core: the services beside them (ingest, bucketing,
             # routing, the sink) would wait for CPU, and every job's latency with them.
             env["PFX_NICE"] = str(CPU_ENGINE_NICE)

@@ -34,16 +34,40 @@ setup_logging("tests", fmt="console", level="warning")
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 
+# Every vLLM engine the suite starts (honcho's, `run`'s, the shared clusters') reserves
+# this much KV cache: 1 GiB holds 512k tokens of the local model (2 KiB a token), far
+# more than any test uses, where the product's default of 2 GiB would put ~3.4 GB per
+# engine and several clusters at once past this machine's memory.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-RUN_LAST = ("tests/e2e/test_e2e.py::test_vllm_replica_killed_at_a_third_fails_over",
-            "tests/e2e/test_engine_core_kill.py::", "tests/e2e/test_honcho_engine_kill.py::")
-"""The engine-kill tests run after every other test: the first two next to each other on
-their one shared cluster, then the one that kills an engine core of the session's honcho
-cluster. Nothing after them depends on a recovery."""
+
+E2E_ORDER = (
+    # The honcho cluster's tests, then the one that kills an engine core under it.
+    ("tests/e2e/test_batch_api_vllm.py::test_openai_client_runs_batches_on_vllm", "tests/e2e/test_e2e.py::test_prefix",
+     "tests/e2e/test_e2e.py::test_bad_input", "tests/e2e/test_embeddings.py::test_generate_cluster", "tests/e2e/test_jobs.py::"),
+    ("tests/e2e/test_honcho_engine_kill.py::",),
+    # The pairs on a shared cluster of special engines (`Clusters`), a pair at a time.
+    ("tests/e2e/test_batch_api_vllm.py::test_an_embeddings_batch", "tests/e2e/test_embeddings.py::test_embed_job"),
+    ("tests/e2e/test_kv_events.py::",),
+    ("tests/e2e/test_lora.py::",),
+    (),  # every other e2e test: starts its own processes (`run`, chaos, start-up)
+    # The engine-kill tests last, on their one shared cluster: nothing after them depends
+    # on a recovery.
+    ("tests/e2e/test_e2e.py::test_vllm_replica_killed_at_a_third_fails_over", "tests/e2e/test_engine_core_kill.py::"),
+)
+"""The e2e tests in groups by the cluster they share, each group's cluster started once
+and stopped when the next group starts (`release_shared_vllm`); the other tiers first."""
+
+
+def e2e_rank(nodeid: str) -> int:
+    if not nodeid.startswith("tests/e2e/"):
+        return -1
+    own = next(i for i, group in enumerate(E2E_ORDER) if not group)
+    return next((i for i, group in enumerate(E2E_ORDER) if group and nodeid.startswith(group)), own)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.nodeid.startswith(RUN_LAST))  # stable: the rest keep their order
+    items.sort(key=lambda item: e2e_rank(item.nodeid))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -153,16 +177,60 @@ CLUSTER_KV_BLOCKS = 128
 CLUSTER_BUFFER_PROMPTS = 64
 
 
+class SharedHoncho:
+    """The Procfile under `honcho start` with two real vLLM replicas, shared by the tests
+    that only submit jobs to it (`vllm_cluster`): started when first asked for, checked
+    before each test (honcho alive, replicas ready and idle, the router on its default
+    policy) and started again if a test left it broken; stopped once the e2e tests that
+    use it are done (`release_shared_vllm`)."""
+
+    def __init__(self, base: Path, model: Path) -> None:
+        self.base, self.model = base, model
+        self.cluster: HonchoCluster | None = None
+        self.starts = 0
+
+    def get(self) -> HonchoCluster:
+        if self.cluster is not None and not self.healthy(self.cluster):
+            print(f"\nthe shared honcho cluster failed its check: starting it again ({self.cluster.log})")
+            self.stop()
+        if self.cluster is None:
+            self.starts += 1
+            env = {"PFX_KV_CACHE_BLOCKS": str(CLUSTER_KV_BLOCKS), "PFX_BUFFER_PROMPTS": str(CLUSTER_BUFFER_PROMPTS)}
+            cluster = HonchoCluster(self.base / f"honcho-{self.starts}", self.model, env).start()
+            self.cluster = cluster
+            startup = asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
+            print(f"\ncluster ready in {startup:.1f} s (honcho log: {cluster.log})")
+        return self.cluster
+
+    def healthy(self, cluster: HonchoCluster) -> bool:
+        from shared.process.config import RouterConfig
+
+        try:
+            cluster.check_alive()
+            if not asyncio.run(wait_idle(cluster.url, ["r0", "r1"], 60.0)):
+                return False
+            asyncio.run(set_policy(cluster.url, RouterConfig().policy))
+            return True
+        except Exception:  # noqa: BLE001 - any failure of the check means: start it again
+            return False
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+
 @pytest.fixture(scope="session")
-def vllm_cluster(tmp_path_factory, tiny_model):
-    env = {"PFX_KV_CACHE_BLOCKS": str(CLUSTER_KV_BLOCKS), "PFX_BUFFER_PROMPTS": str(CLUSTER_BUFFER_PROMPTS)}
-    cluster = HonchoCluster(tmp_path_factory.mktemp("honcho-cluster"), tiny_model, env).start()
-    try:
-        startup = asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
-        print(f"\ncluster ready in {startup:.1f} s (honcho log: {cluster.log})")
-        yield cluster
-    finally:
-        cluster.stop()
+def shared_honcho(tmp_path_factory, tiny_model):
+    shared = SharedHoncho(tmp_path_factory.mktemp("honcho-cluster"), tiny_model)
+    SHARED_VLLM.append(shared)
+    yield shared
+    shared.stop()
+
+
+@pytest.fixture
+def vllm_cluster(shared_honcho) -> HonchoCluster:
+    return shared_honcho.get()
 
 
 async def wait_for_router(nc, attempts: int = 100) -> None:
@@ -280,7 +348,7 @@ class Clusters:
     leaves them running; the check catches one that did not."""
 
     IDLE_WAIT = 60.0
-    KEEP = {"echo": 2, "vllm": 1}
+    KEEP = {"echo": 1, "vllm": 1}
     """Clusters of each engine kept running at once (least recently used stopped first):
     an echo cluster is ~8 processes of a few hundred MB, a vLLM one holds two engines."""
     READY = {"echo": 90.0, "vllm": 400.0}
@@ -327,6 +395,11 @@ class Clusters:
         except Exception:  # noqa: BLE001 - any failure of the check means: start it again
             return False
 
+    def release(self, engine: str) -> None:
+        """Stop the clusters of this engine kind (started again when asked for)."""
+        for key in [k for k in self.clusters if k[0] == engine]:
+            self.clusters.pop(key).stop()
+
     def stop(self) -> None:
         for cluster in self.clusters.values():
             cluster.stop()
@@ -337,8 +410,27 @@ class Clusters:
 def clusters(tmp_path_factory, tiny_model):
     """The session's shared local clusters (`Clusters.get`)."""
     shared = Clusters(tmp_path_factory.mktemp("clusters"), tiny_model)
+    SHARED_VLLM.append(shared)
     yield shared
     shared.stop()
+
+
+SHARED_VLLM: list = []
+"""The session's holders of shared clusters (`SharedHoncho`, `Clusters`) once created."""
+
+
+@pytest.fixture(autouse=True)
+def release_shared_vllm(request):
+    """Before an e2e test, stop the shared vLLM clusters it does not use: the e2e tests
+    run grouped by the cluster they share (`E2E_ORDER`), so a group's cluster is not
+    needed again once the next group starts, and two idle pairs of engines beside a
+    test's own would hold most of this machine's memory."""
+    if request.node.get_closest_marker("e2e") is not None:
+        for shared in SHARED_VLLM:
+            if isinstance(shared, SharedHoncho) and "vllm_cluster" not in request.fixturenames:
+                shared.stop()
+            elif isinstance(shared, Clusters) and "clusters" not in request.fixturenames:
+                shared.release("vllm")
 
 
 KILL_CLUSTER = {"engine": "vllm", "replicas": 2, "engine_args": ("--kv-cache-blocks", "96"), "env": {"PFX_DEAD_AFTER": "3"}}

@@ -60,6 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {what}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath)) / "tests" if (Path(str(config.rootpath)) / "tests").is_dir() else TESTS
     wrong = []

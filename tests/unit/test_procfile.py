@@ -40,6 +40,7 @@ TWO_CORES = cluster.Devices(cores=(0, 1))
 
 def test_procfile_matches_processes(monkeypatch):
     monkeypatch.setattr(cluster, "machine_devices", lambda: TWO_CORES)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the suite sets it (tests/conftest.py)
     entries = procfile_entries()
     procs = cluster.processes(2)
     # The local cluster's processes, then the batch API (a client of them: `make up` only).
@@ -105,9 +106,17 @@ def test_gpu_replicas_get_tensor_parallel_devices():
 
 def test_one_replica_gets_both_cores_of_this_machine(monkeypatch):
     monkeypatch.setattr(cluster, "machine_devices", lambda: TWO_CORES)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     (engine,) = [p for p in cluster.processes(1) if p.is_engine]
     assert engine.env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2", "PFX_NICE": "10"}
     assert cluster.describe_placement(engine.env) == "cores 0-1"
+
+
+def test_the_kv_cache_budget_follows_vllms_own_setting(monkeypatch):
+    monkeypatch.setattr(cluster, "machine_devices", lambda: TWO_CORES)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    assert {p.env["VLLM_CPU_KVCACHE_SPACE"] for p in cluster.processes(2) if p.is_engine} == {"1"}
+    assert {p.env["VLLM_CPU_KVCACHE_SPACE"] for p in cluster.processes(2, kv_cache_space_gib=3) if p.is_engine} == {"3"}
 
 
 def test_gpus_listed_by_nvidia_smi(monkeypatch, tmp_path):
