@@ -230,10 +230,12 @@ class Sink:
             await self.refuse(previous, f"out_dir {out_dir} was taken over by job {job} (--overwrite): "
                                         "this job's output there is gone")
 
-    async def fail_job(self, job: str, why: str) -> None:
+    async def fail_job(self, job: str, why: str, msgs: list[Msg] = ()) -> None:
         """Fail `job` with `why` in its status and drop what the sink holds of it: its open
-        output, its queued rows, its held messages (settled). From then on its results are
-        dropped as they come (`refused`), until a new spec of the job is written.
+        output, its queued rows, its held messages and `msgs` (the job's messages in hand),
+        settled. From then on its results are dropped as they come (`refused`), until a new
+        spec of the job is written. A failure that could not be recorded (the status put
+        failed) naks them instead: redelivered, the job fails again then.
 
         NOTE: a failed job's messages are acked, not dead-lettered: they are sound results
         of a job that will not be written, not poison; the reason is in the job's status
@@ -247,7 +249,11 @@ class Sink:
         self.progress.pop(job, None)
         held = self.held.pop(job, [])
         await self.refuse(job, why)
-        await asyncio.gather(*(h.settle() for h in held), return_exceptions=True)
+        if job in self.refused:
+            ends = [h.settle() for h in held] + [msg.ack() for msg in msgs]
+        else:
+            ends = [msg.nak(delay=5.0) for msg in [h.msg for h in held] + list(msgs)]
+        await asyncio.gather(*ends, return_exceptions=True)
 
     async def job_fault(self, job: str, stage: str, exc: Exception, msgs: list[Msg]) -> None:
         """The job boundary: `exc` was raised on `job`'s path (`stage`: what the sink was
@@ -262,12 +268,7 @@ class Sink:
                 await asyncio.gather(*(msg.nak(delay=RESOURCE_RETRY) for msg in msgs), return_exceptions=True)
             case Fault.JOB:
                 log.exception("job failed at the sink", job=job, stage=stage, exc_info=exc)
-                await self.fail_job(job, boundary.reason(stage, exc))
-                # Failed for good (recorded): its messages are done with. The failure not
-                # recorded (the status put failed): redelivered, the job fails again then.
-                failed = job in self.refused
-                await asyncio.gather(*(msg.ack() if failed else msg.nak(delay=5.0) for msg in msgs),
-                                     return_exceptions=True)
+                await self.fail_job(job, boundary.reason(stage, exc), msgs)
 
     async def wait_for_resources(self, job: str, exc: Exception, msgs: list[Msg]) -> None:
         """The job's output lacks a resource (disk full, quota, read-only file system, no

@@ -166,3 +166,16 @@ def test_a_job_that_cannot_be_finished_fails_and_the_others_finish(tmp_path, mon
     last = {s.job: s for s in sink.status_kv.puts}
     assert last["a"].failed and last["a"].error == "the sink could not finish the job: ValueError: summary cannot be written"
     assert last["b"].done and not last["b"].failed
+
+
+def test_a_failure_that_cannot_be_recorded_is_redelivered_not_dropped(tmp_path):
+    (tmp_path / "file").write_text("a file\n")
+    rec = Recorder(tmp_path / "file")
+    sink = fake_sink({"bad": JobSpec("bad", str(tmp_path / "file"), total=1)})
+
+    async def put(key, value):
+        raise nats.errors.TimeoutError
+
+    sink.status_kv.put = put
+    asyncio.run(sink.take(FakeMsg(rec, "bad", "bad", [ok(1)])))
+    assert rec.settled("bad") == {"nak": set()} and "bad" not in sink.refused
