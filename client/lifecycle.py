@@ -46,6 +46,9 @@ def cmd_cancel(args) -> None:
     from shared.bus.connection import close, connect
 
     async def main() -> int:
+        if (why := subjects.job_id_error(args.job)) is not None:
+            print(f"error: {why}")
+            return 2
         nc = await connect(args.nats, "prefixflow-cancel")
         try:
             js = nc.jetstream()
@@ -56,6 +59,9 @@ def cmd_cancel(args) -> None:
                 before = None
             if before is not None and before.done:
                 print(f"job {args.job} is already {'cancelled' if before.cancelled else 'done'}: {before.rows} rows")
+                return 0
+            if before is not None and before.failed:  # nothing runs for it: nothing to cancel
+                print(f"job {args.job} already failed: {before.error or 'no reason given'}")
                 return 0
             try:
                 _, fresh = await cancel_job(js, nc, args.job)

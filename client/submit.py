@@ -371,9 +371,8 @@ async def submit(
     then replaces that job's output), `AlreadyDone` when the job has every row already,
     `JobFailed` when the cluster marks it failed. Only the rows the sink does not have are
     published; `resume` (or a job the cluster knows) prints how many were skipped."""
-    if (problem := subjects.job_problem(job)) is not None:
-        raise SystemExit(f"invalid job id {job!r}: {problem} (a job id is letters, digits, '-' and '_', at most 64, "
-                         "after its tenant and a '.' on a fleet with tenants)")
+    if (why := subjects.job_id_error(job)) is not None:
+        raise SystemExit(why)
     # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
     out_dir = str(Path(out_dir).resolve()) if resolve_out else str(out_dir)
     from client import openai_batch

@@ -14,6 +14,10 @@ Two tasks share the lanes:
   (retrying while the router says retry-after; the router's freed-room event cuts the
   wait short), publishes them to `pfx.work.<replica>`, and acks an input message once
   every prompt it carried has been durably published downstream.
+
+A message on a subject whose job id is outside the grammar (`subjects.job_id_error`), or
+whose prompts name another job than its subject, is dead-lettered with the reason and
+terminated (never bucketed, never retried).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from shared.bus.connection import close, connect
 from shared.bus.consume import quarantine_held, receive
 from shared.bus.ledger import AckLedger, Lease
 from shared.bus.provision import provision
-from shared.bus.poison import error_rows
+from shared.bus.poison import error_rows, reject
 from shared.bus.publish import PublishError, message_limit, publish
 from shared.bus.pull import DurablePull, keep_in_progress
 from services.bucketer.buffer import Bucket, Item, PrefixBuffer
@@ -238,16 +242,23 @@ class Bucketer:
                               error_rows(batch.prompts, "poison message"))
 
     async def take(self, msg: Msg, now: float) -> None:
+        job = parts[1] if (parts := subjects.bucket_parts(msg.subject)) is not None else ""
+        if (why := subjects.job_id_error(job)) is not None:
+            await reject(self.js, msg, why)
+            return
         got = await receive(self.js, msg, m.prompt_batch_decoder, "prompt batch", ledger=self.ledger,
                             count=lambda batch: len(batch.prompts), on_poison=self.poisoned)
         if got is None:
             return
         batch, lease = got.body, got.lease
+        if (other := next((p.job for p in batch.prompts if p.job != job), None)) is not None:
+            # The subject (which lanes, grants and tenants go by) and the body name one job.
+            await quarantine_held(self.js, self.ledger, lease, f"prompts of job {other!r} on {msg.subject!r}")
+            return
         # Held until its last prompt is published, which may take a while (prompts of one
         # message go to many buckets): keep only what acking needs, not the raw payload.
         msg.data = b""
         self.prompts_in.inc(len(batch.prompts))
-        job = parts[1] if (parts := subjects.bucket_parts(msg.subject)) is not None else ""
         self.weights[job] = batch.priority
         for p in batch.prompts:
             self.lanes.insert(job, batch.priority, Item(p.tokens, now, p, lease, p.work_tokens, p.lora))

@@ -20,6 +20,10 @@
    `rebuild_window` seconds (deaths while only suspects ran are not counted) exit with
    code 3, for the supervisor to restart the process.
 
+A prompt whose job id is outside the grammar (`subjects.job_id_error`: a foreign work
+message; the bucketer checks every job) is never run: it is dead-lettered with the reason
+(its rows would have no results subject) and the rest of its batch runs.
+
 Every task (the fetch loop, status, linger flush, in-progress keeper, one per prompt) runs
 in one `asyncio.TaskGroup`: an unexpected exception in any of them hands the work back
 and ends the process with a non-zero exit, never leaving a batch leased.
@@ -58,6 +62,7 @@ from shared.bus.control import SERVICE_VERSION, decode_request
 from shared.bus.jobs import JobCache
 from shared.bus.consume import receive
 from shared.bus.ledger import AckLedger, Lease
+from shared.bus.poison import dead_letter
 from shared.bus.provision import provision
 from shared.bus.pull import DurablePull, keep_in_progress
 from shared.prefix import tokens as tk
@@ -274,6 +279,8 @@ class EngineWorker(Recovery, StatusReport):
         if got is None:
             return
         work, lease = got.body, got.lease
+        if (work := await self.refuse_invalid_jobs(work, lease)) is None:
+            return
         lookups = {job: await self.jobs.get(job) for job in {p.job for p in work.prompts}}
         ended = {job for job, lookup in lookups.items() if is_cancelled(lookup)}
         held = [Held(lease, p, lookups[p.job], work.bucket, work, i) for i, p in enumerate(work.prompts)
@@ -291,6 +298,20 @@ class EngineWorker(Recovery, StatusReport):
             await self.run_batch(held)
             return
         self.feeder.hold(held)
+
+    async def refuse_invalid_jobs(self, work: m.WorkBatch, lease: Lease) -> m.WorkBatch | None:
+        """`work` without its prompts of invalid job ids, which are dead-lettered (as one
+        work batch, with the reason) and settled; None if none is left to run."""
+        bad = [p for p in work.prompts if subjects.job_id_error(p.job) is not None]
+        if not bad:
+            return work
+        why = subjects.job_id_error(bad[0].job) or ""
+        await dead_letter(self.js, lease.msg, why, data=m.encode(msgspec.structs.replace(work, prompts=bad, strikes=[])),
+                          part="invalid job ids")
+        await self.ledger.done(lease, len(bad))
+        keep = [i for i, p in enumerate(work.prompts) if subjects.job_id_error(p.job) is None]
+        strikes = [work.strikes[i] for i in keep] if work.strikes else []
+        return msgspec.structs.replace(work, prompts=[work.prompts[i] for i in keep], strikes=strikes) if keep else None
 
     def submit(self, held: Held) -> None:
         """Start one prompt in the engine (the feeder calls this as the window allows)."""

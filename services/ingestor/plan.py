@@ -86,9 +86,12 @@ def plan_batch(
     model: Model,
     pick_node: Callable[[int], str],
 ) -> Plan:
-    """Plan a batch. `jobs` holds the lookup of every job in it (a lookup with no spec
-    means: dead-letter its messages, and fail the job if it exists); `pick_node(key)`
-    chooses a bucketer node for a prompt's first-block key."""
+    """Plan a batch. `jobs` holds the lookup of every job in it with a valid id (a lookup
+    with no spec means: dead-letter its messages, and fail the job if it exists); a
+    message whose subject names no valid job id (`subjects.job_id_error`: a raw publish on
+    `pfx.ingest.bad:job`) is dead-lettered with the reason, and no job is failed, looked
+    up or written for it. `pick_node(key)` chooses a bucketer node for a prompt's
+    first-block key."""
     plan = Plan(src=m.INGEST_SRC_BASE + (incoming[0].seq if incoming else 0))
 
     def ref(job: str, rec) -> dict[str, int]:
@@ -103,6 +106,9 @@ def plan_batch(
     good: list[tuple[str, Record, m.SamplingSpec, bytes, str]] = []
     for i, msg in enumerate(incoming):
         job = msg.job
+        if (why := subjects.job_id_error(job)) is not None:
+            plan.dead[i] = why
+            continue
         lookup = jobs[job]
         if lookup.spec is None:
             plan.dead[i] = lookup.error or "unknown job"
@@ -155,7 +161,10 @@ def plan_batch(
 
 
 def poison_rows(msg: Incoming, why: str) -> list[tuple[str, m.Result]]:
-    """Error rows for every recoverable id of an ingest message that keeps failing."""
+    """Error rows for every recoverable id of an ingest message that keeps failing (none
+    for a message of an invalid job id: there is no job to write them for)."""
+    if subjects.job_id_error(msg.job) is not None:
+        return []
     try:
         records = parse_many(msg.data, msg.headers)
     except Exception:  # noqa: BLE001 - unparseable: dead letter only

@@ -3,8 +3,12 @@
 Loop: fetch a batch from `pfx.ingest.*` -> plan it in a worker thread (parse, validate,
 tokenize, shard: `services/ingestor/plan.py`) -> publish prompt batches to
 `pfx.bucket.<node>` and error rows to `pfx.results.<job>` -> wait for every publish ack
--> ack the inputs. A message with no recoverable id goes to the dead-letter stream; a
-job whose spec cannot run is marked failed in the job-status bucket. Several ingestors
+-> ack the inputs. A message with no recoverable id, or on a subject whose job id is not
+in the grammar (`subjects.job_id_error`, e.g. a raw `pfx.ingest.bad:job`), goes to the
+dead-letter stream with the reason and is acked (gone from the work queue: never
+retried); a job whose spec cannot run is marked failed in the job-status bucket. Any other
+failure of a batch naks it (redelivered one message at a time, then quarantined as
+poison): the service never goes down for one job. Several ingestors
 can share the work (one durable pull consumer).
 
 Beside it runs the mover (`services/ingestor/mover.py`): the prompts of a bucketer node
@@ -152,7 +156,8 @@ class Ingestor:
     async def handle(self, msgs: list[Msg]) -> None:
         t0 = time.perf_counter()
         batch = [incoming(msg) for msg in msgs]
-        jobs = {job: await self.lookup(job) for job in {i.job for i in batch}}
+        # Invalid job ids are not looked up: the plan dead-letters their messages.
+        jobs = {job: await self.lookup(job) for job in {i.job for i in batch} if subjects.job_id_error(job) is None}
         now = time.time()
         cancelled = {job for job, lookup in jobs.items() if lookup.spec is not None and lookup.spec.ended_at(now)}
         if cancelled:  # the cluster stops feeding a cancelled job: its prompts go nowhere

@@ -72,6 +72,8 @@ class Reconciler:
         """A change of the jobs bucket; returns the job whose spec was written, if any."""
         if subjects.is_dir_key(key):
             return None  # an output directory's binding (the client's), not a job
+        if subjects.job_id_error(key) is not None:
+            return None  # a key written by hand, outside the job-id grammar: no job runs under it
         if op in (KV_DEL, KV_PURGE):
             self.forget(key)
             return None

@@ -5,8 +5,11 @@ thousand ids and sends only the rows still missing.
 The answer comes from the job's dedupe set (its ids on disk, read back from the parts
 when the job is opened); ids queued for the next part are not on disk yet and answer
 False. A job not open is opened from disk in a thread, bound like any other (a job
-refused over its out_dir answers with the refusal). Queries are answered one at a time,
-the ids checked in slices so the event loop never stalls on a large chunk.
+refused over its out_dir, or failed opening it, answers with the reason). A query for a
+job id outside the grammar (`subjects.job_id_error`) answers with the reason, and any
+failure answering becomes an error reply: a query never stops the sink. Queries are
+answered one at a time, the ids checked in slices so the event loop never stalls on a
+large chunk.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ async def done_flags(out: JobOutput, ids: list[int | str]) -> list[bool]:
 
 
 async def reply_for(sink: Outputs, job: str, data: bytes) -> m.DoneReply:
+    if (why := subjects.job_id_error(job)) is not None:
+        return m.DoneReply(error=why)
     try:
         query = query_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -76,10 +81,10 @@ async def reply_for(sink: Outputs, job: str, data: bytes) -> m.DoneReply:
     if lookup.spec is None:
         return m.DoneReply(error=lookup.error or UNKNOWN_JOB)
     try:
-        out = await sink.output(job, evict=False)
-    except (OSError, ValueError) as exc:  # unreadable directory or part (Arrow errors): the client sends every row
-        log.warning("done query: job output unreadable", job=job, error=repr(exc))
-        return m.DoneReply(error=f"output unreadable: {exc}")
+        out = await sink.output(job, evict=False)  # a fault of the job's own fails it there (None)
+    except Exception as exc:  # noqa: BLE001 - the query boundary: a resource or NATS fault; the client sends every row
+        log.warning("done query: job output unavailable", job=job, error=repr(exc))
+        return m.DoneReply(error=f"output unavailable: {exc}")
     if out is None:
         return m.DoneReply(error=sink.refused.get(job) or UNKNOWN_JOB)
     return m.DoneReply(done=await done_flags(out, query.ids), on_disk=out.rows)
@@ -96,7 +101,11 @@ async def answer(sink: Outputs, sub: Subscription, stop: asyncio.Event) -> None:
         except nats.errors.ConnectionClosedError:
             return
         job = subjects.job_of_done_query(msg.subject)
-        reply = await reply_for(sink, job, msg.data)
+        try:
+            reply = await reply_for(sink, job, msg.data)
+        except Exception as exc:  # noqa: BLE001 - the query boundary: one bad query never stops the sink
+            log.exception("done query failed", job=job)
+            reply = m.DoneReply(error=f"done query failed: {type(exc).__name__}: {exc}")
         if not msg.reply:
             continue
         try:

@@ -19,6 +19,15 @@ are on disk, like an ack: a crash in between redelivers it instead of losing the
 Output is confined to `--out-root`: a job whose `out_dir` resolves outside it (`..`,
 another absolute path, a symlink out) is marked failed with the reason in its status, its
 results are dropped, and nothing is created or written for it.
+
+A bad job fails alone. Every exception on one job's path (opening and binding its
+directory, reading its parts back, writing a part, finishing it, its key-value records)
+ends at the job boundary (`job_fault`, kinds in `services/sink/boundary.py`): a fault of
+the job's own fails that job (`fail_job`: the reason in its status, its messages acked);
+a missing resource (disk full, read-only, no permission) or NATS being away retries its
+messages; the sink and every other job go on. A job id outside the grammar
+(`subjects.job_id_error`) on a results subject is dead-lettered with the reason on sight;
+a done query for one gets an error reply.
 """
 
 from __future__ import annotations
@@ -42,9 +51,10 @@ from shared.bus.pull import DurablePull
 from shared.bus.connection import close, connect
 from shared.bus.provision import job_retention, provision
 from shared.bus.consume import decode_or_quarantine
-from shared.bus.poison import dead_letter, deliveries, is_poison, quarantine
+from shared.bus.poison import dead_letter, deliveries, is_poison, quarantine, reject
 from shared.process import metrics
-from services.sink import export, lifecycle, queries
+from services.sink import boundary, export, lifecycle, queries
+from services.sink.boundary import Fault
 from services.sink.binding import Action, open_bound
 from services.sink.inputs import InputCache
 from services.sink.large import resolve_or_hand_back
@@ -57,6 +67,8 @@ MAX_OPEN_JOBS = 256
 """Job outputs kept open; past it, idle ones are forgotten (reopened from disk if needed)."""
 RATE_WINDOW = 30.0
 """Seconds of progress a job's rate (rows per second, hence its ETA) is measured over."""
+RESOURCE_RETRY = 1.0
+"""Seconds before the messages of a job whose output lacks a resource are delivered again."""
 MAX_REFUSED_JOBS = 10_000
 """Refused jobs remembered (their results are dropped at once); the oldest are forgotten
 first (and refused again, from their spec, if more of their results arrive)."""
@@ -68,6 +80,10 @@ class Held(NamedTuple):
     msg: Msg
     poison: bool
     """Dead-lettered already: terminated, not acked (and still nak'd if the write fails)."""
+
+    def settle(self):
+        """End the message: its rows are on disk, or its job failed (the coroutine to await)."""
+        return self.msg.term() if self.poison else self.msg.ack()
 
 
 class Sink:
@@ -149,11 +165,25 @@ class Sink:
         """The job's open output, opened (bound, read back from disk) if need be; None
         for an unknown job or one refused (out_dir outside the root, or another job's).
         `evict=False`: never forget other jobs to make room (callers outside the main
-        loop, which may hold an output it is about to fill)."""
+        loop, which may hold an output it is about to fill).
+
+        A fault of the job's own on the way (its out_dir is a file or under one, a name
+        too long, a part that cannot be read) fails the job here and gives None; a missing
+        resource or NATS being away raises, for the caller to retry."""
         out = self.outputs.pop(job, None)
         if out is not None:
             self.outputs[job] = out  # most recently used last
             return out
+        try:
+            return await self.open_output(job, evict)
+        except Exception as exc:  # noqa: BLE001 - the job boundary (boundary.py): the job's own fault fails it alone
+            if boundary.classify(exc) is not Fault.JOB:
+                raise
+            await self.fail_job(job, boundary.reason("open the job's output", exc))
+            return None
+
+    async def open_output(self, job: str, evict: bool) -> JobOutput | None:
+        """`output` for a job not open here: bound and read back from disk."""
         async with self.disk:
             if (out := self.outputs.get(job)) is not None:
                 return out  # opened by another caller meanwhile
@@ -200,6 +230,54 @@ class Sink:
             await self.refuse(previous, f"out_dir {out_dir} was taken over by job {job} (--overwrite): "
                                         "this job's output there is gone")
 
+    async def fail_job(self, job: str, why: str, msgs: list[Msg] = ()) -> None:
+        """Fail `job` with `why` in its status and drop what the sink holds of it: its open
+        output, its queued rows, its held messages and `msgs` (the job's messages in hand),
+        settled. From then on its results are dropped as they come (`refused`), until a new
+        spec of the job is written. A failure that could not be recorded (the status put
+        failed) naks them instead: redelivered, the job fails again then.
+
+        NOTE: a failed job's messages are acked, not dead-lettered: they are sound results
+        of a job that will not be written, not poison; the reason is in the job's status
+        (once, not per message), and copying every row of a large job into the dead-letter
+        stream (which keeps the newest 100,000 messages) would push out the real poison."""
+        out = self.outputs.pop(job, None)
+        if out is not None:
+            self.pending_rows = max(self.pending_rows - len(out.pending), 0)
+            out.drop_pending()
+        self.unannounced.pop(job, None)
+        self.progress.pop(job, None)
+        held = self.held.pop(job, [])
+        await self.refuse(job, why)
+        if job in self.refused:
+            ends = [h.settle() for h in held] + [msg.ack() for msg in msgs]
+        else:
+            ends = [msg.nak(delay=5.0) for msg in [h.msg for h in held] + list(msgs)]
+        await asyncio.gather(*ends, return_exceptions=True)
+
+    async def job_fault(self, job: str, stage: str, exc: Exception, msgs: list[Msg]) -> None:
+        """The job boundary: `exc` was raised on `job`'s path (`stage`: what the sink was
+        doing, as the reason says it); `msgs`: that job's messages in hand, not held. The
+        kinds are `boundary.classify`'s; nothing here raises."""
+        match boundary.classify(exc):
+            case Fault.RESOURCE:
+                await self.wait_for_resources(job, exc, msgs)
+            case Fault.TRANSPORT:
+                log.warning("nats unavailable on a job's path; its messages are retried", job=job, stage=stage,
+                            error=repr(exc))
+                await asyncio.gather(*(msg.nak(delay=RESOURCE_RETRY) for msg in msgs), return_exceptions=True)
+            case Fault.JOB:
+                log.exception("job failed at the sink", job=job, stage=stage, exc_info=exc)
+                await self.fail_job(job, boundary.reason(stage, exc), msgs)
+
+    async def wait_for_resources(self, job: str, exc: Exception, msgs: list[Msg]) -> None:
+        """The job's output lacks a resource (disk full, quota, read-only file system, no
+        permission: `boundary.RESOURCE_ERRNOS`). Not the job's fault, so it does not fail:
+        its messages are retried after `RESOURCE_RETRY` seconds, the sink goes on.
+        NOTE: the one place a later change turns into "pause the job" (issue 39, item 3)."""
+        log.error("job output lacks a resource; its messages are retried", job=job, error=repr(exc))
+        await asyncio.gather(*(msg.nak(delay=RESOURCE_RETRY) for msg in msgs), return_exceptions=True)
+
     async def refuse(self, job: str, why: str) -> None:
         """Mark `job` failed (its out_dir escapes the root, or another job owns it); its
         results get dropped."""
@@ -229,17 +307,30 @@ class Sink:
     async def take(self, msg: Msg) -> None:
         # The consume protocol (shared/bus/consume.py) without its ledger: the sink holds
         # results per job until they are written (`held`, settled in `flush`).
+        job = subjects.job_from_subject(msg.subject)
+        if (why := subjects.job_id_error(job)) is not None:  # a raw publish: no job to write or fail
+            await reject(self.js, msg, why)
+            return
         if (batch := await decode_or_quarantine(self.js, msg, m.result_batch_decoder, "result batch")) is None:
             return
-        if batch.job != subjects.job_from_subject(msg.subject):
+        if batch.job != job:
             # A producer may publish results for any job: the subject (which the grants and
             # the tenants' boundaries are about) and the body must name the same one.
             await quarantine(self.js, msg, f"results for job {batch.job!r} on {msg.subject!r}")
             return
+        try:
+            await self.queue(batch, msg)
+        except Exception as exc:  # noqa: BLE001 - the job boundary: one job's fault never stops the sink
+            await self.job_fault(job, "take the job's results", exc, [msg])
+
+    async def queue(self, batch: m.ResultBatch, msg: Msg) -> None:
+        """Queue the rows of `msg` for its job's next part (held until then), or drop them
+        (acked) for a refused or failed job."""
         out = None if batch.job in self.refused else await self.output(batch.job)  # may refuse it
         if batch.job in self.refused:
-            # Its out_dir escapes the output root or is another job's: the results are
-            # dropped (acked, so they are not redelivered), nothing is written for the job.
+            # Its out_dir escapes the output root or is another job's, or the job failed
+            # here (`fail_job`): the results are dropped (acked, so they are not
+            # redelivered), nothing is written for the job.
             await msg.ack()
             return
         if out is None:
@@ -282,12 +373,10 @@ class Sink:
                     written[job] = await asyncio.to_thread(out.flush, functools.partial(self.inputs.table, job))
                     metrics.SINK_PART_SECONDS.observe(time.perf_counter() - t0)
                     count_part(out.last_part)
-                except Exception as exc:  # noqa: BLE001 - one job's bad rows must not stop the others
-                    log.error("part write failed; its messages will be redelivered", job=job, error=repr(exc))
-                    out.drop_pending()
-                    await asyncio.gather(*(h.msg.nak(delay=1.0) for h in self.held.pop(job, [])), return_exceptions=True)
+                except Exception as exc:  # noqa: BLE001 - the job boundary: one job's part must not stop the others
+                    await self.part_failed(job, out, exc)
         # Every message still held has its rows on disk now (or had only duplicates).
-        settle = [h.msg.term() if h.poison else h.msg.ack() for held in self.held.values() for h in held]
+        settle = [h.settle() for held in self.held.values() for h in held]
         await asyncio.gather(*settle, return_exceptions=True)
         settled = set(self.held)  # with `written`: jobs whose progress (rows, duplicates) moved
         self.held, self.pending_rows, self.last_flush = {}, 0, time.monotonic()
@@ -297,39 +386,65 @@ class Sink:
         if written or settled:
             await self.check_jobs(list(written.keys() | settled))
 
+    async def part_failed(self, job: str, out: JobOutput, exc: Exception) -> None:
+        """A part of `job` could not be written (its rows dropped from the queue). Its
+        messages are redelivered, and a message that keeps failing becomes bare error
+        rows (poison, in `take`). Those always write: when a part of nothing but them
+        fails too, the job's output itself is broken (a directory gone or replaced by a
+        file), and the job fails."""
+        held = self.held.get(job, [])
+        kind = boundary.classify(exc)
+        if kind is Fault.JOB and held and all(h.poison for h in held):
+            await self.job_fault(job, "write a part of the job's output", exc, [])
+            return
+        out.drop_pending()
+        held = self.held.pop(job, [])
+        if kind is Fault.RESOURCE:
+            await self.wait_for_resources(job, exc, [h.msg for h in held])
+            return
+        log.error("part write failed; its messages will be redelivered", job=job, error=repr(exc))
+        await asyncio.gather(*(h.msg.nak(delay=1.0) for h in held), return_exceptions=True)
+
     async def check_jobs(self, jobs: list[str] | None = None) -> None:
         """Publish progress; finish sealed jobs whose every row is on disk. A job is done
         once its done status is stored: until that put succeeds it is tried every round."""
         for job in jobs if jobs is not None else list(self.outputs):
-            out = self.outputs.get(job)
-            if out is None or (out.done and job not in self.unannounced):
-                continue
-            lookup = await self.jobs.get(job)
-            spec = lookup.spec
-            if spec is None:
-                continue
-            complete = lifecycle.complete(spec, out.rows, bool(out.pending), time.monotonic() - out.last_added, time.time())
-            if complete and not out.done:
-                try:
-                    self.unannounced[job] = await self.finish(job, out, spec)  # sets out.done
-                except export.ExportFailed as exc:
-                    out.done = False  # finished again next round
-                    log.warning("job results not exported, tried again", job=job, error=str(exc))
-                    continue
-            elif not complete:
-                self.unannounced.pop(job, None)  # rows came after its summary: finished again later
-            summary = self.unannounced.get(job) if complete else None
-            if not complete and out.rows == 0:
-                # Nothing to report yet (a job opened by a done query, before its first
-                # row): writing a progress status would hide a `failed` the ingestor put.
-                continue
-            if await self.put_status(job, self.status_of(job, out, spec, summary), done=complete) and complete:
-                self.unannounced.pop(job, None)
-                self.reconciler.forget(job)
-                self.progress.pop(job, None)
-                metrics.SINK_JOBS_DONE.inc()
-                log.info("job complete", **lifecycle.status_summary(summary))
-                await self.forget_inputs(job)
+            try:
+                await self.check_job(job)
+            except Exception as exc:  # noqa: BLE001 - the job boundary: one job's fault never stops the sink
+                await self.job_fault(job, "finish the job", exc, [])
+
+    async def check_job(self, job: str) -> None:
+        """`check_jobs` for one job."""
+        out = self.outputs.get(job)
+        if out is None or (out.done and job not in self.unannounced):
+            return
+        lookup = await self.jobs.get(job)
+        spec = lookup.spec
+        if spec is None:
+            return
+        complete = lifecycle.complete(spec, out.rows, bool(out.pending), time.monotonic() - out.last_added, time.time())
+        if complete and not out.done:
+            try:
+                self.unannounced[job] = await self.finish(job, out, spec)  # sets out.done
+            except export.ExportFailed as exc:
+                out.done = False  # finished again next round
+                log.warning("job results not exported, tried again", job=job, error=str(exc))
+                return
+        elif not complete:
+            self.unannounced.pop(job, None)  # rows came after its summary: finished again later
+        summary = self.unannounced.get(job) if complete else None
+        if not complete and out.rows == 0:
+            # Nothing to report yet (a job opened by a done query, before its first
+            # row): writing a progress status would hide a `failed` the ingestor put.
+            return
+        if await self.put_status(job, self.status_of(job, out, spec, summary), done=complete) and complete:
+            self.unannounced.pop(job, None)
+            self.reconciler.forget(job)
+            self.progress.pop(job, None)
+            metrics.SINK_JOBS_DONE.inc()
+            log.info("job complete", **lifecycle.status_summary(summary))
+            await self.forget_inputs(job)
 
     async def finish(self, job: str, out: JobOutput, spec: m.JobSpec) -> dict:
         """Every row of `job` is on disk: write `_summary.json` (and, for a job of no rows,
@@ -385,20 +500,27 @@ class Sink:
             if job in self.outputs:
                 continue  # open: check_jobs sees it every round
             try:
-                known = await lifecycle.read_status(self.status_kv, job)
-            except lifecycle.StatusUnreadable as exc:
-                log.warning("reconcile: status unreadable, checked again later", job=job, error=repr(exc.__cause__))
-                continue
-            if known is not None and (known.done or known.failed):
-                self.reconciler.forget(job)
-                continue
-            if (await self.jobs.get(job, fresh=True)).spec is None:
-                self.reconciler.forget(job)  # expired, deleted or not runnable
-                continue
-            if await self.output(job) is None:
-                continue  # refused (forgotten by `refuse`), or gone
-            log.info("reconcile: sealed job not done, checking it", job=job)
-            await self.check_jobs([job])
+                await self.reconcile_job(job)
+            except Exception as exc:  # noqa: BLE001 - the job boundary: one job's fault never stops the sink
+                await self.job_fault(job, "check the job", exc, [])
+
+    async def reconcile_job(self, job: str) -> None:
+        """`reconcile` for one due job."""
+        try:
+            known = await lifecycle.read_status(self.status_kv, job)
+        except lifecycle.StatusUnreadable as exc:
+            log.warning("reconcile: status unreadable, checked again later", job=job, error=repr(exc.__cause__))
+            return
+        if known is not None and (known.done or known.failed):
+            self.reconciler.forget(job)
+            return
+        if (await self.jobs.get(job, fresh=True)).spec is None:
+            self.reconciler.forget(job)  # expired, deleted or not runnable
+            return
+        if await self.output(job) is None:
+            return  # refused (forgotten by `refuse`), or gone
+        log.info("reconcile: sealed job not done, checking it", job=job)
+        await self.check_jobs([job])
 
     async def forget_inputs(self, job: str) -> None:
         """A done job's input columns are in its parts: drop the cached and stored copies."""

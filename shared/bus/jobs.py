@@ -58,7 +58,11 @@ class JobCache:
 
     async def _read(self, job: str) -> JobLookup:
         """The job's spec. A server that is away or restarting is waited for (with
-        backoff), never mistaken for an unknown job and never fatal to the caller."""
+        backoff), never mistaken for an unknown job and never fatal to the caller. A job
+        id outside the grammar (`subjects.job_id_error`: it came from a raw subject or a
+        foreign body) is never looked up (the bucket would refuse the key): no such job."""
+        if (why := subjects.job_id_error(job)) is not None:
+            return JobLookup(None, why, exists=False)
         delay = 0.1
         for attempt in range(1_000_000):
             try:

@@ -61,13 +61,17 @@ def moved_headers(msg: Msg) -> dict[str, str]:
     return {PRIOR_DELIVERIES: str(max(deliveries(msg) - 1, 0))}
 
 
-async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, *, data: bytes | None = None, part: str = "") -> None:
+async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, *, data: bytes | None = None, part: str = "",
+                      refused: bool = False) -> None:
     """Copy `msg` to the dead-letter stream with why (the caller ends the original).
     `data`, `part`: dead-letter only this part of it (the engine-worker's culprit prompt,
-    as a one-prompt work batch; `part` names it), with `reason` as the whole error."""
+    as a one-prompt work batch; `part` names it), with `reason` as the whole error.
+    `refused`: refused on sight (an invalid job id), not failed: `reason` is the whole
+    error, no poison count."""
     n = deliveries(msg)
-    log.error("poison message quarantined", subject=msg.subject, deliveries=n, reason=reason, part=part or None)
-    error = reason if part else f"poison after {n} deliveries: {reason}"
+    log.error("message refused" if refused else "poison message quarantined", subject=msg.subject, deliveries=n,
+              reason=reason, part=part or None)
+    error = reason if part or refused else f"poison after {n} deliveries: {reason}"
     headers = {"Pfx-Error": error[:512], "Pfx-Deliveries": str(n), "Pfx-Subject": msg.subject}
     # The same message dead-lettered again (its holder crashed before ending it): one copy.
     meta = msg.metadata
@@ -75,6 +79,14 @@ async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, *, data: byte
     data = dead_payload(js, msg.data if data is None else data, headers)
     await publish(js, subjects.dead(msg.subject), data, headers=headers)
     metrics.DEAD_LETTERS.labels(metrics.stream_of(msg.subject)).inc()
+
+
+async def reject(js: JetStreamContext, msg: Msg, reason: str) -> None:
+    """Dead-letter `msg` with `reason` (refused on sight: a job id outside the grammar,
+    `subjects.job_id_error`) and terminate it: never retried, never an error row (there is
+    no valid job to write one for)."""
+    await dead_letter(js, msg, reason, refused=True)
+    await msg.term()
 
 
 def dead_payload(js: JetStreamContext, data: bytes | None, headers: dict[str, str]) -> bytes:

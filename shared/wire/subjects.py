@@ -216,6 +216,26 @@ def job_problem(job: str) -> str | None:
     return name_problem(job)
 
 
+JOB_ID_RULE = ("a job id is letters, digits, '-' and '_', at most 64, "
+               "after its tenant and a '.' on a fleet with tenants")
+"""The job-id grammar in words (`job_problem` is the rule), as errors and the README say it."""
+
+
+def job_id_error(job: str) -> str | None:
+    """None for a valid job id; else the whole reason, as every path reports it (the
+    CLI's refusal, a dead letter's `Pfx-Error`, a done query's error reply):
+    `invalid job id 'bad:job': it contains ':'; ... (a job id is ...)`.
+
+    One grammar everywhere: a job id comes in from a user (the CLI, the batch API), from a
+    subject (`pfx.ingest.<job>`, `pfx.results.<job>`, `pfx.sink.done.<job>`,
+    `pfx.bucket.<node>.<job>`) or from a message body (`Prompt.job`, `ResultBatch.job`, a
+    jobs-bucket key), and each of those paths checks it here before the id reaches a
+    subject, a key-value key or a path."""
+    if (problem := job_problem(job)) is None:
+        return None
+    return f"invalid job id {job!r}: {problem} ({JOB_ID_RULE})"
+
+
 def durable_token(job: str) -> str:
     """A job id as part of a consumer name (which cannot hold '.'; '~' is in no name)."""
     return job.replace(".", "~")

@@ -1,7 +1,8 @@
 """A JetStream message stand-in for unit tests of consume, failover and takeover logic:
 records what was done to it (ack, nak, in_progress, term). Its metadata is nats.py's own
 `Msg.Metadata`, with every field the real one carries, so product code reads it as it
-reads a delivered message (no test branches)."""
+reads a delivered message (no test branches). And a JetStream context whose publishes are
+recorded (`FakeJS`)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,26 @@ class FakeMsg:
 
     async def term(self) -> None:
         self.calls.append("term")
+
+
+class FakeJS:
+    """A JetStream context: publishes land in `published`; a server's max_payload."""
+
+    def __init__(self, max_payload: int = 64 * 1024) -> None:
+        self._nc = type("Conn", (), {"max_payload": max_payload})()
+        self.published: list[tuple[str, bytes, dict | None]] = []
+
+    async def publish(self, subject, payload, timeout=None, headers=None):
+        import nats.errors
+
+        if len(payload) > self._nc.max_payload:
+            raise nats.errors.MaxPayloadError
+        self.published.append((subject, payload, headers))
+
+    async def get_last_msg(self, stream, subject):
+        for s, data, headers in reversed(self.published):
+            if s == subject:
+                return type("Msg", (), {"data": data, "headers": headers})()
+        from nats.js.errors import NotFoundError
+
+        raise NotFoundError

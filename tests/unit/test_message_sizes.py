@@ -20,6 +20,7 @@ from shared.bus.ledger import AckLedger
 from shared.bus.publish import HEADROOM, MessageTooLarge, message_limit, publish
 from shared.prefix import tokens as tk
 from shared.wire import messages as m
+from tests.unit.fakes import FakeJS
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -115,29 +116,6 @@ def test_message_limit_asks_the_connection():
     assert message_limit(JS(), 8 * 1024 * 1024) == 1024 * 1024 - HEADROOM
     Conn.max_payload = 256 * 1024  # a server configured lower: never an assumed 1 MiB
     assert message_limit(Conn(), 8 * 1024 * 1024) == 256 * 1024 - HEADROOM
-
-
-class FakeJS:
-    """A JetStream context: publishes land in `published`; a server's max_payload."""
-
-    def __init__(self, max_payload: int = 64 * 1024) -> None:
-        self._nc = type("Conn", (), {"max_payload": max_payload})()
-        self.published: list[tuple[str, bytes, dict | None]] = []
-
-    async def publish(self, subject, payload, timeout=None, headers=None):
-        import nats.errors
-
-        if len(payload) > self._nc.max_payload:
-            raise nats.errors.MaxPayloadError
-        self.published.append((subject, payload, headers))
-
-    async def get_last_msg(self, stream, subject):
-        for s, data, headers in reversed(self.published):
-            if s == subject:
-                return type("Msg", (), {"data": data, "headers": headers})()
-        from nats.js.errors import NotFoundError
-
-        raise NotFoundError
 
 
 def test_publish_raises_a_typed_error_instead_of_maxpayload():

@@ -5,6 +5,7 @@ against its part writes, and its bound on finished jobs, with fake NATS objects.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 
 import msgspec
@@ -443,13 +444,15 @@ def test_sink_terms_a_poison_message_only_once_its_error_rows_are_on_disk(tmp_pa
 
 
 def test_sink_naks_a_poison_message_whose_part_write_fails(tmp_path, monkeypatch):
+    """A full disk is not the job's fault: its error rows are retried, never dropped (a
+    fault of the job's own fails it instead: tests/unit/test_sink_boundary.py)."""
     out_dir = tmp_path / "out"
     rec = Recorder(out_dir)
     sink = fake_sink({"j": JobSpec("j", str(out_dir), total=2)})
     poison = FakeMsg(rec, "poison", "j", [ok(1), ok(2)], prior_deliveries=10)
 
-    def broken_flush(self):
-        raise OSError("disk full")
+    def broken_flush(self, *args):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     async def go() -> None:
         await sink.take(poison)
