@@ -56,12 +56,13 @@ E2E_ORDER = (
     ("tests/e2e/test_e2e.py::test_vllm_replica_killed_at_a_third_fails_over", "tests/e2e/test_engine_core_kill.py::"),
 )
 """The e2e tests in groups by the cluster they share, each group's cluster started once
-and stopped when the next group starts (`release_shared_vllm`); the other tiers first."""
+and stopped when the next group starts (`release_shared_vllm`). The e2e tier comes first:
+under xdist it is one work unit, the longest, and must start at once."""
 
 
 def e2e_rank(nodeid: str) -> int:
     if not nodeid.startswith("tests/e2e/"):
-        return -1
+        return len(E2E_ORDER)
     own = next(i for i, group in enumerate(E2E_ORDER) if not group)
     return next((i for i, group in enumerate(E2E_ORDER) if group and nodeid.startswith(group)), own)
 
