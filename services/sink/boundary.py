@@ -2,13 +2,13 @@
 
 Everything the sink does for one job (open and bind its output directory, read its parts
 back, write a part, merge, write its summary, read or write its records in the key-value
-buckets) may raise. The exception ends at the job boundary (`Sink.job_fault`), never in
-the sink's task group, and is one of three kinds:
+buckets) may raise. The exception ends at the job boundary (`Failures.job_fault` in
+`services/sink/failures.py`), never in the sink's task group, and is one of three kinds:
 
 | kind        | examples                                            | what happens                      |
 |-------------|-----------------------------------------------------|-----------------------------------|
 | `RESOURCE`  | ENOSPC, EDQUOT, EROFS, EACCES                       | the job waits: its messages are   |
-|             |                                                     | retried (`Sink.wait_for_resources`)|
+|             |                                                     | retried (`wait_for_resources`)    |
 | `TRANSPORT` | a NATS timeout, a closed or reconnecting connection | retried; the job is not touched   |
 | `JOB`       | anything else: `out_dir` is a file, a path under a  | the job fails with the reason in  |
 |             | file, a name too long, an invalid key, a bad part   | its status; its messages are acked|

@@ -1,4 +1,4 @@
-"""The sink's job boundary (services/sink/boundary.py, `Sink.job_fault`): a fault of one
+"""The sink's job boundary (services/sink/boundary.py, `Failures.job_fault`): a fault of one
 job's own fails that job with the reason and settles its messages, a missing resource or
 NATS being away retries them, and the other jobs go on; nothing raises out of the sink."""
 
