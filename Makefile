@@ -39,9 +39,9 @@ demo: model
 		--replicas 2 --max-tokens 32 --job demo
 
 # Two workers (pytest-xdist): one runs the e2e tier (real vLLM engines, one test at a time),
-# the other every other file (tests/tiers.py groups them).
+# the other every other file (tests/tiers.py schedules them).
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -n 2
 
 test-fast: install
 	HYPOTHESIS_PROFILE=dev $(BIN)/python -m pytest -q -m "unit"

@@ -47,12 +47,28 @@ def tier_of(path: Path, root: Path = TESTS) -> str | None:
     return first if first in TIERS else None
 
 
-def xdist_group(item: pytest.Item, tier: str) -> str:
-    """With pytest-xdist (`make test`: two workers, `--dist loadgroup`): every e2e test in
-    one group, so one worker runs the vLLM engines' tests one after another (two at once
-    would only share the cores) while the other runs the rest; every other test grouped
-    by its file, so a module's fixtures start once."""
-    return "e2e" if tier == "e2e" else item.nodeid.split("::")[0]
+def work_unit(nodeid: str) -> str:
+    """With pytest-xdist (`make test`: two workers): the unit of work one worker takes
+    whole. Every e2e test is in one, so one worker runs the vLLM engines' tests one after
+    another (two at once would only share the cores) while the other runs the rest; every
+    other test goes with its file, so a module's fixtures start once."""
+    return "tests/e2e" if nodeid.startswith("tests/e2e/") else nodeid.split("::")[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Scheduling by `work_unit`, in collection order (the e2e tier first: the longest
+    unit starts at once). NOTE: xdist's own `loadgroup` marks groups by rewriting
+    `item._nodeid`, which pytest 9 no longer reads; a scheduler is xdist's documented
+    hook and needs no marker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return TierScheduling(config, log)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -60,11 +76,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{name}: {what}")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = Path(str(config.rootpath)) / "tests" if (Path(str(config.rootpath)) / "tests").is_dir() else TESTS
     wrong = []
-    parallel = config.pluginmanager.hasplugin("xdist")
     for item in items:
         tier = tier_of(item.path, root)
         declared = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
@@ -75,7 +89,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if declared - {tier}:
             wrong.append(f"{item.nodeid}: marked {sorted(declared)} but lives in tests/{tier}/")
         item.add_marker(getattr(pytest.mark, tier))
-        if parallel:
-            item.add_marker(pytest.mark.xdist_group(name=xdist_group(item, tier)))
     if wrong:
         raise pytest.UsageError("test tiers disagree with their directories:\n  " + "\n  ".join(wrong))
