@@ -44,7 +44,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 E2E_ORDER = (
     # The honcho cluster's tests, then the one that kills an engine core under it.
     ("tests/e2e/test_batch_api_vllm.py::test_openai_client_runs_batches_on_vllm", "tests/e2e/test_e2e.py::test_prefix",
-     "tests/e2e/test_e2e.py::test_bad_input", "tests/e2e/test_embeddings.py::test_generate_cluster", "tests/e2e/test_jobs.py::"),
+     "tests/e2e/test_e2e.py::test_bad_input", "tests/e2e/test_embeddings.py::test_generate_cluster", "tests/e2e/test_jobs.py::",
+     "tests/e2e/test_input_types_vllm.py::"),
     ("tests/e2e/test_honcho_engine_kill.py::",),
     # The pairs on a shared cluster of special engines (`Clusters`), a pair at a time.
     ("tests/e2e/test_batch_api_vllm.py::test_an_embeddings_batch", "tests/e2e/test_embeddings.py::test_embed_job"),
@@ -282,6 +283,21 @@ async def reset_prefix_caches(url: str, replicas: list[str], busy_for: float = 3
             assert reply.ok, (r, reply.detail)
     finally:
         await close(nc)
+
+
+def start_api(env: dict[str, str], log: Path, timeout: float = 60) -> subprocess.Popen:
+    """`prefixflow serve api` with `env` over this process's environment, its output in
+    `log`; returns once it logs that it is ready (a client connecting before that is
+    refused: the cluster it serves may well be up long before it)."""
+    proc = subprocess.Popen([str(VENV_BIN / "prefixflow"), "serve", "api"], cwd=REPO, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, env={**os.environ, **env})
+    deadline = time.monotonic() + timeout
+    while "api ready" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the batch API did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.1)
+    return proc
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

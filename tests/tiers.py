@@ -48,9 +48,9 @@ def tier_of(path: Path, root: Path = TESTS) -> str | None:
 
 
 def work_unit(nodeid: str) -> str:
-    """With pytest-xdist (`make test`: two workers): the unit of work one worker takes
+    """With pytest-xdist (`make test`: three workers): the unit of work one worker takes
     whole. Every e2e test is in one, so one worker runs the vLLM engines' tests one after
-    another (two at once would only share the cores) while the other runs the rest; every
+    another (two at once would only share the cores) while the others run the rest; every
     other test goes with its file, so a module's fixtures start once."""
     return "tests/e2e" if nodeid.startswith("tests/e2e/") else nodeid.split("::")[0]
 

@@ -103,23 +103,19 @@ def test_an_embeddings_batch_on_pooling_engines(tiny_model, tmp_path, clusters):
     the one tests/e2e/test_embeddings.py shares): every response validates as openai's
     `CreateEmbeddingResponse`, identical inputs get identical vectors, and a chat batch is
     refused there (400)."""
-    import os
     import signal
-    import subprocess
 
     from openai.types import CreateEmbeddingResponse
 
     from launch.local_cluster import free_port
-    from tests.conftest import REPO, VENV_BIN
+    from tests.conftest import start_api
     from tests.e2e.test_embeddings import EMBED_CLUSTER
 
     cluster = clusters.get(**EMBED_CLUSTER)
     env = {"PFX_MODEL": str(tiny_model), "PFX_TASK": "embed"}
     port = free_port()
     log = tmp_path / "api.log"
-    api = subprocess.Popen([str(VENV_BIN / "prefixflow"), "serve", "api"], cwd=REPO, stdout=log.open("w"),
-                           stderr=subprocess.STDOUT,
-                           env={**os.environ, **env, "PFX_NATS_URL": cluster.url, "PFX_PORT": str(port)})
+    api = start_api({**env, "PFX_NATS_URL": cluster.url, "PFX_PORT": str(port)}, log)
     try:
         c = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=2)
         texts = [f"document {i % 5} about prefixes" for i in range(10)]

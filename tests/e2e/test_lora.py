@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from tokenizers import Tokenizer
 
 from datagen.make_lora import make_adapters
 from datagen.make_model import _synthetic_corpus
-from tests.conftest import REPO, VENV_BIN, reset_prefix_caches, run_cli, set_policy
+from tests.conftest import reset_prefix_caches, run_cli, set_policy, start_api
 from tests.e2e.test_batch_api_vllm import finished, lines, upload
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -126,9 +125,7 @@ def test_adapters_through_the_batch_api_and_a_lora_column(tiny_model, tmp_path, 
     env = {"PFX_MODEL": str(tiny_model), "PFX_LORA_ADAPTERS": ",".join(ADAPTERS)}
     port = free_port()
     log = tmp_path / "api.log"
-    api = subprocess.Popen([str(VENV_BIN / "prefixflow"), "serve", "api"], cwd=REPO, stdout=log.open("w"),
-                           stderr=subprocess.STDOUT,
-                           env={**os.environ, **env, "PFX_NATS_URL": cluster.url, "PFX_PORT": str(port)})
+    api = start_api({**env, "PFX_NATS_URL": cluster.url, "PFX_PORT": str(port)}, log)
     try:
         c = openai.OpenAI(api_key="unused", base_url=f"http://127.0.0.1:{port}/v1", max_retries=2)
         names = [tiny_model.name, *ADAPTERS]

@@ -3,8 +3,9 @@ only model inputs travel the pipeline, the rest is kept once by the client and j
 the sink. One Parquet input with a column of each kind users bring (unsigned 64-bit values
 >= 2^63, decimals, timestamps with a time zone, dates, binary, large strings, dictionary,
 nested lists and structs, all-null, a name that collides with a generated column) and one
-row with a 3 MiB document beside its prompt. On real vLLM (the local model, one replica: the
-join does not depend on the engine) and on the echo engine over two replicas.
+row with a 3 MiB document beside its prompt. Through `run` on the echo engine over two
+replicas; on real vLLM through `submit` to the shared two-replica cluster
+(tests/e2e/test_input_types_vllm.py: the join does not depend on the engine).
 """
 
 from __future__ import annotations
@@ -47,21 +48,9 @@ def input_table() -> pa.Table:
     })
 
 
-@pytest.mark.parametrize("engine", ["vllm", "echo"])
-def test_every_input_type_comes_out_as_it_went_in(engine, request, tmp_path):
-    data, out, workdir = tmp_path / "in.parquet", tmp_path / "out", tmp_path / "cluster"
+def check_every_column(data, out) -> None:
+    """`out` holds every row of `data` generated, each input column with its type and values."""
     table = input_table()
-    pq.write_table(table, data, row_group_size=128)
-    if engine == "vllm":
-        model = request.getfixturevalue("tiny_model")
-        how = ["--engine", "vllm", "--model", str(model), "--replicas", "1"]
-    else:
-        how = ["--engine", "echo", "--replicas", "2"]
-    res = run_cli("run", str(data), "--out", str(out), *how, "--workdir", str(workdir),
-                  "--job", "types", "--no-progress", "--timeout", "400", "--max-tokens", "4", timeout=480)
-    assert res.returncode == 0, res.stdout + res.stderr
-    restarts = {n: p["restarts"] for n, p in json.loads((workdir / "pids.json").read_text())["processes"].items()}
-    assert all(n == 0 for n in restarts.values()), restarts
     got = pq.read_table(out)
     schema_in = pq.read_schema(data)
     assert got.num_rows == N and got.column("error").null_count == N, "every row generated"
@@ -71,3 +60,15 @@ def test_every_input_type_comes_out_as_it_went_in(engine, request, tmp_path):
         assert got.schema.field(name).type == f.type, name
         assert got.column(name).to_pylist() == table.column(f.name).to_pylist(), name
     assert got.column("output").null_count == 0  # the generated column is the engine's
+
+
+@pytest.mark.parametrize("engine", ["echo"])
+def test_every_input_type_comes_out_as_it_went_in(engine, tmp_path):
+    data, out, workdir = tmp_path / "in.parquet", tmp_path / "out", tmp_path / "cluster"
+    pq.write_table(input_table(), data, row_group_size=128)
+    res = run_cli("run", str(data), "--out", str(out), "--engine", engine, "--replicas", "2", "--workdir", str(workdir),
+                  "--job", "types", "--no-progress", "--timeout", "400", "--max-tokens", "4", timeout=480)
+    assert res.returncode == 0, res.stdout + res.stderr
+    restarts = {n: p["restarts"] for n, p in json.loads((workdir / "pids.json").read_text())["processes"].items()}
+    assert all(n == 0 for n in restarts.values()), restarts
+    check_every_column(data, out)

@@ -208,6 +208,12 @@ def test_top_in_a_terminal_shows_replicas_and_progress_with_eta(cluster, tmp_pat
         screens.append(tmux("capture-pane", "-p", "-t", session))
 
     try:
+        # `top` is up (its first screen lists the replicas) before the job starts: on a busy
+        # machine its start-up took longer than the whole job, which left no screen mid-job.
+        deadline = time.monotonic() + 60
+        while not re.search(r"^\s*r1\s+live\s", tmux("capture-pane", "-p", "-t", session), re.M):
+            assert time.monotonic() < deadline, tmux("capture-pane", "-p", "-t", session)
+            time.sleep(0.2)
         status = run_job(cluster, data, "top-job", tmp_path / "out", during=look)
         assert status.done
         during = [s for s in screens if eta_line.search(s)]
