@@ -38,11 +38,11 @@ demo: model
 	$(BIN)/prefixflow run $(DEMO)/prompts.parquet --out $(DEMO)/out --model $(MODEL) \
 		--replicas 2 --max-tokens 32 --job demo
 
-# Three workers (pytest-xdist) on this 2-core machine: one runs the e2e tier (real vLLM
-# engines, one test at a time), the others every other file (tests/tiers.py schedules
-# them); much of a test's time is waiting on its processes, which the third fills.
+# Two workers (pytest-xdist): one runs the e2e tier (real vLLM engines, one test at a time;
+# two at once only share the cores and slow the timing-sensitive tests), the other every
+# other file (tests/tiers.py schedules them).
 test: install
-	$(BIN)/python -m pytest -q -n 3
+	$(BIN)/python -m pytest -q -n 2
 
 test-fast: install
 	HYPOTHESIS_PROFILE=dev $(BIN)/python -m pytest -q -m "unit"

@@ -48,7 +48,7 @@ def tier_of(path: Path, root: Path = TESTS) -> str | None:
 
 
 def work_unit(nodeid: str) -> str:
-    """With pytest-xdist (`make test`: three workers): the unit of work one worker takes
+    """With pytest-xdist (`make test`: two workers): the unit of work one worker takes
     whole. The e2e tier is two: the tests on shared vLLM clusters, in the order that starts
     each cluster once, and the tests that start their own (tests/conftest.py
     `e2e_work_unit`); every other test goes with its file, so a module's fixtures start
