@@ -61,17 +61,6 @@ and stopped when the next group starts (`release_shared_vllm`). The e2e tier com
 under xdist it is one work unit, the longest, and must start at once."""
 
 
-E2E_SHARED_GROUPS = 5
-"""The first groups of `E2E_ORDER` run on shared clusters: under xdist they are one work
-unit, the rest (tests that start their own processes, the engine-kill tests) another, so
-two workers share the e2e tier (`e2e_work_unit`)."""
-
-
-def e2e_work_unit(nodeid: str) -> str:
-    """The xdist work unit of an e2e test (tests/tiers.py): its half of the tier."""
-    return "tests/e2e (shared clusters)" if e2e_rank(nodeid) < E2E_SHARED_GROUPS else "tests/e2e (own processes)"
-
-
 def e2e_rank(nodeid: str) -> int:
     if not nodeid.startswith("tests/e2e/"):
         return len(E2E_ORDER)

@@ -49,15 +49,11 @@ def tier_of(path: Path, root: Path = TESTS) -> str | None:
 
 def work_unit(nodeid: str) -> str:
     """With pytest-xdist (`make test`: two workers): the unit of work one worker takes
-    whole. The e2e tier is two: the tests on shared vLLM clusters, in the order that starts
-    each cluster once, and the tests that start their own (tests/conftest.py
-    `e2e_work_unit`); every other test goes with its file, so a module's fixtures start
-    once."""
-    if nodeid.startswith("tests/e2e/"):
-        from tests.conftest import e2e_work_unit
-
-        return e2e_work_unit(nodeid)
-    return nodeid.split("::")[0]
+    whole. Every e2e test is in one, so one worker runs the vLLM engines' tests one after
+    another (two at once only share the cores and slow the timing-sensitive tests) while
+    the other runs the rest; every other test goes with its file, so a module's fixtures
+    start once."""
+    return "tests/e2e" if nodeid.startswith("tests/e2e/") else nodeid.split("::")[0]
 
 
 @pytest.hookimpl(optionalhook=True)
