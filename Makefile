@@ -64,7 +64,7 @@ PIN         := $(BIN)/python -c "import importlib.metadata as m, sys; print('=='
 
 bench-peers: $(PEERS_STAMP)
 
-$(PEERS_STAMP): Makefile bench/peers/versions.py
+$(PEERS_STAMP): Makefile prefixflow/bench/peers/versions.py
 	test -x $(PEERS_BIN)/python || $(PY) -m venv $(PEERS)
 ifeq ($(HAS_GPU),1)
 	$(PEERS_PIP) install "vllm$$($(PIN) vllm)" "daft[ray]" 2>&1 | grep -v "is ignored" || true
@@ -75,7 +75,7 @@ else
 	$(PEERS_PIP) uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 endif
 	$(PEERS_BIN)/python -c "import daft, ray, vllm, pyarrow"
-	$(PEERS_BIN)/python bench/peers/versions.py > $(PEERS)/versions.json
+	$(PEERS_BIN)/python prefixflow/bench/peers/versions.py > $(PEERS)/versions.json
 	cat $(PEERS)/versions.json
 	touch $(PEERS_STAMP)
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from launch.local_cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
-from datagen.make_model import make_model
-from shared.bus import control
-from shared.bus.connection import close, connect
-from shared.process.logs import setup_logging
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.launch.local_cluster import free_port, wait_replicas_ready  # noqa: F401 - re-exported for tests
+from prefixflow.datagen.make_model import make_model
+from prefixflow.shared.bus import control
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.process.logs import setup_logging
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 
 pytest_plugins = ["tests.tiers", "pytester"]
 
@@ -205,7 +205,7 @@ class SharedHoncho:
         return self.cluster
 
     def healthy(self, cluster: HonchoCluster) -> bool:
-        from shared.process.config import RouterConfig
+        from prefixflow.shared.process.config import RouterConfig
 
         try:
             cluster.check_alive()
@@ -248,11 +248,11 @@ async def wait_for_router(nc, attempts: int = 100) -> None:
 
 @contextlib.contextmanager
 def router_process(url: str, log_path: Path, **env: str):
-    """The router as its own process (`python -m cli.main serve router`) on `url`, its JSON
+    """The router as its own process (`python -m prefixflow.cli.main serve router`) on `url`, its JSON
     log in `log_path`; `env`: more `PFX_*` settings. Terminated on exit."""
     full = {**os.environ, "PFX_NATS_URL": url, "PFX_LOG_FORMAT": "json", **env}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "router"], env=full, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "prefixflow.cli.main", "serve", "router"], env=full, stdout=log, stderr=subprocess.STDOUT)
         try:
             yield proc
         finally:
@@ -315,9 +315,9 @@ def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
 @contextlib.contextmanager
 def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1, engine_args: tuple[str, ...] = (),
                     env: dict[str, str] | None = None):
-    """A local cluster of echo engines (`launch.local_cluster`) in `workdir`, ready, of
+    """A local cluster of echo engines (`prefixflow.launch.local_cluster`) in `workdir`, ready, of
     its own (for tests that break or reconfigure it; others take `echo_clusters`)."""
-    from launch.local_cluster import LocalCluster, processes
+    from prefixflow.launch.local_cluster import LocalCluster, processes
 
     cluster = LocalCluster(processes(replicas, engine="echo", extra_engine_args=list(engine_args)), workdir=workdir,
                            env={"PFX_MODEL": str(model), **(env or {})})
@@ -377,7 +377,7 @@ class Clusters:
 
     def get(self, replicas: int = 1, engine_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
             engine: str = "echo"):
-        from launch.local_cluster import LocalCluster, processes
+        from prefixflow.launch.local_cluster import LocalCluster, processes
 
         env = dict(env or {})
         key = (engine, replicas, tuple(engine_args), tuple(sorted(env.items())))
@@ -401,7 +401,7 @@ class Clusters:
         return cluster
 
     def healthy(self, cluster, names: list[str], policy: str) -> bool:
-        from shared.process.config import RouterConfig
+        from prefixflow.shared.process.config import RouterConfig
 
         try:
             cluster.check_alive()

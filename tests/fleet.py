@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from launch.local_cluster import free_port, wait_replicas_ready
-from shared.bus.connection import NatsOptions
+from prefixflow.launch.local_cluster import free_port, wait_replicas_ready
+from prefixflow.shared.bus.connection import NatsOptions
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent

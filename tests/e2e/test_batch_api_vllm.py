@@ -107,7 +107,7 @@ def test_an_embeddings_batch_on_pooling_engines(tiny_model, tmp_path, clusters):
 
     from openai.types import CreateEmbeddingResponse
 
-    from launch.local_cluster import free_port
+    from prefixflow.launch.local_cluster import free_port
     from tests.conftest import start_api
     from tests.e2e.test_embeddings import EMBED_CLUSTER
 

@@ -36,11 +36,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import write_prefix_repetition
-from services.engine_worker.guard import descendants
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.datagen.dataset import write_prefix_repetition
+from prefixflow.services.engine_worker.guard import descendants
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import REPO, VENV_BIN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -11,10 +11,10 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import Submitter
-from datagen.dataset import ideal_hit_rate, write_prefix_repetition
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.client.submit import Submitter
+from prefixflow.datagen.dataset import ideal_hit_rate, write_prefix_repetition
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import reset_prefix_caches, run_cli, set_policy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -174,7 +174,7 @@ def test_vllm_replica_killed_at_a_third_fails_over(tmp_path, tiny_model, cluster
     """Two real vLLM replicas (the engine-kill tests' shared cluster: killing an engine
     under honcho would stop honcho); r0 is SIGKILLed at about a third of the job and not
     restarted; then killed and restarted at once. It ends with both replicas running."""
-    from services.engine_worker.guard import descendants, proc_stat
+    from prefixflow.services.engine_worker.guard import descendants, proc_stat
     from tests.conftest import KILL_CLUSTER, wait_replicas_ready
 
     data = tmp_path / "prompts.parquet"

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.make_model import _synthetic_corpus
+from prefixflow.datagen.make_model import _synthetic_corpus
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -13,12 +13,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import prefix_repetition
-from client.submit import Submitter
-from services.engine_worker.guard import descendants
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.client.submit import Submitter
+from prefixflow.services.engine_worker.guard import descendants
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import KILL_CLUSTER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

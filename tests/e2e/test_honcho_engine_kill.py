@@ -16,12 +16,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import prefix_repetition
-from client.submit import Submitter
-from services.engine_worker.guard import descendants, proc_stat
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.client.submit import Submitter
+from prefixflow.services.engine_worker.guard import descendants, proc_stat
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

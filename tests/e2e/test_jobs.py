@@ -16,8 +16,8 @@ import jsonschema
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.make_model import _synthetic_corpus
-from services.ingestor.model import load_model
+from prefixflow.datagen.make_model import _synthetic_corpus
+from prefixflow.services.ingestor.model import load_model
 from tests.conftest import reset_prefix_caches, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -24,7 +24,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import write_prefix_repetition, write_shape
+from prefixflow.datagen.dataset import write_prefix_repetition, write_shape
 from tests.conftest import reset_prefix_caches, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

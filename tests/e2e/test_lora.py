@@ -29,8 +29,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from datagen.make_lora import make_adapters
-from datagen.make_model import _synthetic_corpus
+from prefixflow.datagen.make_lora import make_adapters
+from prefixflow.datagen.make_model import _synthetic_corpus
 from tests.conftest import reset_prefix_caches, run_cli, set_policy, start_api
 from tests.e2e.test_batch_api_vllm import finished, lines, upload
 
@@ -119,7 +119,7 @@ def test_adapters_through_submit_on_a_batch_file(tiny_model, tmp_path, lora_clus
 
 
 def test_adapters_through_the_batch_api_and_a_lora_column(tiny_model, tmp_path, lora_cluster):
-    from launch.local_cluster import free_port
+    from prefixflow.launch.local_cluster import free_port
 
     cluster = lora_cluster
     env = {"PFX_MODEL": str(tiny_model), "PFX_LORA_ADAPTERS": ",".join(ADAPTERS)}

@@ -12,7 +12,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import ideal_hit_rate, write_prefix_repetition
+from prefixflow.datagen.dataset import ideal_hit_rate, write_prefix_repetition
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

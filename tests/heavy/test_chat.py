@@ -9,11 +9,11 @@ import json
 import msgspec
 import pytest
 
-from services.ingestor.chat import ChatError, check_messages, content_format
-from services.ingestor.model import load_model
-from services.ingestor.plan import Incoming, plan_batch
-from shared.prefix import tokens as tk
-from shared.wire import messages as m
+from prefixflow.services.ingestor.chat import ChatError, check_messages, content_format
+from prefixflow.services.ingestor.model import load_model
+from prefixflow.services.ingestor.plan import Incoming, plan_batch
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.wire import messages as m
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
 

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from cli.main import parse_args
-from services.engine_worker.engines import make_engine
-from services.registry import load_config
+from prefixflow.cli.main import parse_args
+from prefixflow.services.engine_worker.engines import make_engine
+from prefixflow.services.registry import load_config
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(300)]
 
@@ -79,7 +79,7 @@ def test_run_passes_everything_after_dashdash_to_the_replicas():
 
 
 def test_help_lists_vllms_own_engine_arguments():
-    out = subprocess.run([sys.executable, "-m", "cli.main", "serve", "engine-worker", "--help"],
+    out = subprocess.run([sys.executable, "-m", "prefixflow.cli.main", "serve", "engine-worker", "--help"],
                          capture_output=True, text=True, check=True, timeout=240).stdout
     for flag in ("--replica", "--engine-args", "--max-num-batched-tokens", "--tensor-parallel-size",
                  "--gpu-memory-utilization", "--quantization", "--enable-lora", "--trust-remote-code"):
@@ -117,7 +117,7 @@ def test_max_model_len_is_the_models_own(tiny_model, tmp_path):
     ingestor's, which rejects a longer prompt as an error row before it reaches an engine."""
     import json
 
-    from services.ingestor.model import load_model
+    from prefixflow.services.ingestor.model import load_model
 
     model = tmp_path / "short-model"
     model.mkdir()

@@ -1,4 +1,4 @@
-"""services.engine_worker.guard: a SIGKILLed worker leaves no child processes behind."""
+"""prefixflow.services.engine_worker.guard: a SIGKILLed worker leaves no child processes behind."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from services.engine_worker.guard import descendants, proc_stat
+from prefixflow.services.engine_worker.guard import descendants, proc_stat
 
 pytestmark = pytest.mark.heavy
 
 WORKER = """
 import subprocess, sys, time
-from services.engine_worker.guard import start_guard
+from prefixflow.services.engine_worker.guard import start_guard
 start_guard(interval=0.1)
 # Like vLLM's engine core: a child that does not watch its parent.
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])

@@ -15,31 +15,32 @@ import pytest
 pytestmark = pytest.mark.heavy
 
 REPO = Path(__file__).resolve().parents[2]
+PKG = REPO / "prefixflow"
 PURE = [
-    "services.bucketer.buffer",
-    "services.router.policies",
-    "services.engine_worker.grouping",
-    "services.engine_worker.rebuild",
-    "services.engine_worker.window",
-    "services.engine_worker.feeder",
-    "services.ingestor.plan",
-    "shared.prefix.sharding",
-    "shared.prefix.block_keys",
-    "shared.wire.messages",
-    "shared.wire.sampling",
-    "services.ingestor.chat",
-    "services.ingestor.row",
-    "services.engine_worker.requests",
-    "client.openai_batch",
-    "services.router.block_index",
-    "services.engine_worker.kv_events",
-    "services.engine_worker.isolate",
-    "services.ingestor.takeover",
-    "services.sink.binding",
-    "services.sink.schema",
-    "services.sink.summary",
-    "services.sink.parts",
-    "shared.wire.ids",
+    "prefixflow.services.bucketer.buffer",
+    "prefixflow.services.router.policies",
+    "prefixflow.services.engine_worker.grouping",
+    "prefixflow.services.engine_worker.rebuild",
+    "prefixflow.services.engine_worker.window",
+    "prefixflow.services.engine_worker.feeder",
+    "prefixflow.services.ingestor.plan",
+    "prefixflow.shared.prefix.sharding",
+    "prefixflow.shared.prefix.block_keys",
+    "prefixflow.shared.wire.messages",
+    "prefixflow.shared.wire.sampling",
+    "prefixflow.services.ingestor.chat",
+    "prefixflow.services.ingestor.row",
+    "prefixflow.services.engine_worker.requests",
+    "prefixflow.client.openai_batch",
+    "prefixflow.services.router.block_index",
+    "prefixflow.services.engine_worker.kv_events",
+    "prefixflow.services.engine_worker.isolate",
+    "prefixflow.services.ingestor.takeover",
+    "prefixflow.services.sink.binding",
+    "prefixflow.services.sink.schema",
+    "prefixflow.services.sink.summary",
+    "prefixflow.services.sink.parts",
+    "prefixflow.shared.wire.ids",
 ]
 
 
@@ -101,20 +102,27 @@ LAYERS: dict[str, set[str]] = {
     "bench": {"shared", "services", "client", "launch", "datagen", "report"},
     "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench", "batchapi"},
 }
-"""Each package and the packages it may import (function-level imports included): the
+"""Each package (under prefixflow/) and the packages it may import (function-level imports included): the
 layers of docs/architecture.md's map. Nothing imports upward, and `tests` is imported by
 no package."""
 PACKAGES = sorted(LAYERS)
 
 
+def layer(name: str) -> str:
+    """The package a dotted module name belongs to: `prefixflow.shared.wire` -> `shared`,
+    `tests.conftest` -> `tests` (any other top-level name is its own)."""
+    parts = name.split(".")
+    return parts[1] if parts[0] == "prefixflow" and len(parts) > 1 else parts[0]
+
+
 def module_files() -> dict[str, Path]:
-    """Every module of the product's packages by dotted name (bench/peers/ holds scripts
+    """Every module of the product's packages by dotted name (prefixflow/bench/peers/ holds scripts
     that run in the peers' own virtualenv: not modules of the product)."""
     found = {}
     for pkg in PACKAGES:
-        for path in (REPO / pkg).rglob("*.py"):
+        for path in (PKG / pkg).rglob("*.py"):
             parts = path.relative_to(REPO).with_suffix("").parts
-            if parts[:2] == ("bench", "peers"):
+            if parts[:3] == ("prefixflow", "bench", "peers"):
                 continue
             name = ".".join(parts).removesuffix(".__init__")
             found[name] = path
@@ -134,16 +142,16 @@ def imports_of(path: Path) -> set[str]:
 
 
 def test_every_package_has_a_layer():
-    on_disk = {p.name for p in REPO.iterdir() if (p / "__init__.py").exists()} - {"tests"}
-    assert on_disk == set(LAYERS), "a new top-level package needs its place in LAYERS and in docs/architecture.md"
+    on_disk = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
+    assert on_disk == set(LAYERS), "a new package in prefixflow/ needs its place in LAYERS and in docs/architecture.md"
 
 
 @pytest.mark.parametrize("package", PACKAGES)
 def test_nothing_imports_upward(package):
     allowed = LAYERS[package] | {package}
     bad = {}
-    for path in (REPO / package).rglob("*.py"):
-        wrong = sorted(i for i in imports_of(path) if i.split(".")[0] in (set(LAYERS) | {"tests"}) - allowed)
+    for path in (PKG / package).rglob("*.py"):
+        wrong = sorted(i for i in imports_of(path) if layer(i) in (set(LAYERS) | {"tests"}) - allowed)
         if wrong:
             bad[str(path.relative_to(REPO))] = wrong
     assert bad == {}
@@ -209,6 +217,6 @@ def test_no_import_cycles():
 
 
 def test_cli_is_thin():
-    """`cli/` defines the commands; what they do lives in the packages below it."""
-    sizes = {p.name: len(p.read_text().splitlines()) for p in (REPO / "cli").glob("*.py")}
+    """`prefixflow/cli/` defines the commands; what they do lives in the packages below it."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (PKG / "cli").glob("*.py")}
     assert sum(sizes.values()) < 600, sizes

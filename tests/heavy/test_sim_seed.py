@@ -20,12 +20,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shared.process.config import BucketerConfig
-from sim import seed
-from sim.cluster import Options
-from sim.cost import load_profile
-from sim.runner import run_many
-from sim.workload import SEED, prefix_repetition
+from prefixflow.shared.process.config import BucketerConfig
+from prefixflow.sim import seed
+from prefixflow.sim.cluster import Options
+from prefixflow.sim.cost import load_profile
+from prefixflow.sim.runner import run_many
+from prefixflow.sim.workload import SEED, prefix_repetition
 
 pytestmark = pytest.mark.heavy
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cli.main import build_parser
-from services.registry import SERVICES
-from shared.process import config as cfgmod
+from prefixflow.cli.main import build_parser
+from prefixflow.services.registry import SERVICES
+from prefixflow.shared.process import config as cfgmod
 from tests.fleet import INSTALL_BIN, UNITS, VENV_BIN, exec_argv, parse_unit, unit_env, values
 
 pytestmark = [pytest.mark.heavy, pytest.mark.timeout(120)]
@@ -88,7 +88,7 @@ def test_engine_unit_metrics_ports_work_for_any_number_of_gpus(instance, port):
 def test_engine_unit_runs_tensor_parallel_over_a_range_of_gpus(etc):
     """`prefixflow-engine@4-7` (a unit name cannot hold a comma): one replica on GPUs 4-7,
     vLLM's tensor-parallel size 4, CUDA graphs on."""
-    from services.engine_worker.engine_args import placement_defaults, visible_gpus
+    from prefixflow.services.engine_worker.engine_args import placement_defaults, visible_gpus
 
     cfg = engine_unit_config("4-7", etc)
     assert (cfg.replica, cfg.gpus, cfg.metrics_port) == ("nats-1-gpu4-7", "4,5,6,7", 9474)

@@ -20,9 +20,9 @@ import nats
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import write_prefix_repetition
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.datagen.dataset import write_prefix_repetition
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import REPO, VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(240)]

@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion
 
-from launch.local_cluster import free_port
+from prefixflow.launch.local_cluster import free_port
 from tests.conftest import REPO, SLOW_ECHO, VENV_BIN
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(400)]

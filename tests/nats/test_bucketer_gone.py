@@ -4,7 +4,7 @@ The real cluster (nats-server and every service as OS processes, `echo` engines 
 so the job lasts a few seconds) with two bucketer nodes. Mid-job, node0's bucketer is
 SIGKILLed while it holds prompts, and never restarted. The ingestor, after
 `PFX_BUCKETER_GONE_AFTER` (3 s) without a heartbeat, moves what node0's bucket stream
-holds to node1 (`services/ingestor/mover.py`): the job completes with every row exactly
+holds to node1 (`prefixflow/services/ingestor/mover.py`): the job completes with every row exactly
 once, no error rows, and nothing is left on node0's subject.
 """
 
@@ -17,13 +17,13 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import Submitter
-from datagen.dataset import prefix_repetition
-from launch.local_cluster import LocalCluster, Process, processes
-from services.ingestor.takeover import MOVE_ID_PREFIX
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.client.submit import Submitter
+from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.launch.local_cluster import LocalCluster, Process, processes
+from prefixflow.services.ingestor.takeover import MOVE_ID_PREFIX
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import wait_replicas_ready
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(240)]

@@ -16,9 +16,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import Submitter
-from datagen.dataset import write_prefix_repetition
-from shared.wire import messages as m
+from prefixflow.client.submit import Submitter
+from prefixflow.datagen.dataset import write_prefix_repetition
+from prefixflow.shared.wire import messages as m
 from tests.conftest import REPO, SLOW_ECHO, VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]

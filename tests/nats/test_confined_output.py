@@ -14,9 +14,9 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import Submitter
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.client.submit import Submitter
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.nats.test_sink import SinkProcess
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(120)]

@@ -12,13 +12,13 @@ import json
 import pytest
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER
 
-from services.engine_worker.service import EngineWorker
-from services.router.service import Router
-from shared.bus import control
-from shared.bus.connection import close, connect
-from shared.process.config import EngineWorkerConfig, RouterConfig
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.services.engine_worker.service import EngineWorker
+from prefixflow.services.router.service import Router
+from prefixflow.shared.bus import control
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.process.config import EngineWorkerConfig, RouterConfig
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(60)]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from services.engine_worker.isolate import STRIKES
-from services.router.assignments import MIN_CUT_PROMPTS
+from prefixflow.services.engine_worker.isolate import STRIKES
+from prefixflow.services.router.assignments import MIN_CUT_PROMPTS
 from tests.conftest import REPO, VENV_BIN
 from tests.nats.test_run_cli import job_rows, read_pids, wait_for
 

@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import submit
-from datagen.dataset import prefix_repetition
-from launch.local_cluster import LocalCluster, free_port, processes
-from shared.wire import messages as m
+from prefixflow.client.submit import submit
+from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.launch.local_cluster import LocalCluster, free_port, processes
+from prefixflow.shared.wire import messages as m
 from tests.conftest import wait_replicas_ready
 from tests.nats.test_observability import scrape, total
 

@@ -16,13 +16,13 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import prefix_repetition
-from launch.local_cluster import LocalCluster, processes, wait_replicas_ready
-from client.submit import Submitter
-from services.engine_worker.rebuild import GAVE_UP_EXIT_CODE
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.launch.local_cluster import LocalCluster, processes, wait_replicas_ready
+from prefixflow.client.submit import Submitter
+from prefixflow.services.engine_worker.rebuild import GAVE_UP_EXIT_CODE
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 
 N = 1200
 ECHO = ["--echo-delay", "0.02", "--window", "8"]
@@ -135,7 +135,7 @@ def test_worker_exits_3_once_its_rebuild_budget_is_spent(tmp_path, tiny_model, r
     flight: charged) ends the process with code 3 (for its supervisor), its work still in
     the stream (re-published as a suspect batch before the worker gave up). Deaths while
     suspects run alone are not charged: `test_faults.py`'s poison test."""
-    from shared.prefix.tokenize import load_tokenizer
+    from prefixflow.shared.prefix.tokenize import load_tokenizer
 
     crash = load_tokenizer(str(tiny_model)).encode(rows[0]["prompt"]).ids[-1]
     procs = processes(1, engine="echo", extra_engine_args=["--echo-crash-token", str(crash), "--max-rebuilds", "0", "--rebuild-backoff", "0.2"])

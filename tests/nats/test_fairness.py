@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from bench import fairness
+from prefixflow.bench import fairness
 from tests.conftest import SLOW_ECHO
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
@@ -54,7 +54,7 @@ async def staggered_pair(url: str, lo: Path, hi: Path, out: Path) -> None:
     (priority 3). The replica serves ~400 prompts/s: alone, `lo` needs ~7 s; with `hi`
     beside it, a quarter of that, so it is still running when `hi` ends, whatever the
     second submit's start-up takes (the jobs overlap by construction, no retry)."""
-    from client.submit import Submitter
+    from prefixflow.client.submit import Submitter
 
     first = asyncio.create_task(fairness.submit(url, lo, out / "w1", "w1", 4, 1))
     async with Submitter(url) as client:

@@ -17,12 +17,12 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import Submitter
-from launch.local_cluster import LocalCluster, processes
-from datagen.dataset import prefix_repetition
-from shared.wire import messages as m
-from shared.wire import subjects
-from shared.bus.connection import close, connect
+from prefixflow.client.submit import Submitter
+from prefixflow.launch.local_cluster import LocalCluster, processes
+from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+from prefixflow.shared.bus.connection import close, connect
 from tests.conftest import wait_replicas_ready
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
@@ -171,7 +171,7 @@ def test_resume_recomputes_only_unfinished_rows(tmp_path, tiny_model, rows):
         watch = Watch()
 
         async def resume() -> m.JobStatus:
-            from client.submit import submit
+            from prefixflow.client.submit import submit
 
             await watch.start(second.url, "resume")
             data = tmp_path / "rows.parquet"
@@ -199,7 +199,7 @@ def test_poison_prompt_is_dead_lettered_and_becomes_an_error_row(tmp_path, tiny_
     in isolation (bisected, then one prompt at a time), so after a bounded number of
     engine deaths only that prompt is quarantined (dead-letter stream + error row), every
     other prompt of its batches is generated, and the job completes."""
-    from shared.prefix.tokenize import load_tokenizer
+    from prefixflow.shared.prefix.tokenize import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model))
     crash = tok.encode(rows[0]["prompt"]).ids[-1]  # a token only rows[0] ends with...

@@ -31,11 +31,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import prefix_repetition
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
-from shared.wire.permissions import kv_stream
+from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.permissions import kv_stream
 from tests.conftest import VENV_BIN
 from tests.fleet import Fleet, wait_ready
 

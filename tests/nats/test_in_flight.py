@@ -1,5 +1,5 @@
 """A job's publisher runs no further ahead of its written output than its window
-(`--max-in-flight`, `client/window.py`), through `prefixflow submit` on an echo cluster;
+(`--max-in-flight`, `prefixflow/client/window.py`), through `prefixflow submit` on an echo cluster;
 rows the sink receives again are counted in the job's status (`duplicates`), so a
 resend is accounted for too."""
 
@@ -15,12 +15,12 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from client import columns
-from client.submit import Submitter
-from datagen.dataset import write_prefix_repetition
-from shared.bus.connection import connect
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.client import columns
+from prefixflow.client.submit import Submitter
+from prefixflow.datagen.dataset import write_prefix_repetition
+from prefixflow.shared.bus.connection import connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import REPO, VENV_BIN
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]

@@ -13,12 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from client.submit import Submitter
-from launch.local_cluster import LocalCluster, processes
-from services.sink.service import MAX_OPEN_JOBS
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.client.submit import Submitter
+from prefixflow.launch.local_cluster import LocalCluster, processes
+from prefixflow.services.sink.service import MAX_OPEN_JOBS
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import run_cli, wait_replicas_ready
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(600)]

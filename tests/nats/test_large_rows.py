@@ -8,7 +8,7 @@ One generate run holds every kind of large row: `logprobs: 20` on 3,000 generate
 1,000 tokens (~80 KB each, batches of them over 1 MiB), and ~2,900-token prompts (prompt
 and work batches over 1 MiB). One embed run has 8,192-float embeddings (~74 KB each).
 The echo engine stands in for vLLM: it gives the same fields at the same sizes
-(`services/engine_worker/engines/echo.py`).
+(`prefixflow/services/engine_worker/engines/echo.py`).
 """
 
 from __future__ import annotations

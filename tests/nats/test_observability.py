@@ -24,10 +24,10 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from datagen.dataset import prefix_repetition
-from launch.local_cluster import LocalCluster, free_port, processes
-from client.submit import submit
-from shared.wire import messages as m
+from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.launch.local_cluster import LocalCluster, free_port, processes
+from prefixflow.client.submit import submit
+from prefixflow.shared.wire import messages as m
 from tests.conftest import VENV_BIN, run_cli, wait_replicas_ready
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(180)]

@@ -15,12 +15,12 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import Submitter
-from launch.local_cluster import LocalCluster, Process, processes
-from datagen.dataset import write_prefix_repetition
-from shared.wire import messages as m
-from shared.wire import subjects
-from shared.bus.connection import close, connect
+from prefixflow.client.submit import Submitter
+from prefixflow.launch.local_cluster import LocalCluster, Process, processes
+from prefixflow.datagen.dataset import write_prefix_repetition
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+from prefixflow.shared.bus.connection import close, connect
 from tests.conftest import REPO, VENV_BIN, run_cli, wait_replicas_ready
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]

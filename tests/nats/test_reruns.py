@@ -26,10 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from client import columns
-from client.submit import Submitter
-from datagen.dataset import write_prefix_repetition
-from shared.wire import messages as m
+from prefixflow.client import columns
+from prefixflow.client.submit import Submitter
+from prefixflow.datagen.dataset import write_prefix_repetition
+from prefixflow.shared.wire import messages as m
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]

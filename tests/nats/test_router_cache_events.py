@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
-from shared.wire.messages import CacheOp
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.messages import CacheOp
 from tests.conftest import router_process, wait_for_router
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(60)]

@@ -23,13 +23,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import write_prefix_repetition
-from launch.local_cluster import ClusterFailed, LocalCluster, processes
-from client.submit import JobFailed, Submitter
-from launch.supervisor import RestartPolicy
-from services.router.assignments import MIN_CUT_PROMPTS
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.datagen.dataset import write_prefix_repetition
+from prefixflow.launch.local_cluster import ClusterFailed, LocalCluster, processes
+from prefixflow.client.submit import JobFailed, Submitter
+from prefixflow.launch.supervisor import RestartPolicy
+from prefixflow.services.router.assignments import MIN_CUT_PROMPTS
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import REPO, VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from shared.bus.connection import close, connect
-from shared.wire import messages as m
-from shared.wire import subjects
-from sim.cluster import Options, Sim
-from sim.cost import load_profile
-from sim.workload import prefix_repetition
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+from prefixflow.sim.cluster import Options, Sim
+from prefixflow.sim.cost import load_profile
+from prefixflow.sim.workload import prefix_repetition
 from tests.conftest import router_process, wait_for_router
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(180)]

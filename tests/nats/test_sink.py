@@ -16,13 +16,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from client import columns
-from client.submit import Submitter
-from shared.bus.blobs import put_blob
-from shared.bus.poison import PRIOR_DELIVERIES
-from shared.prefix.tokenize import load_tokenizer
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.client import columns
+from prefixflow.client.submit import Submitter
+from prefixflow.shared.bus.blobs import put_blob
+from prefixflow.shared.bus.poison import PRIOR_DELIVERIES
+from prefixflow.shared.prefix.tokenize import load_tokenizer
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(240)]

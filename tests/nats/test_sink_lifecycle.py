@@ -17,12 +17,12 @@ import msgspec
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import Submitter
-from services.sink.binding import MANIFEST
-from services.sink.lifecycle import EXIT_BEFORE_DONE_CODE, EXIT_MARKER
-from services.sink.writer import OUTPUT_TYPES
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.client.submit import Submitter
+from prefixflow.services.sink.binding import MANIFEST
+from prefixflow.services.sink.lifecycle import EXIT_BEFORE_DONE_CODE, EXIT_MARKER
+from prefixflow.services.sink.writer import OUTPUT_TYPES
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.nats.test_sink import SinkProcess
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(180)]

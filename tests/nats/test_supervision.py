@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from services.bucketer.service import Bucketer
-from shared.process.config import BucketerConfig
+from prefixflow.services.bucketer.service import Bucketer
+from prefixflow.shared.process.config import BucketerConfig
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(60)]
 
@@ -34,7 +34,7 @@ def test_bucketer_dispatcher_death_ends_the_service(nats_server, monkeypatch):
 
 def test_run_service_exits_nonzero_on_an_unexpected_error():
     code = (
-        "from shared.process.supervise import run_service\n"
+        "from prefixflow.shared.process.supervise import run_service\n"
         "async def main(stop):\n"
         "    raise ValueError('boom')\n"
         "run_service(main)\n"

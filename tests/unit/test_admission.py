@@ -1,4 +1,4 @@
-"""services.engine_worker.admission: a prompt goes into the engine only while the KV
+"""prefixflow.services.engine_worker.admission: a prompt goes into the engine only while the KV
 cache holds what the prompts in it reserved and its own blocks (issue #26)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.engine_worker.admission import EXACT_PEAK, MIN_RATIO, KvAdmission, Ticket
-from services.engine_worker.feeder import Feeder, Held
-from services.engine_worker.window import Window
-from shared.prefix import tokens as tk
-from shared.wire import messages as m
+from prefixflow.services.engine_worker.admission import EXACT_PEAK, MIN_RATIO, KvAdmission, Ticket
+from prefixflow.services.engine_worker.feeder import Feeder, Held
+from prefixflow.services.engine_worker.window import Window
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 
@@ -135,7 +135,7 @@ def test_prompts_admitted_by_their_peak_never_overflow_an_engine_that_runs_as_ex
     and output so far) never exceed the cache while more than one prompt is in it: the
     peak admits nothing vLLM would have to preempt. And every prompt gets in. (Counted
     exactly, and with the bound used past `EXACT_PEAK` prompts.)"""
-    import services.engine_worker.admission as admission_module
+    import prefixflow.services.engine_worker.admission as admission_module
 
     admission_module.EXACT_PEAK, saved = exact, admission_module.EXACT_PEAK
     try:

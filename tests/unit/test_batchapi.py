@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from openai.types.chat import ChatCompletion
 
-from batchapi import batches as b
-from batchapi.tenants import OPEN_TENANT, load_keys, parse_keys, tenant_of
-from services.sink.export import write_lines
+from prefixflow.batchapi import batches as b
+from prefixflow.batchapi.tenants import OPEN_TENANT, load_keys, parse_keys, tenant_of
+from prefixflow.services.sink.export import write_lines
 
 pytestmark = pytest.mark.unit
 

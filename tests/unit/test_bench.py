@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.methods import group_stats
-from shared.wire import messages as m
+from prefixflow.bench.methods import group_stats
+from prefixflow.shared.wire import messages as m
 
 
 def test_group_stats_counts_split_groups_and_prefix_misses():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.batching import setting_args, summarize
+from prefixflow.bench.batching import setting_args, summarize
 
 pytestmark = pytest.mark.unit
 

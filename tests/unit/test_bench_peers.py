@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench import peer_runs as bp
+from prefixflow.bench import peer_runs as bp
 
 pytestmark = pytest.mark.unit
 
 sys.path.insert(0, str(bp.PEERS_DIR))
-import common as peer_common  # bench/peers, on the path just above
+import common as peer_common  # prefixflow/bench/peers, on the path just above
 import daft_hook
 import daft_provider
 
@@ -117,9 +117,9 @@ def test_prefixflow_summary_and_startup_line():
 
 def test_preemptions_and_output_token_costs_from_the_engines_line_run_prints():
     """`prefixflow run` prints the engines' line from their last statuses
-    (`client.progress.engines_note`); the benchmark reads it back."""
-    from client.progress import FleetProgress, engines_note
-    from shared.wire import messages as m
+    (`prefixflow.client.progress.engines_note`); the benchmark reads it back."""
+    from prefixflow.client.progress import FleetProgress, engines_note
+    from prefixflow.shared.wire import messages as m
 
     fleet = FleetProgress()
     fleet.update(m.EngineStatus("r0", 1.0, preemptions=36, decode_cost=11.394), 1.0)

@@ -7,7 +7,7 @@ import asyncio
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.pipeline import Wiretap, extra_columns, family_of, header_bytes, write_input
+from prefixflow.bench.pipeline import Wiretap, extra_columns, family_of, header_bytes, write_input
 
 
 def test_extra_columns_cover_the_mixed_types():

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from bench import soak
+from prefixflow.bench import soak
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""services.router.block_index.BlockIndex against a naive model (a set of blocks per
+"""prefixflow.services.router.block_index.BlockIndex against a naive model (a set of blocks per
 replica): after any sequence of stored / removed / cleared / touch events its contents are
 the stored minus the removed blocks (while under its bound), `longest_match` is the
 naive leading-run count, and it never holds more than its bound."""
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.router.block_index import BlockIndex
-from shared.prefix import tokens as tk
-from shared.prefix.block_keys import block_hashes
+from prefixflow.services.router.block_index import BlockIndex
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.prefix.block_keys import block_hashes
 
 pytestmark = pytest.mark.unit
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.bucketer.buffer import Item, PrefixBuffer, linked, split_sorted
-from shared.prefix import tokens as tk
-from shared.prefix.block_keys import block_hashes
+from prefixflow.services.bucketer.buffer import Item, PrefixBuffer, linked, split_sorted
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.prefix.block_keys import block_hashes
 
 pytestmark = pytest.mark.unit
 

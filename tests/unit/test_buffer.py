@@ -1,4 +1,4 @@
-"""services.bucketer.buffer (PrefixBuffer, split_sorted) and shared.prefix.block_keys / shared.prefix.tokens."""
+"""prefixflow.services.bucketer.buffer (PrefixBuffer, split_sorted) and prefixflow.shared.prefix.block_keys / prefixflow.shared.prefix.tokens."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.bucketer.buffer import (
+from prefixflow.services.bucketer.buffer import (
     MIN_GROUP,
     Bucket,
     Item,
@@ -16,8 +16,8 @@ from services.bucketer.buffer import (
     linked,
     split_sorted,
 )
-from shared.prefix import tokens as tk
-from shared.prefix.block_keys import block_hashes, matched_blocks
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.prefix.block_keys import block_hashes, matched_blocks
 from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit
@@ -43,7 +43,7 @@ def P(*ids: int) -> bytes:
     return tk.pack(list(ids))
 
 
-# --- shared.prefix.tokens ----------------------------------------------------------------------
+# --- prefixflow.shared.prefix.tokens -----------------------------------------------------------
 
 token_ids = st.lists(st.integers(0, 2**32 - 1), max_size=40)
 

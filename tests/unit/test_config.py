@@ -1,4 +1,4 @@
-"""shared.process.config: flags > PFX_* environment > defaults, typed and validated."""
+"""prefixflow.shared.process.config: flags > PFX_* environment > defaults, typed and validated."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import msgspec
 import pytest
 
-from shared.process.config import (
+from prefixflow.shared.process.config import (
     BucketerConfig,
     CommonConfig,
     EngineWorkerConfig,

@@ -1,4 +1,4 @@
-"""shared.bus.consume: the one consume protocol (decode → quarantine → ledger → hold → poison)."""
+"""prefixflow.shared.bus.consume: the one consume protocol (decode → quarantine → ledger → hold → poison)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from shared.bus import consume
-from shared.bus.ledger import AckLedger
-from shared.bus.poison import POISON_AFTER
-from shared.wire import messages as m
+from prefixflow.shared.bus import consume
+from prefixflow.shared.bus.ledger import AckLedger
+from prefixflow.shared.bus.poison import POISON_AFTER
+from prefixflow.shared.wire import messages as m
 from tests.unit.fakes import FakeMsg
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""services.router.policies.Daft: the reference policy (Daft's vllm-prefix-caching provider).
+"""prefixflow.services.router.policies.Daft: the reference policy (Daft's vllm-prefix-caching provider).
 
 Reference rules, as the tests below spell them out step by step:
 - load = cumulative prompts ever routed to a replica (never decremented, even when the
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.router.fleet import Fleet
-from services.router.policies import Daft, make_policy
+from prefixflow.services.router.fleet import Fleet
+from prefixflow.services.router.policies import Daft, make_policy
 
 pytestmark = pytest.mark.unit
 

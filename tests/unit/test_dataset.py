@@ -1,4 +1,4 @@
-"""datagen.dataset: prefix-repetition prompts that keep their shared token prefix."""
+"""prefixflow.datagen.dataset: prefix-repetition prompts that keep their shared token prefix."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.dataset import (
+from prefixflow.datagen.dataset import (
     SCHEMA,
     dataset_metadata,
     ideal_hit_rate,
     prefix_repetition,
     write_prefix_repetition,
 )
-from datagen.make_model import make_model
+from prefixflow.datagen.make_model import make_model
 
 pytestmark = pytest.mark.unit
 
@@ -123,7 +123,7 @@ def test_ideal_hit_rate_from_metadata(dataset_tokenizer_dir):
 
 
 def test_prefix_repetition_ids_are_what_the_prompts_encode_to(dataset_tokenizer_dir, tokenizer):
-    from datagen.dataset import prefix_repetition_ids
+    from prefixflow.datagen.dataset import prefix_repetition_ids
 
     shape = dict(num_prompts=40, prefix_len=12, suffix_len=5, num_prefixes=3, seed=4)
     table = prefix_repetition(tokenizer_dir=dataset_tokenizer_dir, output_len=2, **shape)
@@ -134,7 +134,7 @@ def test_prefix_repetition_ids_are_what_the_prompts_encode_to(dataset_tokenizer_
     assert groups.tolist() == table["prefix_id"].to_pylist()
 
 
-# --- benchmark shapes (datagen/shapes.py) as text rows --------------------------------------
+# --- benchmark shapes (prefixflow/datagen/shapes.py) as text rows ---------------------------
 
 SMALL = {
     "seed": dict(num_prompts=60, num_prefixes=6, prefix_len=48, suffix_len=20, output_len=7),
@@ -148,14 +148,14 @@ SMALL = {
 
 @pytest.fixture(scope="module")
 def shape_tables(dataset_tokenizer_dir):
-    from datagen.dataset import build_shape
+    from prefixflow.datagen.dataset import build_shape
 
     return {name: build_shape(name, tokenizer_dir=dataset_tokenizer_dir, **params) for name, params in SMALL.items()}
 
 
 @pytest.mark.parametrize("name", list(SMALL))
 def test_shape_text_round_trips(name, shape_tables, tokenizer):
-    from datagen.dataset import SHAPE_SCHEMA
+    from prefixflow.datagen.dataset import SHAPE_SCHEMA
 
     table = shape_tables[name]
     meta = dataset_metadata(table)
@@ -210,8 +210,8 @@ def test_seed_keeps_prefix_repetition_metadata(shape_tables):
 
 
 def test_rows_sampling_is_what_the_ingestor_applies(shape_tables):
-    from shared.wire.messages import SamplingSpec
-    from shared.wire.sampling import row_sampling
+    from prefixflow.shared.wire.messages import SamplingSpec
+    from prefixflow.shared.wire.sampling import row_sampling
 
     job = SamplingSpec(max_tokens=16)
     for row in shape_tables["variable"].to_pylist():
@@ -220,7 +220,7 @@ def test_rows_sampling_is_what_the_ingestor_applies(shape_tables):
 
 
 def test_shape_command(dataset_tokenizer_dir, tmp_path, capsys):
-    from cli.main import build_parser
+    from prefixflow.cli.main import build_parser
 
     out = tmp_path / "h.parquet"
     args = build_parser().parse_args(

@@ -8,10 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine_worker.cost_fit import MAX_RATIO, MIN_RATIO, CostFit
-from services.router.fleet import Fleet
-from services.router.policies import make_policy
-from shared.wire import messages as m
+from prefixflow.services.engine_worker.cost_fit import MAX_RATIO, MIN_RATIO, CostFit
+from prefixflow.services.router.fleet import Fleet
+from prefixflow.services.router.policies import make_policy
+from prefixflow.shared.wire import messages as m
 from tests.tiers import COSTLY
 
 HB = 128  # hash block size of the keys below

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from services.engine_worker.engines.base import EngineDead
-from services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine
-from services.engine_worker.rebuild import RebuildBudget
-from shared.prefix import tokens as tk
-from shared.wire import messages as m
+from prefixflow.services.engine_worker.engines.base import EngineDead
+from prefixflow.services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine
+from prefixflow.services.engine_worker.rebuild import RebuildBudget
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 

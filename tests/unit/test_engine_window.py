@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine_worker.engines.base import EngineStats
-from services.engine_worker.service import EngineWorker
-from services.engine_worker.window import START_WINDOW
-from shared.process.config import EngineWorkerConfig
+from prefixflow.services.engine_worker.engines.base import EngineStats
+from prefixflow.services.engine_worker.service import EngineWorker
+from prefixflow.services.engine_worker.window import START_WINDOW
+from prefixflow.shared.process.config import EngineWorkerConfig
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""services.router.failover: moving a dead replica's work is never counted as a failure.
+"""prefixflow.services.router.failover: moving a dead replica's work is never counted as a failure.
 
 Backpressure (no live replica has room) must not nak the moved batch (each nak is a
 delivery, and deliveries count toward the poison limit: healthy prompts would become
@@ -10,10 +10,10 @@ import asyncio
 
 import pytest
 
-from services.router.failover import Failover
-from services.router.fleet import Fleet, Replica
-from shared.bus.poison import PRIOR_DELIVERIES, deliveries, moved_headers
-from shared.wire import messages as m
+from prefixflow.services.router.failover import Failover
+from prefixflow.services.router.fleet import Fleet, Replica
+from prefixflow.shared.bus.poison import PRIOR_DELIVERIES, deliveries, moved_headers
+from prefixflow.shared.wire import messages as m
 from tests.unit import fakes
 
 pytestmark = pytest.mark.unit
@@ -37,7 +37,7 @@ def test_no_room_means_wait_leased_not_nak(monkeypatch):
     async def publish(js, subject, payload, headers=None):
         published.append((subject, headers))
 
-    monkeypatch.setattr("services.router.failover.publish", publish)
+    monkeypatch.setattr("prefixflow.services.router.failover.publish", publish)
     failover = Failover(Fleet(), place)
     failover.js = object()
     msg = FakeMsg(work(), delivered=2)
@@ -73,7 +73,7 @@ def test_rescue_pulls_nothing_while_no_replica_has_room(monkeypatch):
 
     failover.rescuing["r0"] = Pull()
     failover.js = object()
-    monkeypatch.setattr("services.router.failover.time.monotonic", lambda: 1.0)
+    monkeypatch.setattr("prefixflow.services.router.failover.time.monotonic", lambda: 1.0)
     asyncio.run(failover.rescue("r0"))
     assert Pull.fetched == 0 and failover.waiting == []
 
@@ -100,7 +100,7 @@ def test_a_replica_not_ready_for_dead_after_is_rescued_like_a_silent_one(monkeyp
 
     monkeypatch.setattr(failover, "rescue", rescue)
     clock = {"now": 100.0}
-    monkeypatch.setattr("services.router.failover.time.monotonic", lambda: clock["now"])
+    monkeypatch.setattr("prefixflow.services.router.failover.time.monotonic", lambda: clock["now"])
     for t in (100.5, 101.0, 101.5, 102.5, 103.0):  # r0 keeps reporting, not ready; r1 ready
         clock["now"] = t
         fleet.observe("r0", t, ready=False, outstanding=0, done_tokens=0)
@@ -117,7 +117,7 @@ def test_a_batch_past_the_poison_limit_is_moved_with_its_strikes_not_error_rowed
     async def publish(js, subject, payload, headers=None):
         published.append((subject, payload, headers))
 
-    monkeypatch.setattr("services.router.failover.publish", publish)
+    monkeypatch.setattr("prefixflow.services.router.failover.publish", publish)
     place = lambda prompts, tokens, key, output, lora: ([(Replica("r1"), 2), (Replica("r2"), prompts - 2)], [20, 30])  # noqa: E731
     failover = Failover(Fleet(), place)
     failover.js = object()

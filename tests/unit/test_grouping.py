@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine_worker.grouping import GroupPriorities
-from shared.prefix import tokens as tk
+from prefixflow.services.engine_worker.grouping import GroupPriorities
+from prefixflow.shared.prefix import tokens as tk
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""services.router.hot and its use by the prefix-aware policy: a prefix group whose recent
+"""prefixflow.services.router.hot and its use by the prefix-aware policy: a prefix group whose recent
 work exceeds a replica's fair share is spread over as many replicas as it needs (a stable,
 rendezvous-chosen set); every other group stays on one replica."""
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.router.hot import WARM_TOKENS, HotPrefixes, rendezvous
-from services.router.fleet import Fleet
-from services.router.policies import PrefixAware
+from prefixflow.services.router.hot import WARM_TOKENS, HotPrefixes, rendezvous
+from prefixflow.services.router.fleet import Fleet
+from prefixflow.services.router.policies import PrefixAware
 
 pytestmark = pytest.mark.unit
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.wire import ids as ids_module
-from shared.wire.ids import CHUNK, IdSet
+from prefixflow.shared.wire import ids as ids_module
+from prefixflow.shared.wire.ids import CHUNK, IdSet
 
 pytestmark = pytest.mark.unit
 

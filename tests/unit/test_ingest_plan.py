@@ -1,4 +1,4 @@
-"""services.ingestor.plan (pure planning of an ingest batch) and the ingestor's use of it:
+"""prefixflow.services.ingestor.plan (pure planning of an ingest batch) and the ingestor's use of it:
 tokenizing happens off the event loop."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import time
 import msgspec
 import pytest
 
-from services.ingestor.plan import Incoming, Model, plan_batch, poison_rows
-from services.ingestor.service import Ingestor
-from shared.prefix import tokens as tk
-from shared.prefix.sharding import Sharder
-from shared.process.config import IngestorConfig
-from shared.wire import messages as m
+from prefixflow.services.ingestor.plan import Incoming, Model, plan_batch, poison_rows
+from prefixflow.services.ingestor.service import Ingestor
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.prefix.sharding import Sharder
+from prefixflow.shared.process.config import IngestorConfig
+from prefixflow.shared.wire import messages as m
 from tests.unit import fakes
 
 pytestmark = pytest.mark.unit
@@ -115,8 +115,8 @@ def test_ingestor_tokenizes_off_the_event_loop(monkeypatch):
         published.append(f"blob {job}/{key}")
 
     monkeypatch.setattr(ing, "lookup", lookup)
-    monkeypatch.setattr("services.ingestor.service.publish", publish)
-    monkeypatch.setattr("services.ingestor.service.put_blob", put_blob)
+    monkeypatch.setattr("prefixflow.services.ingestor.service.publish", publish)
+    monkeypatch.setattr("prefixflow.services.ingestor.service.put_blob", put_blob)
     ing.js = ing.nc = None
     msgs = [FakeMsg("pfx.ingest.j", json.dumps({"id": i, "prompt": "abc"}).encode(), seq=7 + i) for i in range(3)]
     asyncio.run(ing.handle(msgs))

@@ -1,4 +1,4 @@
-"""services.engine_worker.isolate: after an engine death, only a prompt that kills the
+"""prefixflow.services.engine_worker.isolate: after an engine death, only a prompt that kills the
 engine by itself becomes an error row; the feeder runs suspect batches alone; deaths while
 isolating are not charged to the rebuild budget."""
 
@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.engine_worker.feeder import Feeder, Held
-from services.engine_worker.isolate import STRIKES, Part, charged, split
-from services.engine_worker.rebuild import RebuildBudget
-from services.engine_worker.window import Window
-from shared.wire import messages as m
+from prefixflow.services.engine_worker.feeder import Feeder, Held
+from prefixflow.services.engine_worker.isolate import STRIKES, Part, charged, split
+from prefixflow.services.engine_worker.rebuild import RebuildBudget
+from prefixflow.services.engine_worker.window import Window
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 

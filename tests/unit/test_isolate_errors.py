@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from services.engine_worker.engines.base import Completion, EngineDead, EngineStats, RequestFailed, is_engine_death
-from services.engine_worker.feeder import Held
-from services.engine_worker.service import EngineWorker
-from shared.process.config import EngineWorkerConfig
-from shared.wire import messages as m
+from prefixflow.services.engine_worker.engines.base import Completion, EngineDead, EngineStats, RequestFailed, is_engine_death
+from prefixflow.services.engine_worker.feeder import Held
+from prefixflow.services.engine_worker.service import EngineWorker
+from prefixflow.shared.process.config import EngineWorkerConfig
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 
@@ -96,7 +96,7 @@ def test_vllm_exceptions_are_classified_by_type():
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-    from services.engine_worker.engines.vllm import VllmEngine
+    from prefixflow.services.engine_worker.engines.vllm import VllmEngine
 
     class Llm:
         errored = False

@@ -16,15 +16,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nats.js.kv import VALID_KEY_RE
 
-from services.bucketer.service import Bucketer
-from services.engine_worker.service import EngineWorker
-from services.ingestor.plan import Incoming, Model, plan_batch, poison_rows
-from services.sink import queries
-from services.sink.lifecycle import Reconciler
-from shared.bus.jobs import JobCache
-from shared.bus.ledger import AckLedger
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.services.bucketer.service import Bucketer
+from prefixflow.services.engine_worker.service import EngineWorker
+from prefixflow.services.ingestor.plan import Incoming, Model, plan_batch, poison_rows
+from prefixflow.services.sink import queries
+from prefixflow.services.sink.lifecycle import Reconciler
+from prefixflow.shared.bus.jobs import JobCache
+from prefixflow.shared.bus.ledger import AckLedger
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.unit import fakes
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -64,7 +64,7 @@ def test_one_grammar_and_every_valid_id_is_a_key_and_round_trips_through_its_sub
 
 
 def test_the_cli_refuses_with_the_same_words(capsys):
-    from client.lifecycle import cmd_cancel
+    from prefixflow.client.lifecycle import cmd_cancel
 
     with pytest.raises(SystemExit) as exc:  # before connecting to anything
         cmd_cancel(SimpleNamespace(job=BAD, nats="nats://127.0.0.1:1", no_wait=False, timeout=1.0))
@@ -148,7 +148,7 @@ def test_a_done_query_for_an_invalid_job_id_gets_an_error_reply():
 
 
 def test_the_sink_dead_letters_results_of_an_invalid_job_id():
-    from services.sink.service import Sink
+    from prefixflow.services.sink.service import Sink
 
     js = fakes.FakeJS()
     msg = fakes.FakeMsg(m.encode(m.ResultBatch(BAD, [m.Result(1)])), subject=subjects.results(BAD), stream="PFX_RESULTS")

@@ -1,4 +1,4 @@
-"""services.sink.writer at job scale: small parts merged into files of a target size
+"""prefixflow.services.sink.writer at job scale: small parts merged into files of a target size
 (crash-safe, every row once), totals kept as parts are written (a summary reads no file),
 and a reopened output that restores them from the files."""
 
@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.sink import parts as files
-from services.sink.writer import OUTPUT_TYPES, JobOutput
-from shared.wire.messages import FinishReason, JobSpec, Result
+from prefixflow.services.sink import parts as files
+from prefixflow.services.sink.writer import OUTPUT_TYPES, JobOutput
+from prefixflow.shared.wire.messages import FinishReason, JobSpec, Result
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""services.engine_worker.kv_events: vLLM's KV events become events about our block keys.
+"""prefixflow.services.engine_worker.kv_events: vLLM's KV events become events about our block keys.
 
 The oracle is the rule itself, computed from scratch: a key (one of `block_hashes` over
 a cached engine block's whole prefix) is held when every engine block covering its hash
@@ -17,17 +17,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.engine_worker.kv_events import (
+from prefixflow.services.engine_worker.kv_events import (
     BATCH_DECODER,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KeyTranslator,
 )
-from services.router.block_index import BlockIndex
-from shared.prefix import tokens as tk
-from shared.prefix.block_keys import HASH_BLOCK_SIZE, block_hashes
-from shared.wire.messages import CacheOp
+from prefixflow.services.router.block_index import BlockIndex
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.prefix.block_keys import HASH_BLOCK_SIZE, block_hashes
+from prefixflow.shared.wire.messages import CacheOp
 
 pytestmark = pytest.mark.unit
 

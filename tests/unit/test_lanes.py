@@ -1,4 +1,4 @@
-"""services.bucketer.lanes: fair sharing between jobs (one prefix buffer per job, weighted
+"""prefixflow.services.bucketer.lanes: fair sharing between jobs (one prefix buffer per job, weighted
 fair queuing). Pure logic: builders of items and lanes, no NATS."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.bucketer.buffer import Item, PrefixBuffer
-from services.bucketer.lanes import LANE_IDLE, Lanes
-from shared.prefix import tokens as tk
+from prefixflow.services.bucketer.buffer import Item, PrefixBuffer
+from prefixflow.services.bucketer.lanes import LANE_IDLE, Lanes
+from prefixflow.shared.prefix import tokens as tk
 from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit

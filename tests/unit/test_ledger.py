@@ -1,4 +1,4 @@
-"""shared.bus.ledger: inputs acked once all their outputs are done, handed back otherwise."""
+"""prefixflow.shared.bus.ledger: inputs acked once all their outputs are done, handed back otherwise."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shared.bus.ledger import AckLedger
+from prefixflow.shared.bus.ledger import AckLedger
 
 pytestmark = pytest.mark.unit
 

@@ -13,23 +13,23 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.openai_batch import output_lines, parse_line, read_batch
-from services.engine_worker.kv_events import BlockStored, KeyTranslator
-from services.engine_worker.lora import (
+from prefixflow.client.openai_batch import output_lines, parse_line, read_batch
+from prefixflow.services.engine_worker.kv_events import BlockStored, KeyTranslator
+from prefixflow.services.engine_worker.lora import (
     BASE_STANDIN,
     adapter_rank,
     lora_args,
     split_lora_modules,
     unknown_adapter,
 )
-from services.ingestor.plan import Incoming, Model, plan_batch
-from services.ingestor.row import model_names, row_lora
-from services.router.adapters import Adapters, adapter_candidates
-from services.router.fleet import Fleet
-from services.router.policies import PrefixAware
-from shared.prefix import tokens as tk
-from shared.prefix.block_keys import block_hashes, first_block_key
-from shared.wire import messages as m
+from prefixflow.services.ingestor.plan import Incoming, Model, plan_batch
+from prefixflow.services.ingestor.row import model_names, row_lora
+from prefixflow.services.router.adapters import Adapters, adapter_candidates
+from prefixflow.services.router.fleet import Fleet
+from prefixflow.services.router.policies import PrefixAware
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.prefix.block_keys import block_hashes, first_block_key
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""datagen.make_model: deterministic, idempotent tiny Llama + tokenizer builds."""
+"""prefixflow.datagen.make_model: deterministic, idempotent tiny Llama + tokenizer builds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.make_model import DEFAULT_MODEL_DIR, STAMP_FILE, make_model
+from prefixflow.datagen.make_model import DEFAULT_MODEL_DIR, STAMP_FILE, make_model
 
 pytestmark = pytest.mark.unit
 

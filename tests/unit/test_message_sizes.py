@@ -12,14 +12,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine, echo_completion
-from services.engine_worker.outbox import Outbox
-from services.sink import large
-from shared.bus.blobs import BlobMissing
-from shared.bus.ledger import AckLedger
-from shared.bus.publish import HEADROOM, MessageTooLarge, message_limit, publish
-from shared.prefix import tokens as tk
-from shared.wire import messages as m
+from prefixflow.services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine, echo_completion
+from prefixflow.services.engine_worker.outbox import Outbox
+from prefixflow.services.sink import large
+from prefixflow.shared.bus.blobs import BlobMissing
+from prefixflow.shared.bus.ledger import AckLedger
+from prefixflow.shared.bus.publish import HEADROOM, MessageTooLarge, message_limit, publish
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.wire import messages as m
 from tests.unit.fakes import FakeJS
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -243,9 +243,9 @@ def test_a_result_too_large_for_one_message_is_what_crashed_the_worker():
 
 
 def test_ingestor_cuts_prompt_batches_by_size_and_makes_a_prompt_too_large_an_error_row():
-    from services.ingestor.plan import Plan
-    from services.ingestor.service import Ingestor
-    from shared.process.config import IngestorConfig
+    from prefixflow.services.ingestor.plan import Plan
+    from prefixflow.services.ingestor.service import Ingestor
+    from prefixflow.shared.process.config import IngestorConfig
 
     ing = Ingestor.__new__(Ingestor)
     ing.cfg = IngestorConfig()
@@ -267,7 +267,7 @@ def test_ingestor_cuts_prompt_batches_by_size_and_makes_a_prompt_too_large_an_er
 
 
 def test_dead_letters_fit_beside_their_headers():
-    from shared.bus.poison import dead_payload
+    from prefixflow.shared.bus.poison import dead_payload
 
     js = FakeJS(64 * 1024)
     headers = {"Pfx-Error": "x" * 512}

@@ -1,4 +1,4 @@
-"""shared.wire.messages: wire structs survive their codecs; validation; schema evolution."""
+"""prefixflow.shared.wire.messages: wire structs survive their codecs; validation; schema evolution."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.wire import messages as m
-from shared.wire.sampling import user_sampling
-from shared.prefix import tokens as tk
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire.sampling import user_sampling
+from prefixflow.shared.prefix import tokens as tk
 from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""shared.process.metrics and what feeds it: the Grafana dashboard names only exported
+"""prefixflow.shared.process.metrics and what feeds it: the Grafana dashboard names only exported
 metrics, error texts map to reason labels, the engine collector reads the status, the
 bucketer's releases carry their reason, the router's decisions their match length, and
 the sink's parts their token counts."""
@@ -16,18 +16,18 @@ import pytest
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.bucketer.buffer import RELEASE_REASONS, Item, PrefixBuffer
-from services.ingestor.plan import Incoming, Model, plan_batch
-from services.ingestor.validate import length_error
-from services.router.fleet import Fleet
-from services.router.policies import make_policy
-from services.sink.writer import JobOutput
-from shared.bus.jobs import JobCache
-from shared.bus.poison import error_rows
-from shared.prefix import tokens as tk
-from shared.prefix.block_keys import block_hashes
-from shared.process import metrics
-from shared.wire import messages as m
+from prefixflow.services.bucketer.buffer import RELEASE_REASONS, Item, PrefixBuffer
+from prefixflow.services.ingestor.plan import Incoming, Model, plan_batch
+from prefixflow.services.ingestor.validate import length_error
+from prefixflow.services.router.fleet import Fleet
+from prefixflow.services.router.policies import make_policy
+from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.bus.jobs import JobCache
+from prefixflow.shared.bus.poison import error_rows
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.prefix.block_keys import block_hashes
+from prefixflow.shared.process import metrics
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from client.openai_batch import is_batch_file, output_lines, read_batch
+from prefixflow.client.openai_batch import is_batch_file, output_lines, read_batch
 
 pytestmark = pytest.mark.unit
 

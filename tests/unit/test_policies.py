@@ -1,4 +1,4 @@
-"""services.router.policies: the fleet view and the routing policies."""
+"""prefixflow.services.router.policies: the fleet view and the routing policies."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.router.assignments import MIN_CUT_PROMPTS
-from services.router.fleet import MIN_HISTORY, RATE_WARMUP, Fleet
-from services.router.policies import (
+from prefixflow.services.router.assignments import MIN_CUT_PROMPTS
+from prefixflow.services.router.fleet import MIN_HISTORY, RATE_WARMUP, Fleet
+from prefixflow.services.router.policies import (
     MIN_SPLIT_PROMPTS,
     POLICIES,
     Daft,
@@ -19,7 +19,7 @@ from services.router.policies import (
     RoundRobin,
     make_policy,
 )
-from shared.prefix.block_keys import matched_blocks
+from prefixflow.shared.prefix.block_keys import matched_blocks
 
 pytestmark = pytest.mark.unit
 

@@ -9,16 +9,16 @@ import math
 
 import pytest
 
-from services.engine_worker.kv_events import KeyTranslator
-from services.engine_worker.kv_subscriber import (
+from prefixflow.services.engine_worker.kv_events import KeyTranslator
+from prefixflow.services.engine_worker.kv_subscriber import (
     MAX_KEYS_PER_MESSAGE,
     CacheEventForwarder,
     KvEventSubscriber,
 )
-from services.router.fleet import Fleet
-from services.router.policies import PrefixAware
-from shared.wire import messages as m
-from shared.wire.messages import CacheOp
+from prefixflow.services.router.fleet import Fleet
+from prefixflow.services.router.policies import PrefixAware
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire.messages import CacheOp
 
 pytestmark = pytest.mark.unit
 

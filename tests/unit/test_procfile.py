@@ -1,4 +1,4 @@
-"""The Procfile (honcho, `make up`) and `launch.processes.processes()` (`prefixflow run`,
+"""The Procfile (honcho, `make up`) and `prefixflow.launch.processes.processes()` (`prefixflow run`,
 the tests) describe the same local cluster: same processes, arguments and environment; and
 how `processes()` divides the machine among the engine replicas."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import processes as cluster
+from prefixflow.launch import processes as cluster
 
 PROCFILE = Path(__file__).resolve().parents[2] / "Procfile"
 

@@ -1,11 +1,11 @@
-"""The progress line's view of the replicas (`client/progress.py`)."""
+"""The progress line's view of the replicas (`prefixflow/client/progress.py`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from client.progress import RATE_SPAN, FleetProgress, progress_note
-from shared.wire import messages as m
+from prefixflow.client.progress import RATE_SPAN, FleetProgress, progress_note
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""report.analysis (prefix groups, split groups, misses) and report.job_report (the plots of a job's
+"""prefixflow.report.analysis (prefix groups, split groups, misses) and prefixflow.report.job_report (the plots of a job's
 output), on a synthetic job written by the sink's own writer."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from report.analysis import engine_block_size, group_stats, group_table, prefix_groups
-from report.job_report import bin_width, busy_intervals, idle_times, load, write_report
-from services.sink.writer import JobOutput
-from shared.prefix import tokens as tk
-from shared.wire import messages as m
+from prefixflow.report.analysis import engine_block_size, group_stats, group_table, prefix_groups
+from prefixflow.report.job_report import bin_width, busy_intervals, idle_times, load, write_report
+from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 
@@ -54,7 +54,7 @@ def test_busy_intervals_merge_and_bins():
 def synthetic_job(tmp_path, tiny_model, *, with_start: bool, n_prefixes: int = 6, n: int = 240):
     """A job's output as the sink writes it: prefix groups mostly kept on one replica,
     one group split, r1 idle for a while in the middle."""
-    from datagen.dataset import prefix_repetition
+    from prefixflow.datagen.dataset import prefix_repetition
 
     table = prefix_repetition(tokenizer_dir=tiny_model, num_prompts=n, prefix_len=256, suffix_len=32, num_prefixes=n_prefixes, seed=2)
     out = JobOutput("synth", tmp_path)

@@ -13,10 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from client.submit import DONE_QUERY_FAILURES, DoneQueries
-from launch.run import Plan, plan
-from report.rows import bucket_sizes, load
-from shared.wire import messages as m
+from prefixflow.client.submit import DONE_QUERY_FAILURES, DoneQueries
+from prefixflow.launch.run import Plan, plan
+from prefixflow.report.rows import bucket_sizes, load
+from prefixflow.shared.wire import messages as m
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -1,4 +1,4 @@
-"""services.router.prefix_index.PrefixIndex and the cost work behind it: the indexed match
+"""prefixflow.services.router.prefix_index.PrefixIndex and the cost work behind it: the indexed match
 equals a scan of the history, and prefix-aware decisions equal the scanning, sorting
 implementation they replaced; plus `prefixflow bench router` and the router's wiring of
 the engine block size."""
@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.router import bench_router
-from services.router.fleet import MIN_HISTORY, Fleet
-from services.router.assignments import extend_merged
-from services.router.policies import PrefixAware
-from shared.prefix.block_keys import matched_blocks
-from shared.wire import messages as m
+from prefixflow.bench.router import bench_router
+from prefixflow.services.router.fleet import MIN_HISTORY, Fleet
+from prefixflow.services.router.assignments import extend_merged
+from prefixflow.services.router.policies import PrefixAware
+from prefixflow.shared.prefix.block_keys import matched_blocks
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 
@@ -261,8 +261,8 @@ def test_decisions_equal_the_scanning_implementation(specs, steps, cap, slack, s
 
 
 def test_router_converts_engine_blocks_from_status():
-    from services.router.service import Router
-    from shared.process.config import RouterConfig
+    from prefixflow.services.router.service import Router
+    from prefixflow.shared.process.config import RouterConfig
 
     router = Router(RouterConfig(hash_block_size=128))
     status = m.EngineStatus("gpu0", 0.0, ready=True, kv_blocks=64, block_size=16, window=8)
@@ -290,7 +290,7 @@ def test_bench_router_output_shape():
 
 
 def test_bench_router_cli_prints_one_json_object(capsys):
-    from cli.main import build_parser
+    from prefixflow.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["bench", "router", "--replicas", "3", "--history-blocks", "8", "--decisions", "5", "--rounds", "1", "--json"]

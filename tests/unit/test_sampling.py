@@ -6,10 +6,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from cli.main import parse_args, sampling_from
-from services.engine_worker.requests import prompt_sampling, sampling_kwargs
-from shared.wire import messages as m
-from shared.wire.sampling import from_response_format, row_sampling
+from prefixflow.cli.main import parse_args, sampling_from
+from prefixflow.services.engine_worker.requests import prompt_sampling, sampling_kwargs
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire.sampling import from_response_format, row_sampling
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from launch.fleet_config import all_users, render_permissions, render_server
-from cli.main import build_parser
-from services.sink.writer import OutsideRoot, confine
-from shared.bus.connection import NatsOptions
-from shared.bus.provision import cluster_size, replicas_for
-from shared.wire import subjects
-from shared.wire.permissions import ROLES, SERVICE_ROLES, allowed, matches, permissions
+from prefixflow.launch.fleet_config import all_users, render_permissions, render_server
+from prefixflow.cli.main import build_parser
+from prefixflow.services.sink.writer import OutsideRoot, confine
+from prefixflow.shared.bus.connection import NatsOptions
+from prefixflow.shared.bus.provision import cluster_size, replicas_for
+from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.permissions import ROLES, SERVICE_ROLES, allowed, matches, permissions
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -45,8 +45,8 @@ REPO = Path(__file__).resolve().parents[2]
 )
 def test_bad_job_ids_are_refused_with_the_reason(job, why):
     assert subjects.job_problem(job) == why
-    from client.submit import submit
-    from shared.wire.messages import SamplingSpec
+    from prefixflow.client.submit import submit
+    from prefixflow.shared.wire.messages import SamplingSpec
 
     with pytest.raises(SystemExit) as exc:  # before connecting to anything
         asyncio.run(submit("x.parquet", nats_url="nats://127.0.0.1:1", job=job, out_dir="out", sampling=SamplingSpec()))
@@ -242,7 +242,7 @@ def test_a_jobs_model_is_matched_by_name_without_touching_the_file_system(tmp_pa
     a submitter could probe for files there."""
     import os
 
-    from services.ingestor.service import same_model
+    from prefixflow.services.ingestor.service import same_model
 
     def no_look(*_a, **_k):
         raise AssertionError("the file system was looked at")
@@ -269,7 +269,7 @@ def default_args(*extra: str):
 def test_committed_deploy_nats_configs_are_the_generated_ones():
     """deploy/nats is `prefixflow cluster config --nodes 3` (hosts nats-1..3) minus the
     secret files: regenerate it when subjects or the generator change."""
-    from launch.fleet_config import parse_nodes
+    from prefixflow.launch.fleet_config import parse_nodes
 
     args = default_args()
     nodes = parse_nodes(["nats-1", "nats-2", "nats-3"], None, args)
@@ -371,7 +371,7 @@ def test_options_from_the_environment_and_connect_kwargs(tmp_path):
 
 
 def test_config_checks_credentials_and_tls_files(tmp_path):
-    from shared.process.config import SinkConfig, load
+    from prefixflow.shared.process.config import SinkConfig, load
 
     with pytest.raises(SystemExit, match="nats_user and nats_password go together"):
         load(SinkConfig, environ={"PFX_NATS_USER": "sink"})

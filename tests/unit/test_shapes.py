@@ -1,4 +1,4 @@
-"""datagen.shapes: the benchmark shapes' token ids, and their ideal hit rate by formula and by count."""
+"""prefixflow.datagen.shapes: the benchmark shapes' token ids, and their ideal hit rate by formula and by count."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from datagen import shapes as S
+from prefixflow.datagen import shapes as S
 from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit
@@ -260,7 +260,7 @@ def test_bad_arguments(name, bad):
 
 
 def test_pure_module():
-    code = ("import sys, datagen.shapes; print(sorted(m for m in sys.modules "
+    code = ("import sys, prefixflow.datagen.shapes; print(sorted(m for m in sys.modules "
             "if m.split('.')[0] in ('nats', 'vllm', 'torch', 'pyarrow', 'tokenizers')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert out.strip() == "[]"

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.prefix.sharding import Sharder, pick_node, ranking
+from prefixflow.shared.prefix.sharding import Sharder, pick_node, ranking
 
 pytestmark = pytest.mark.unit
 
@@ -65,7 +65,7 @@ def test_ranking_is_stable_across_processes():
     keys = [0, 1, 2**40 + 7, 2**63 - 1]
     nodes = nodes_of(4)
     here = [ranking(k, nodes) for k in keys]
-    code = f"from shared.prefix.sharding import ranking; print([ranking(k, {nodes!r}) for k in {keys!r}])"
+    code = f"from prefixflow.shared.prefix.sharding import ranking; print([ranking(k, {nodes!r}) for k in {keys!r}])"
     for seed in ("12345",):
         out = subprocess.run(
             [sys.executable, "-c", code],

@@ -1,4 +1,4 @@
-"""`sim.cluster.work_bound`: the earliest end of a run's engine work spread perfectly over
+"""`prefixflow.sim.cluster.work_bound`: the earliest end of a run's engine work spread perfectly over
 replicas that come up at different times (the simulator's "bound s" column)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sim.cluster import Options, simulate, work_bound
-from sim.cost import load_profile
-from sim.workload import prefix_repetition
+from prefixflow.sim.cluster import Options, simulate, work_bound
+from prefixflow.sim.cost import load_profile
+from prefixflow.sim.workload import prefix_repetition
 
 pytestmark = pytest.mark.unit
 

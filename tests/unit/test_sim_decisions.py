@@ -3,7 +3,7 @@
 A small pipeline simulation records every status the router saw and every route request
 it answered, with the sim's assignments. The recorded stream is then fed to the
 services' own objects, as the services use them:
-- each status to `services.router.service.Router.on_status` (as an `EngineStatus`),
+- each status to `prefixflow.services.router.service.Router.on_status` (as an `EngineStatus`),
 - each request to `Router.decide` (as the `RouteRequest` the bucketer sends),
 with the router's clock set to the recorded time. Every answer must be the sim's. The
 bucketer side: every bucket the sim routed is turned into a request by the service's
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.bucketer import service as bucketer_service
-from services.router import service as router_service
-from shared.process.config import BucketerConfig, RouterConfig
-from shared.wire import messages as m
-from sim.cluster import BucketerSim, Options, simulate
-from sim.cost import load_profile
-from sim.workload import prefix_repetition
+from prefixflow.services.bucketer import service as bucketer_service
+from prefixflow.services.router import service as router_service
+from prefixflow.shared.process.config import BucketerConfig, RouterConfig
+from prefixflow.shared.wire import messages as m
+from prefixflow.sim.cluster import BucketerSim, Options, simulate
+from prefixflow.sim.cost import load_profile
+from prefixflow.sim.workload import prefix_repetition
 
 pytestmark = pytest.mark.unit
 
@@ -70,7 +70,7 @@ def small_run(policy: str, monkeypatch):
 
 @pytest.mark.parametrize("policy", ["prefix-aware", "daft", "round-robin"])
 def test_router_service_makes_the_sims_assignments(policy, monkeypatch):
-    from sim import cluster
+    from prefixflow.sim import cluster
 
     traces = []
     original_init = cluster.RouterSim.__init__

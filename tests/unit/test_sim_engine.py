@@ -1,4 +1,4 @@
-"""sim.engine: the vLLM-like engine model's invariants, on random request streams."""
+"""prefixflow.sim.engine: the vLLM-like engine model's invariants, on random request streams."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sim.engine import Engine, EngineConfig, Req
+from prefixflow.sim.engine import Engine, EngineConfig, Req
 
 pytestmark = pytest.mark.unit
 
@@ -146,7 +146,7 @@ def test_lora_slots_bound_the_adapters_running_and_every_request_finishes(reqs, 
 
 def test_an_adapters_prefix_is_its_own():
     """The same tokens under two adapters share no cached block (the workload's chains)."""
-    from sim.workload import Workload
+    from prefixflow.sim.workload import Workload
 
     tokens = [bytes(range(64))] * 4
     wl = Workload("w", tokens, [4] * 4, lora=["", "", "a", "b"])

@@ -1,4 +1,4 @@
-"""sim.timeline / sim.calibrate: fitting step costs to a run's per-row timeline.
+"""prefixflow.sim.timeline / prefixflow.sim.calibrate: fitting step costs to a run's per-row timeline.
 
 A "real" run is made here by simulating the whole pipeline with known step costs (and
 10 % noise on every step); calibrated on one such run with two output lengths, the fit
@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from sim.calibrate import with_output_lengths
-from sim.cluster import Options, simulate
-from sim.cost import Profile, load_profile
-from sim.timeline import (
+from prefixflow.sim.calibrate import with_output_lengths
+from prefixflow.sim.cluster import Options, simulate
+from prefixflow.sim.cost import Profile, load_profile
+from prefixflow.sim.timeline import (
     COEFFICIENTS,
     Run,
     classes,
@@ -29,7 +29,7 @@ from sim.timeline import (
     replay,
     with_coefficients,
 )
-from sim.workload import prefix_repetition
+from prefixflow.sim.workload import prefix_repetition
 from tests.tiers import COSTLY
 
 pytestmark = pytest.mark.unit
@@ -155,7 +155,7 @@ def test_with_output_lengths_balances_and_sets_sampling(tmp_path):
 
 
 def test_window_probe_runs_each_replicas_first_prompt_alone():
-    from services.engine_worker.window import Window  # noqa: F401 - a rename fails here, not a silent skip
+    from prefixflow.services.engine_worker.window import Window  # noqa: F401 - a rename fails here, not a silent skip
 
     wl = prefix_repetition(num_prompts=96, prefix_len=256, suffix_len=256, num_prefixes=8, output_len=64, seed=0)
     p = truth()

@@ -1,4 +1,4 @@
-"""services.sink.binding: a job owns its output directory. The pure rule (`decide`: bind,
+"""prefixflow.services.sink.binding: a job owns its output directory. The pure rule (`decide`: bind,
 adopt, owned, replace, refuse from a directory's state and the spec's overwrite), the
 state read from a real directory (`inspect`), and carrying decisions out (`bind`): a
 refusal writes nothing, a replace deletes the other job's output and nothing else."""
@@ -11,12 +11,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.sink import binding
-from services.sink.binding import MANIFEST, Action, DirState, decide
-from services.sink import lifecycle
-from services.sink.lifecycle import Reconciler, status_summary, write_empty_part
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.services.sink import binding
+from prefixflow.services.sink.binding import MANIFEST, Action, DirState, decide
+from prefixflow.services.sink import lifecycle
+from prefixflow.services.sink.lifecycle import Reconciler, status_summary, write_empty_part
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 
 pytestmark = pytest.mark.unit
 
@@ -160,7 +160,7 @@ def test_a_replace_interrupted_before_the_new_manifest_is_finished_by_the_next_b
     assert manifest(tmp_path)["job"] == "j2"
 
 
-# --- what completion writes (services/sink/lifecycle.py) ---------------------------------
+# --- what completion writes (prefixflow/services/sink/lifecycle.py) ----------------------
 
 
 def test_an_empty_part_reads_back_as_an_empty_table_with_the_output_columns(tmp_path):

@@ -1,4 +1,4 @@
-"""The sink's job boundary (services/sink/boundary.py, `Failures.job_fault`): a fault of one
+"""The sink's job boundary (prefixflow/services/sink/boundary.py, `Failures.job_fault`): a fault of one
 job's own fails that job with the reason and settles its messages, a missing resource or
 NATS being away retries them, and the other jobs go on; nothing raises out of the sink."""
 
@@ -11,11 +11,11 @@ import nats.errors
 import pytest
 from nats.js.errors import InvalidKeyError
 
-from services.sink import boundary
-from services.sink import service as sink_service
-from services.sink.boundary import Fault
-from services.sink.writer import JobOutput
-from shared.wire.messages import JobSpec
+from prefixflow.services.sink import boundary
+from prefixflow.services.sink import service as sink_service
+from prefixflow.services.sink.boundary import Fault
+from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.wire.messages import JobSpec
 from tests.unit.test_writer import FakeMsg, Recorder, fake_sink, ok, read_dir
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -1,4 +1,4 @@
-"""client.status: the job lines of `prefixflow status` and the screen of `prefixflow top`,
+"""prefixflow.client.status: the job lines of `prefixflow status` and the screen of `prefixflow top`,
 fed with messages as NATS would deliver them (tests/nats/test_observability.py runs
 both against a real cluster, `top` in tmux)."""
 
@@ -9,8 +9,8 @@ import time
 import pytest
 from rich.console import Console
 
-from client.status import JobView, Top, fmt_duration, status_table
-from shared.wire import messages as m
+from prefixflow.client.status import JobView, Top, fmt_duration, status_table
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Restart decisions of `prefixflow run`'s supervisor (`launch/supervisor.py`): backoff,
+"""Restart decisions of `prefixflow run`'s supervisor (`prefixflow/launch/supervisor.py`): backoff,
 restart budget, dropping a replica, giving up."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from launch.supervisor import Backoff, Drop, GiveUp, RestartPolicy, Supervisor
+from prefixflow.launch.supervisor import Backoff, Drop, GiveUp, RestartPolicy, Supervisor
 
 pytestmark = pytest.mark.unit
 

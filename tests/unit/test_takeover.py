@@ -1,4 +1,4 @@
-"""services.ingestor.takeover (pure rules) and the mover's move: a bucketer node gone for
+"""prefixflow.services.ingestor.takeover (pure rules) and the mover's move: a bucketer node gone for
 good has its prompts moved to live nodes, each prompt once, published before the ack."""
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.ingestor import mover as mover_mod
-from services.ingestor.mover import Mover
-from services.ingestor.takeover import Takeover, move_id, node_of, place
-from shared.bus.poison import PRIOR_DELIVERIES
-from shared.prefix import tokens as tk
-from shared.prefix.block_keys import first_block_key
-from shared.prefix.sharding import Sharder
-from shared.wire import messages as m
-from shared.wire import subjects
+from prefixflow.services.ingestor import mover as mover_mod
+from prefixflow.services.ingestor.mover import Mover
+from prefixflow.services.ingestor.takeover import Takeover, move_id, node_of, place
+from prefixflow.shared.bus.poison import PRIOR_DELIVERIES
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.prefix.block_keys import first_block_key
+from prefixflow.shared.prefix.sharding import Sharder
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.unit import fakes
 
 pytestmark = pytest.mark.unit
@@ -169,7 +169,7 @@ def test_node_of_bucket_subject():
 
 
 def test_rules_import_no_nats():
-    code = "import sys, services.ingestor.takeover; print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'vllm', 'torch')))"
+    code = "import sys, prefixflow.services.ingestor.takeover; print(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'vllm', 'torch')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -1,4 +1,4 @@
-"""services.ingestor.validate: parsing one ingest message into a Record or a Rejected."""
+"""prefixflow.services.ingestor.validate: parsing one ingest message into a Record or a Rejected."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.ingestor.validate import ID_HEADER, PLAN_FIELDS, Record, Rejected, header_id, length_error, parse
-from shared.prefix import tokens as tk
+from prefixflow.services.ingestor.validate import ID_HEADER, PLAN_FIELDS, Record, Rejected, header_id, length_error, parse
+from prefixflow.shared.prefix import tokens as tk
 
 pytestmark = pytest.mark.unit
 
@@ -170,7 +170,7 @@ def test_json_body_with_leading_crlf():
 
 
 def test_int_id_outside_wire_range_is_rejected():
-    from shared.wire import messages as m
+    from prefixflow.shared.wire import messages as m
 
     for big in (2**70, -(2**70), 2**64 - 1, 2**63, -(2**63) - 1):
         for data in (json.dumps({"id": big, "prompt": "p"}).encode(), None):

@@ -1,4 +1,4 @@
-"""The in-flight window (`client/window.py`): a publisher runs at most `limit` rows ahead
+"""The in-flight window (`prefixflow/client/window.py`): a publisher runs at most `limit` rows ahead
 of what the sink accounts for, and never waits for good."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from client.window import STALL_SECONDS, Window
+from prefixflow.client.window import STALL_SECONDS, Window
 
 pytestmark = pytest.mark.unit
 

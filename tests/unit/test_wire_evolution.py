@@ -12,12 +12,12 @@ import json
 import msgspec
 import pytest
 
-from cli.main import parse_args, sampling_from
-from client.openai_batch import parse_line
-from services.engine_worker.requests import prompt_sampling
-from shared.prefix import tokens as tk
-from shared.wire import messages as m
-from shared.wire.sampling import row_sampling, user_sampling
+from prefixflow.cli.main import parse_args, sampling_from
+from prefixflow.client.openai_batch import parse_line
+from prefixflow.services.engine_worker.requests import prompt_sampling
+from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire.sampling import row_sampling, user_sampling
 
 pytestmark = pytest.mark.unit
 
@@ -126,7 +126,7 @@ def test_cli_refuses_an_unknown_sampling_option():
 
 
 def test_client_job_creation_takes_only_known_fields():
-    """The client (`client.submit.submit`) takes a `SamplingSpec`, built by keyword."""
+    """The client (`prefixflow.client.submit.submit`) takes a `SamplingSpec`, built by keyword."""
     with pytest.raises(TypeError, match="temprature"):
         m.SamplingSpec(temprature=0.5)
 

@@ -1,4 +1,4 @@
-"""services.sink.writer: dedupe by id, Parquet parts, restart, summary, input columns
+"""prefixflow.services.sink.writer: dedupe by id, Parquet parts, restart, summary, input columns
 named like generated ones; and the sink service's settling of messages (ack, term, nak)
 against its part writes, and its bound on finished jobs, with fake NATS objects."""
 
@@ -15,15 +15,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.sink import service as sink_service
+from prefixflow.services.sink import service as sink_service
 from tests.unit import fakes
-from services.sink.writer import OUTPUT_TYPES, JobOutput, input_column
-from shared.bus.jobs import JobLookup
-from shared.bus.poison import PRIOR_DELIVERIES
-from shared.process.config import SinkConfig
-from shared.wire import messages as m
-from shared.wire import subjects
-from shared.wire.messages import FinishReason, JobSpec, Result
+from prefixflow.services.sink.writer import OUTPUT_TYPES, JobOutput, input_column
+from prefixflow.shared.bus.jobs import JobLookup
+from prefixflow.shared.bus.poison import PRIOR_DELIVERIES
+from prefixflow.shared.process.config import SinkConfig
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.messages import FinishReason, JobSpec, Result
 
 OUTPUT_COLUMNS = tuple(OUTPUT_TYPES)
 

@@ -12,15 +12,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from client import columns
-from services.sink.writer import JobOutput
-from shared.wire import messages as m
+from prefixflow.client import columns
+from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
 
 
 def run_jsonl(tmp_path, rows: list[dict], parts: list[list[int]], extra: dict | None = None) -> dict:
-    """Rows through the client's split (`client/columns.py`) and the sink's join, written
+    """Rows through the client's split (`prefixflow/client/columns.py`) and the sink's join, written
     in `parts` (lists of row indexes); returns the output rows by id."""
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

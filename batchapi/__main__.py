@@ -1,9 +1,0 @@
-import argparse
-
-from batchapi.service import API_HELP, serve
-from shared.process import config as cfgmod
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m batchapi", description=API_HELP)
-    cfgmod.add_arguments(parser, cfgmod.ApiConfig)
-    serve(parser.parse_args())

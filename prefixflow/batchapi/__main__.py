@@ -1,0 +1,9 @@
+import argparse
+
+from prefixflow.batchapi.service import API_HELP, serve
+from prefixflow.shared.process import config as cfgmod
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m batchapi", description=API_HELP)
+    cfgmod.add_arguments(parser, cfgmod.ApiConfig)
+    serve(parser.parse_args())

@@ -1,0 +1,169 @@
+"""The OpenAI Batch API over HTTP (FastAPI): `/v1/files` and `/v1/batches`.
+
+Why FastAPI on uvicorn: vLLM's own OpenAI server is built on them, so they come with
+vLLM (no new dependency), and Starlette's multipart parsing spools an upload to a
+temporary file past 1 MiB, so a 200 MB file never sits in memory; from there it goes to
+the object store in chunks. Errors have OpenAI's shape (`{"error": {"message", "type",
+"param", "code"}}`), so the `openai` client raises its own exception types.
+
+Every request names its tenant by its API key (`Authorization: Bearer`); records are
+keyed by tenant (`prefixflow/batchapi/store.py`), so another tenant's id is a 404.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from fastapi import Depends, FastAPI, File, Form, Header, Request, UploadFile
+from fastapi.responses import FileResponse, JSONResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+
+from prefixflow.batchapi import batches as b
+from prefixflow.batchapi.runner import Runner
+from prefixflow.batchapi.store import BatchRec, Store, new_id, now
+from prefixflow.batchapi.tenants import tenant_of
+from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.type = status, message, code, type_
+
+
+class CreateBatch(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+def public(rec: BatchRec) -> dict[str, Any]:
+    return {k: v for k, v in rec.batch.items() if not k.startswith("_")}
+
+
+def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) -> FastAPI:
+    app = FastAPI(title="prefixflow batch API", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"error": {"message": exc.message, "type": exc.type, "param": None, "code": exc.code}},
+                            status_code=exc.status)
+
+    async def tenant(authorization: str | None = Header(default=None)) -> str:
+        who = tenant_of(keys, authorization)
+        if who is None:
+            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "invalid_api_key",
+                           "authentication_error")
+        return who
+
+    async def own_file(tenant: str, fid: str):
+        rec = await store.file(tenant, fid)
+        if rec is None:
+            raise ApiError(404, f"no file {fid!r}", "not_found")
+        return rec
+
+    async def own_batch(tenant: str, bid: str) -> BatchRec:
+        rec = await store.batch(tenant, bid)
+        if rec is None:
+            raise ApiError(404, f"no batch {bid!r}", "not_found")
+        return rec
+
+    # --- files -------------------------------------------------------------------------
+
+    @app.post("/v1/files")
+    async def create_file(file: UploadFile = File(...), purpose: str = Form(...), who: str = Depends(tenant)):
+        if purpose not in ("batch", "batch_output", "user_data"):
+            raise ApiError(400, f"purpose {purpose!r}: this service keeps 'batch' files")
+        size = file.size if file.size is not None else os.fstat(file.file.fileno()).st_size
+        if size > cfg.max_file_bytes:
+            raise ApiError(413, f"file of {size} bytes is over the limit of {cfg.max_file_bytes}", "file_too_large")
+        file.file.seek(0)
+        rec = await store.put_file(who, file.filename or "upload.jsonl", purpose, file.file)
+        return rec.openai()
+
+    @app.get("/v1/files")
+    async def list_files(who: str = Depends(tenant), purpose: str | None = None):
+        data = [r.openai() for r in await store.files(who) if purpose is None or r.purpose == purpose]
+        return {"object": "list", "data": data, "has_more": False}
+
+    @app.get("/v1/files/{fid}")
+    async def get_file(fid: str, who: str = Depends(tenant)):
+        return (await own_file(who, fid)).openai()
+
+    @app.get("/v1/files/{fid}/content")
+    async def file_content(fid: str, who: str = Depends(tenant)):
+        rec = await own_file(who, fid)
+        fd, path = tempfile.mkstemp(prefix="pfx-content-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                await store.read_object(rec.object, f)
+        except Exception:
+            os.unlink(path)
+            raise
+        return FileResponse(path, media_type="application/octet-stream", filename=rec.filename,
+                            background=BackgroundTask(os.unlink, path))
+
+    @app.delete("/v1/files/{fid}")
+    async def delete_file(fid: str, who: str = Depends(tenant)):
+        await store.delete_file(await own_file(who, fid))
+        return {"id": fid, "object": "file", "deleted": True}
+
+    # --- batches -----------------------------------------------------------------------
+
+    @app.post("/v1/batches")
+    async def create_batch(body: CreateBatch, who: str = Depends(tenant)):
+        try:
+            b.check_endpoint(body.endpoint, cfg.task)
+            window = b.window_seconds(body.completion_window)
+            b.priority(body.metadata)
+        except b.Invalid as exc:
+            raise ApiError(400, str(exc)) from None
+        await own_file(who, body.input_file_id)
+        bid, created = new_id("batch"), now()
+        batch = {
+            "id": bid, "object": "batch", "endpoint": body.endpoint, "input_file_id": body.input_file_id,
+            "completion_window": body.completion_window, "status": "validating", "created_at": created,
+            "expires_at": created + window, "metadata": body.metadata, "model": cfg.model,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "errors": None,
+            "output_file_id": None, "error_file_id": None,
+        }
+        rec = BatchRec(who, bid, batch)
+        await store.save_batch(rec)
+        runner.start(rec)
+        return public(rec)
+
+    @app.get("/v1/batches/{bid}")
+    async def get_batch(bid: str, who: str = Depends(tenant)):
+        return public(await own_batch(who, bid))
+
+    @app.get("/v1/batches")
+    async def list_batches(who: str = Depends(tenant), after: str | None = None, limit: int = 20):
+        limit = max(1, min(limit, 100))
+        recs = await store.batches(who)
+        if after is not None:
+            ids = [r.batch["id"] for r in recs]
+            recs = recs[ids.index(after) + 1:] if after in ids else []
+        page = recs[:limit]
+        data = [public(r) for r in page]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(recs) > limit}
+
+    @app.post("/v1/batches/{bid}/cancel")
+    async def cancel_batch(bid: str, who: str = Depends(tenant)):
+        rec = await own_batch(who, bid)
+        if rec.batch["status"] in b.TERMINAL or rec.batch["status"] in ("cancelling", "finalizing"):
+            return public(rec)
+        rec.batch.update(status="cancelling", cancelling_at=now())
+        await store.save_batch(rec)
+        try:
+            await cancel_job(js, nc, rec.job)
+        except UnknownJob:
+            pass  # not submitted yet: the runner sees the cancel before it submits
+        runner.start(rec)
+        return public(rec)
+
+    return app

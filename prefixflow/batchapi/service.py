@@ -1,0 +1,75 @@
+"""`prefixflow serve api`: the OpenAI Batch API (`prefixflow/batchapi/app.py`) on uvicorn, and
+the batch runner (`prefixflow/batchapi/runner.py`) in the same event loop. On start it resumes
+every batch not in a final state; SIGTERM stops the server and the runner (their
+batches resume at the next start, from the records in the cluster)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+import uvicorn
+
+from prefixflow.batchapi.app import make_app
+from prefixflow.batchapi.runner import Runner
+from prefixflow.batchapi.store import Store
+from prefixflow.batchapi.tenants import load_keys
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.bus.provision import provision
+
+log = structlog.get_logger()
+
+
+class Api:
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.keys = load_keys(cfg.api_keys, cfg.api_keys_file)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        nc = await connect(self.cfg.nats_url, "api")
+        js = nc.jetstream()
+        await provision(js)
+        store = await Store(js).open()
+        runner = Runner(store, self.cfg.nats_url, self.cfg)
+        await runner.resume_all()
+        app = make_app(store, runner, self.keys, self.cfg, js, nc)
+        server = uvicorn.Server(uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning",
+                                               lifespan="off", access_log=False))
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if serving.done():
+            await serving  # could not listen: say why
+        log.info("api ready", url=f"http://{self.cfg.host}:{self.cfg.port}", tenants=sorted(set(self.keys.values())) or
+                 ["default (no API key asked)"])
+        await stop.wait()
+        server.should_exit = True
+        await serving
+        await runner.stop()
+        await close(nc)
+
+
+API_HELP = "the OpenAI Batch API (/v1/files, /v1/batches) over HTTP, with tenants; runs batches as jobs"
+
+
+def add_parser(sub) -> None:
+    from prefixflow.shared.process import config as cfgmod
+
+    p = sub.add_parser("api", help=API_HELP, description=API_HELP)
+    cfgmod.add_arguments(p, cfgmod.ApiConfig)
+
+
+def serve(args=None) -> None:
+    """`prefixflow serve api`: config from flags and `PFX_*`, then run until SIGTERM."""
+    from prefixflow.shared.bus.connection import NatsOptions, configure
+    from prefixflow.shared.process import config as cfgmod
+    from prefixflow.shared.process import metrics
+    from prefixflow.shared.process.logs import setup_logging
+    from prefixflow.shared.process.supervise import run_service
+
+    cfg = cfgmod.load(cfgmod.ApiConfig, args)
+    configure(NatsOptions.from_config(cfg))
+    setup_logging("api", fmt=cfg.log_format, level=cfg.log_level)
+    service = Api(cfg)
+    metrics.serve("api", cfg.metrics_port, [], addr=cfg.metrics_host)
+    run_service(service.run)

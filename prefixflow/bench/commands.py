@@ -1,0 +1,23 @@
+"""`prefixflow bench ...`: every harness's subcommand, registered in one place."""
+
+from __future__ import annotations
+
+
+def add_parsers(sub) -> None:
+    from prefixflow.bench.batching import add_batching_parser
+    from prefixflow.bench.fairness import add_fairness_parser
+    from prefixflow.bench.lora import add_lora_parser
+    from prefixflow.bench.methods import add_methods_parser
+    from prefixflow.bench.peer_runs import add_peers_parser
+    from prefixflow.bench.pipeline import add_pipeline_parser
+    from prefixflow.bench.router import add_router_parser
+    from prefixflow.bench.soak import add_soak_parser
+
+    add_methods_parser(sub)
+    add_pipeline_parser(sub)
+    add_router_parser(sub)
+    add_peers_parser(sub)
+    add_batching_parser(sub)
+    add_soak_parser(sub)
+    add_fairness_parser(sub)
+    add_lora_parser(sub)

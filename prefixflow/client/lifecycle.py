@@ -1,0 +1,97 @@
+"""Ending a job early: `prefixflow cancel JOB`; and a job's deadline (`--expires-in`).
+
+Cancelling writes `cancelled_at` into the job's spec (`prefixflow.shared.bus.jobs.cancel_job`: a
+compare-and-set on its revision, so a client sealing the job at the same moment cannot
+undo it: its own compare-and-set fails and it sees the cancellation) and announces it on
+`subjects.JOB_CANCELLED`, so the services drop their cached spec at once. A job past its
+deadline (`JobSpec.expires_at`) is treated the same way by every service, with nothing
+written (`JobSpec.ended_at`): it completes as expired. From then on the ingestor drops the job's
+prompts, engine-workers do not start the ones they hold, prompts already in an engine
+finish, and the sink completes the job as cancelled once no row has come for a few
+seconds (`prefixflow/services/sink/lifecycle.CANCEL_SETTLE`): its rows written so far stay, its
+status says `cancelled` (and `done`: nothing more will be written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from nats.js.errors import KeyNotFoundError
+
+from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+
+CANCEL_WAIT = 60.0
+"""Seconds `prefixflow cancel` waits for the job's status to say cancelled."""
+
+
+async def wait_cancelled(status_kv, job: str, timeout: float = CANCEL_WAIT) -> m.JobStatus | None:
+    """The job's status once it says done (cancelled, or finished before the cancel took
+    effect); None if it does not within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            st = m.job_status_decoder.decode((await status_kv.get(job)).value)
+        except KeyNotFoundError:
+            st = None
+        if st is not None and (st.done or st.failed):
+            return st
+        await asyncio.sleep(0.25)
+    return None
+
+
+def cmd_cancel(args) -> None:
+    from prefixflow.shared.bus.connection import close, connect
+
+    async def main() -> int:
+        if (why := subjects.job_id_error(args.job)) is not None:
+            print(f"error: {why}")
+            return 2
+        nc = await connect(args.nats, "prefixflow-cancel")
+        try:
+            js = nc.jetstream()
+            status_kv = await js.key_value(subjects.JOB_STATUS_KV)
+            try:
+                before = m.job_status_decoder.decode((await status_kv.get(args.job)).value)
+            except KeyNotFoundError:
+                before = None
+            if before is not None and before.done:
+                print(f"job {args.job} is already {'cancelled' if before.cancelled else 'done'}: {before.rows} rows")
+                return 0
+            if before is not None and before.failed:  # nothing runs for it: nothing to cancel
+                print(f"job {args.job} already failed: {before.error or 'no reason given'}")
+                return 0
+            try:
+                _, fresh = await cancel_job(js, nc, args.job)
+            except UnknownJob:
+                print(f"error: no job {args.job!r} in the cluster (never submitted, or expired)")
+                return 2
+            print(f"job {args.job}: {'cancelling' if fresh else 'already cancelling'}", flush=True)
+            if args.no_wait:
+                return 0
+            st = await wait_cancelled(status_kv, args.job, args.timeout)
+            if st is None:
+                print(f"job {args.job}: not settled after {args.timeout:.0f} s (prompts still in engines?); "
+                      "it completes as cancelled once they land")
+                return 1
+            state = "cancelled" if st.cancelled else "failed" if st.failed else "done"
+            print(f"job {args.job} {state}: {st.rows} rows written ({st.errors} errors)")
+            return 0
+        finally:
+            await close(nc)
+
+    raise SystemExit(asyncio.run(main()))
+
+
+def add_parsers(sub, default_nats: str) -> None:
+    p = sub.add_parser(
+        "cancel", help="cancel a job: the cluster stops feeding it, rows written stay, its status says cancelled",
+    )
+    p.add_argument("job", help="job id")
+    p.add_argument("--nats", default=default_nats, help="NATS URL (env PFX_NATS_URL)")
+    p.add_argument("--no-wait", action="store_true", help="return once the cancel is recorded")
+    p.add_argument("--timeout", type=float, default=CANCEL_WAIT,
+                   help=f"seconds to wait for the job to settle as cancelled (default {CANCEL_WAIT:.0f})")
+    p.set_defaults(fn=cmd_cancel)

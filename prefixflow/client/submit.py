@@ -1,0 +1,451 @@
+"""Submitting a job and following it: what `prefixflow submit` and `prefixflow run` do.
+
+1. Create the job spec in the jobs KV bucket (validated sampling parameters).
+2. Stream the input file (Parquet or JSONL with a `prompt` column) in chunks
+   (`prefixflow/client/columns.py`), never further ahead of the sink than the in-flight window
+   (`prefixflow/client/window.py`): each chunk's input columns are stored once in the blob store,
+   and its model inputs go to `pfx.ingest.<job>` as msgpack arrays of rows, each with a
+   `Nats-Msg-Id` so a re-publish inside the stream's duplicate window is dropped by the
+   server.
+3. Seal the job (set `total`) and follow the sink's progress until it is done.
+
+Re-runs: the output directory is claimed for the job in the jobs bucket
+(`subjects.dir_key`): another job's directory is refused (`DirTaken`) unless the job
+overwrites it (`JobSpec.overwrite`); a job already done is not run again (`AlreadyDone`);
+every job asks the sink which ids of each input chunk are on disk (`DoneQuery`) and
+publishes only the others, so a resume sends only what is missing, from any machine and
+whatever the cluster remembers; the first answer that says nothing of the job is on disk
+ends the queries (a new job costs one round trip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats.errors
+import pyarrow.parquet as pq
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from tqdm import tqdm
+
+from prefixflow.client import columns
+from prefixflow.client.progress import FleetProgress, engines_note, progress_note
+from prefixflow.shared.bus.jobs import seal
+from prefixflow.client.window import IN_FLIGHT_ROWS, Window
+from prefixflow.shared.bus.blobs import put_blob
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.ids import IdSet
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.bus.provision import provision
+from prefixflow.shared.bus.publish import message_limit, publish
+
+READ_BATCH = 4096
+PUBLISH_CONCURRENCY = 256
+ROWS_PER_MESSAGE = 64
+DONE_QUERY_TIMEOUT = 5.0
+"""Seconds a done query waits for the sink's answer (then the chunk's rows are sent)."""
+DONE_QUERY_FAILURES = 2
+"""Consecutive unanswered done queries after which a resume stops asking (a sink that
+does not answer them): every remaining row is sent, and the sink drops duplicates."""
+EMPTY_JOB_WAIT = 60.0
+"""Seconds to wait for the sink to complete a job of no rows before giving up."""
+
+
+class JobFailed(Exception):
+    """The cluster marked the job failed (its status says why)."""
+
+    def __init__(self, job: str, reason: str | None) -> None:
+        super().__init__(f"job {job} failed: {reason or 'no reason given'}")
+        self.job = job
+        self.reason = reason
+
+
+class JobCancelled(JobFailed):
+    """The job was cancelled (`prefixflow cancel`) or expired: the rows written stay."""
+
+    def __init__(self, job: str, status: m.JobStatus | None = None, note: str = "") -> None:
+        rows = f": {status.rows} rows written ({status.errors} errors), they stay" if status is not None else ""
+        how = "expired" if status is not None and (status.summary or {}).get("expired") else "cancelled"
+        Exception.__init__(self, f"job {job} {how}{rows}{note}")
+        self.job, self.reason, self.status = job, "cancelled", status
+
+
+class DirTaken(Exception):
+    """The output directory is bound to another job (`prefixflow` exits with code 2)."""
+
+    def __init__(self, out_dir: str, owner: str, job: str) -> None:
+        super().__init__(
+            f"{out_dir} holds the output of job {owner}: pass --job {owner} to resume that job, "
+            f"--overwrite to replace its output with job {job}'s, or another --out"
+        )
+        self.out_dir, self.owner, self.job = out_dir, owner, job
+
+
+class AlreadyDone(Exception):
+    """The job is done already (every row written, `status.summary` its summary): nothing
+    was published."""
+
+    def __init__(self, status: m.JobStatus) -> None:
+        super().__init__(f"job {status.job} is already done: {status.rows} rows ({status.errors} errors)")
+        self.status = status
+
+
+done_reply_decoder = msgspec.msgpack.Decoder(m.DoneReply)
+
+
+class DoneQueries:
+    """Resume: which rows of a chunk the sink has written already (`DoneQuery` on
+    `subjects.done_query(job)`). A query not answered (timeout, no sink listening, an
+    error reply) sends the chunk's rows as they are (the sink drops duplicates); after
+    `DONE_QUERY_FAILURES` in a row it stops asking. No sink listening yet (a cluster just
+    started: the sink subscribes after it is up) is asked again for `wait_for_sink` seconds
+    first, so a job resumed at once does not recompute its finished rows."""
+
+    def __init__(self, nc, job: str, *, timeout: float = DONE_QUERY_TIMEOUT,
+                 wait_for_sink: float = DONE_QUERY_TIMEOUT) -> None:
+        self.nc, self.job, self.timeout = nc, job, timeout
+        self.wait_for_sink = wait_for_sink
+        self.failures = 0
+        self.problem: str | None = None
+        """Why the last query went unanswered."""
+        self.none_done = False
+        """The sink said no row of the job was on disk: later chunks need no query."""
+
+    async def missing(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.failures >= DONE_QUERY_FAILURES or self.none_done or not rows:
+            return rows
+        try:
+            done = await self._ask_when_listened([r["id"] for r in rows])
+        except (nats.errors.Error, asyncio.TimeoutError, msgspec.DecodeError, ValueError) as exc:
+            self.failures += 1
+            self.problem = str(exc) or type(exc).__name__
+            return rows
+        self.failures = 0
+        return [r for r, d in zip(rows, done) if not d]
+
+    async def _ask_when_listened(self, ids: list[Any]) -> list[bool]:
+        """`_ask`, again while no sink listens, for `wait_for_sink` seconds (the first time)."""
+        deadline = time.monotonic() + self.wait_for_sink
+        while True:
+            try:
+                return await self._ask(ids)
+            except nats.errors.NoRespondersError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
+            finally:
+                self.wait_for_sink = 0.0  # only a cluster that just started is waited for
+
+    async def _ask(self, ids: list[Any]) -> list[bool]:
+        data = m.encode(m.DoneQuery(ids))
+        if len(data) > message_limit(self.nc) and len(ids) > 1:  # long string ids: ask in halves
+            half = len(ids) // 2
+            return await self._ask(ids[:half]) + await self._ask(ids[half:])
+        reply = done_reply_decoder.decode((await self.nc.request(subjects.done_query(self.job), data, timeout=self.timeout)).data)
+        if reply.error is not None:
+            raise ValueError(f"the sink cannot tell: {reply.error}")
+        if len(reply.done) != len(ids):
+            raise ValueError(f"the sink answered {len(reply.done)} of {len(ids)} ids")
+        self.none_done = reply.on_disk == 0
+        return reply.done
+
+
+def count_rows(path: str | Path) -> int | None:
+    path = Path(path)
+    if path.suffix in (".parquet", ".pq"):
+        return pq.ParquetFile(path).metadata.num_rows
+    return None
+
+
+class Submitter:
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+
+    async def __aenter__(self) -> Submitter:
+        self.nc = await connect(self.nats_url, "prefixflow-client")
+        self.js = self.nc.jetstream()
+        await provision(self.js)
+        self.jobs_kv = await self.js.key_value(subjects.JOBS_KV)
+        self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
+        self.cancelled: set[str] = set()
+        """Jobs cancelled while this client runs (`subjects.JOB_CANCELLED`)."""
+
+        async def on_cancel(msg) -> None:
+            if len(self.cancelled) < 10_000:
+                self.cancelled.add(msg.data.decode(errors="replace"))
+
+        await self.nc.subscribe(subjects.JOB_CANCELLED, cb=on_cancel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await close(self.nc)
+
+    async def create(self, spec: m.JobSpec) -> None:
+        await self.jobs_kv.put(spec.job, m.encode_json(spec))
+
+    async def put_columns(self, job: str, chunk: columns.Chunk) -> None:
+        """Store a chunk's input columns (before its rows are published: the sink reads them)."""
+        if chunk.kept:
+            await put_blob(self.js, self.nc, job, columns.blob_key(chunk.src), chunk.kept)
+
+    async def publish_rows(self, job: str, rows: list[dict[str, Any]], *, batch: int = ROWS_PER_MESSAGE) -> list:
+        """Publish rows as msgpack arrays of up to `batch` rows, cut by their encoded size
+        under the server's limit (`message_limit`); `batch=1` sends one map per row with
+        its id in the `Pfx-Id` header."""
+        subject = subjects.ingest(job)
+        ids = [row["id"] for row in rows]
+        coros = []
+        if batch == 1:
+            for row in rows:
+                rid = msgspec.json.encode(row["id"]).decode()
+                coros.append(publish(self.js, subject, m.msgpack_encoder.encode(row), headers={"Pfx-Id": rid, "Nats-Msg-Id": f"{job}:{rid}"}))
+        else:
+            # NOTE: a single row over the limit goes alone and the server refuses it
+            # (`MessageTooLarge`): a prompt that large cannot be a model input anyway.
+            for b in m.encode_batches(rows, list, message_limit(self.js), batch):
+                msg_id = f"{job}:{rows[b.start]['id']}:{rows[b.stop - 1]['id']}:{b.stop - b.start}"
+                coros.append(publish(self.js, subject, b.data, headers={"Nats-Msg-Id": msg_id}))
+        for i in range(0, len(coros), PUBLISH_CONCURRENCY):
+            await asyncio.gather(*coros[i : i + PUBLISH_CONCURRENCY])
+        return ids
+
+    async def spec(self, job: str) -> m.JobSpec | None:
+        """The job's spec in the jobs bucket (None: never created, or expired)."""
+        try:
+            entry = await self.jobs_kv.get(job)
+        except KeyNotFoundError:
+            return None
+        try:
+            return m.job_spec_decoder.decode(entry.value)
+        except msgspec.DecodeError:
+            return None
+
+    async def claim_dir(self, out_dir: str, job: str, *, overwrite: bool = False) -> str | None:
+        """Bind `out_dir` to `job` in the jobs bucket (`subjects.dir_key`). Bound to
+        another job: `DirTaken`, or with `overwrite` rebound (returns the other job)."""
+        key = subjects.dir_key(out_dir, subjects.tenant_of(job))
+        try:
+            await self.jobs_kv.create(key, job.encode())
+            return None
+        except KeyWrongLastSequenceError:
+            pass  # bound already: to whom?
+        try:
+            owner = (await self.jobs_kv.get(key)).value.decode()
+        except KeyNotFoundError:  # expired or deleted meanwhile
+            owner = job
+        if owner != job:
+            if not overwrite:
+                raise DirTaken(out_dir, owner, job)
+        await self.jobs_kv.put(key, job.encode())
+        return owner if owner != job else None
+
+    async def status(self, job: str) -> m.JobStatus | None:
+        try:
+            entry = await self.status_kv.get(job)
+        except KeyNotFoundError:
+            return None
+        return m.job_status_decoder.decode(entry.value)
+
+    def ended(self, spec: m.JobSpec) -> bool:
+        """The job was cancelled (a notice came) or its deadline passed: publish no more."""
+        return spec.job in self.cancelled or bool(spec.ended_at(time.time()))
+
+    async def make_room(self, spec: m.JobSpec, window: Window, rows: int, check: Callable[[], None] | None = None) -> bool:
+        """True once `rows` more may be published for the job (`prefixflow/client/window.py`),
+        following the sink's count in the job's status meanwhile; False if the job ended
+        (`ended`) meanwhile. Raises `JobFailed` when the status says the job failed;
+        `check()` runs each round."""
+        job = spec.job
+        while not window.may_send(rows, time.monotonic()):
+            if self.ended(spec):
+                return False
+            try:
+                st = await self.status(job)
+            except (nats.errors.Error, TimeoutError, OSError):
+                st = None  # nats-server away: no news (the window's stall clock runs)
+            else:
+                if st is not None and st.failed:
+                    raise JobFailed(job, st.error)
+                window.observe(st.rows + st.duplicates if st is not None else 0, time.monotonic())
+            if window.may_send(rows, time.monotonic()):
+                break
+            if check is not None:
+                check()
+            await asyncio.sleep(0.25)
+        return not self.ended(spec)
+
+    async def wait(
+        self, job: str, total: int, *, progress: bool = True, timeout: float | None = None, check: Callable[[], None] | None = None
+    ) -> m.JobStatus:
+        """Follow the sink's progress until `total` rows are written; raise `JobFailed`
+        as soon as the status says the job failed (and `TimeoutError` when a job of no
+        rows is not completed within `EMPTY_JOB_WAIT`). `check()` runs each round (raise there
+        to stop waiting). A NATS outage (nats-server restarting) is waited out."""
+        # Rate and ETA are the sink's (rows per second over its last 30 s), as in `prefixflow status`;
+        # prompts under way and tokens/s come from the replicas' status messages (prefixflow/client/progress.py).
+        bar = tqdm(total=total, desc=f"job {job}", unit="row", disable=not progress, dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        fleet = self.fleet = FleetProgress()
+        self.first_progress: float | None = None
+        """When the line first showed work under way (`prefixflow bench batching` reads it)."""
+
+        async def on_status(msg) -> None:
+            try:
+                fleet.update(m.engine_status_decoder.decode(msg.data), time.monotonic())
+            except msgspec.DecodeError:
+                return
+
+        # A tenant may not read the replicas' status (it names every tenant's jobs): its
+        # progress line shows rows only.
+        status_sub = None if subjects.tenant_of(job) else await self.nc.subscribe(subjects.ALL_STATUS, cb=on_status)
+        st = None
+        try:
+            while True:
+                try:
+                    st = await self.status(job)
+                except (nats.errors.Error, TimeoutError, OSError):
+                    # NOTE: nats-server away or restarting (the client reconnects by
+                    # itself); the timeout below still applies.
+                    pass
+                if st is not None and st.failed:
+                    raise JobFailed(job, st.error)
+                if st is not None and st.done and st.cancelled:
+                    raise JobCancelled(job, st)
+                if self.first_progress is None and ((st is not None and st.rows) or fleet.held(job)):
+                    self.first_progress = time.time()
+                if st is not None:
+                    bar.n = min(st.rows, total)
+                bar.set_postfix_str(progress_note(st, fleet, job), refresh=False)
+                bar.refresh()
+                if st is not None and st.done and st.total == total:
+                    return st
+                if check is not None:
+                    check()
+                if total == 0 and time.monotonic() - started > EMPTY_JOB_WAIT:
+                    raise TimeoutError(f"job {job} has no rows and the cluster did not complete it within "
+                                       f"{EMPTY_JOB_WAIT:.0f} s (status: {st})")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {job} not done after {timeout} s (status: {st})")
+                await asyncio.sleep(0.5)
+        finally:
+            bar.close()
+            try:
+                if status_sub is not None:
+                    await status_sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+
+async def submit(
+    input_path: str | Path,
+    *,
+    nats_url: str,
+    job: str,
+    out_dir: str | Path,
+    sampling: m.SamplingSpec,
+    model: str = "",
+    progress: bool = True,
+    timeout: float | None = None,
+    check: Callable[[], None] | None = None,
+    chat_template: str = "",
+    chat_template_kwargs: dict[str, Any] | None = None,
+    task: str = "generate",
+    overwrite: bool = False,
+    resume: bool = False,
+    max_in_flight: int = IN_FLIGHT_ROWS,
+    expires_in: float | None = None,
+    deliver: str = "",
+    resolve_out: bool = True,
+    priority: int = 1,
+) -> m.JobStatus:
+    """Submit `input_path` as `job` and wait until the sink has every row.
+
+    Raises `DirTaken` when `out_dir` belongs to another job (unless `overwrite`: the sink
+    then replaces that job's output), `AlreadyDone` when the job has every row already,
+    `JobFailed` when the cluster marks it failed. Only the rows the sink does not have are
+    published; `resume` (or a job the cluster knows) prints how many were skipped."""
+    if (why := subjects.job_id_error(job)) is not None:
+        raise SystemExit(why)
+    # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
+    out_dir = str(Path(out_dir).resolve()) if resolve_out else str(out_dir)
+    from prefixflow.client import openai_batch
+
+    batch = None
+    if openai_batch.is_batch_file(input_path):  # OpenAI Batch requests -> rows (prefixflow/client/openai_batch.py)
+        import tempfile
+
+        batch = openai_batch.read_batch(input_path, task)
+        input_path = openai_batch.write_rows(batch, Path(tempfile.mkdtemp(prefix="pfx-batch-")) / "rows.jsonl")
+    expected = count_rows(input_path)
+    async with Submitter(nats_url) as client:
+        # A job the cluster already marked failed would only fail again: say so now,
+        # before publishing anything.
+        before = await client.status(job)
+        if before is not None and before.failed:
+            raise JobFailed(job, f"{before.error} (earlier run; submit under a new --job id)")
+        replaced = await client.claim_dir(out_dir, job, overwrite=overwrite)
+        if replaced is not None:
+            print(f"{out_dir} held job {replaced}'s output: job {job} replaces it (--overwrite)", flush=True)
+        earlier = await client.spec(job)
+        if (before is not None and before.cancelled) or (earlier is not None and earlier.cancelled_at):
+            raise JobCancelled(job, before, " (earlier; submit under a new --job id)")
+        same_dir = earlier is None or earlier.out_dir == out_dir
+        if (replaced is None and same_dir and before is not None and before.done and before.total is not None
+                and (expected is None or before.total >= expected)):
+            raise AlreadyDone(before)
+        resume = resume or (before is not None and before.rows > 0) or earlier is not None
+        now = time.time()
+        spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
+                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
+                         overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver,
+                         priority=priority)
+        await client.create(spec)
+        seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
+        # Resume: rows the sink has written already are not sent again (asked per chunk;
+        # also for a job new to this cluster, whose directory may hold an earlier run's
+        # rows: the first answer says whether anything is on disk at all).
+        queries = DoneQueries(client.nc, job)
+        window = Window(max(max_in_flight, 1))  # publish no further ahead of the sink than this
+        window.observe(before.rows + before.duplicates if before is not None else 0, time.monotonic())
+        bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
+        skipped = 0
+        ended = False  # cancelled or past its deadline: stop publishing; `wait` reports it
+        for chunk in columns.chunks(input_path):
+            if ended or client.ended(spec):
+                ended = True
+                break
+            seen.update(chunk.ids)
+            todo = await queries.missing(chunk.rows)
+            skipped += len(chunk.rows) - len(todo)
+            if todo:
+                await client.put_columns(job, chunk)
+                step = max(ROWS_PER_MESSAGE, window.limit // 4)  # a small window: a chunk goes in slices
+                for i in range(0, len(todo), step):
+                    if not await client.make_room(spec, window, len(todo[i : i + step]), check):
+                        ended = True
+                        break
+                    await client.publish_rows(job, todo[i : i + step])
+                    window.sent += len(todo[i : i + step])
+            bar.update(len(chunk.rows))
+        bar.close()
+        if resume or skipped:
+            note = f" (the sink did not answer: {queries.problem}; it drops the duplicates)" if queries.problem else ""
+            print(f"resuming job {job}: {skipped} rows already done, {len(seen) - skipped} sent{note}", flush=True)
+        if not ended:
+            await seal(client.js, spec, len(seen))  # not if cancelled meanwhile: `wait` then says so
+        # Ended: the sink completes the job as cancelled (or expired) once its rows land.
+        status = await client.wait(job, len(seen), progress=progress, timeout=timeout, check=check)
+        if note := engines_note(client.fleet):
+            print(note, flush=True)
+    if batch is not None:
+        ok, errors = openai_batch.write_outputs(batch, out_dir, model)
+        where = openai_batch.batch_dir(out_dir)
+        print(f"OpenAI Batch: {ok} responses in {where}/output.jsonl, {errors} errors in {where}/errors.jsonl", flush=True)
+    return status

@@ -1,0 +1,238 @@
+"""`prefixflow run`: a local cluster (nats-server and the five services) that runs one job
+and stops. The command's arguments are defined in `prefixflow/cli/main.py`; this is what it does."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+from prefixflow.shared.process import config as cfgmod
+from prefixflow.shared.wire import messages as m
+
+T = TypeVar("T")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) reached `prefixflow run`: stop the cluster and exit."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
+
+
+STARTUP_TIMEOUT = 300.0
+"""Seconds `prefixflow run` waits for the first replica to be ready."""
+
+
+async def alongside(main: Awaitable[T], side: Awaitable[None]) -> T:
+    """`main`'s result, with `side` running next to it: an error of `side` cancels `main`
+    and is raised; `side` is cancelled when `main` ends."""
+    main_task, side_task = asyncio.ensure_future(main), asyncio.ensure_future(side)
+    try:
+        await asyncio.wait({main_task, side_task}, return_when=asyncio.FIRST_COMPLETED)
+        if side_task.done() and not side_task.cancelled() and side_task.exception() is not None:
+            raise side_task.exception()
+        return await main_task
+    finally:
+        for task in (main_task, side_task):
+            task.cancel()
+        await asyncio.gather(main_task, side_task, return_exceptions=True)
+
+
+class Plan(NamedTuple):
+    """What `run` does with OUT, decided from its manifest before anything starts."""
+
+    job: str
+    resume: bool
+    """OUT holds this job's unfinished output: only the rows not written are sent."""
+    done: dict[str, Any] | None = None
+    """OUT holds this job's finished output (its summary): nothing to run."""
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def plan(out: str | Path, input_path: str | Path, job: str | None, new_job: str, *, overwrite: bool = False) -> Plan:
+    """The job `run` runs into `out` (a local directory): the one its manifest
+    (`_job.json`, written by the sink) names, resumed, or reported if `_summary.json`
+    shows it has every row (against INPUT's row count when the file says it cheaply:
+    Parquet; else the summary is trusted). `--job` naming another job: exit code 2,
+    unless `overwrite`. No manifest: `job` or `new_job`."""
+    from prefixflow.client.submit import count_rows
+
+    out = Path(out).resolve()
+    owner = (read_json(out / "_job.json") or {}).get("job")
+    if not isinstance(owner, str) or not owner:
+        return Plan(job or new_job, False)
+    if job is not None and job != owner:
+        if overwrite:
+            return Plan(job, False)
+        print(f"error: {out} holds the output of job {owner}: pass --job {owner} (or no --job) to resume that job, "
+              f"--overwrite to replace its output with job {job}'s, or another --out", file=sys.stderr, flush=True)
+        sys.exit(2)
+    summary = read_json(out / "_summary.json")
+    if summary is not None and summary.get("job") == owner:
+        expected = count_rows(input_path) if Path(input_path).exists() else None
+        if expected is None or int(summary.get("rows") or 0) >= expected:
+            return Plan(owner, False, summary)
+    return Plan(owner, True)
+
+
+def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[str, Any],
+              print_summary: Callable[[dict[str, Any]], None], new_job: str) -> None:
+    """`prefixflow run`: start the local cluster, submit INPUT while the engines load,
+    supervise, print the summary and write the report, stop; exit codes as the README says.
+    OUT holding this job's finished output: print its summary, start nothing."""
+    todo = plan(args.out, args.input, args.job, new_job, overwrite=args.overwrite)
+    if todo.done is not None:
+        print(f"job {todo.job} is already done: {todo.done.get('rows')} rows ({todo.done.get('errors')} errors) "
+              f"in {args.out}; nothing to run (another --out runs it again)", flush=True)
+        print_summary(todo.done)
+        return
+    if todo.resume:
+        print(f"{args.out} holds job {todo.job}'s unfinished output: resuming it", flush=True)
+    from tqdm import tqdm
+
+    from prefixflow.launch.local_cluster import ClusterFailed, LocalCluster, ProcessExited, wait_replicas_ready
+    from prefixflow.launch.processes import describe_placement, machine_devices, processes
+    from prefixflow.datagen.make_model import make_model
+    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, submit
+
+    if args.model == cfgmod.DEFAULT_MODEL:
+        make_model(args.model)
+    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    extra = ["--kv-cache-blocks", str(args.kv_cache_blocks)] if args.kv_cache_blocks else []
+    engine_argv = getattr(args, "engine_argv", None)
+    if engine_argv:  # vLLM engine arguments for every replica, checked by vLLM's parser now
+        import shlex
+
+        from prefixflow.services.engine_worker.engine_args import explicit
+
+        explicit(engine_argv)
+        extra += [f"--engine-args={shlex.join(engine_argv)}"]  # `=`: a value may start with `--`
+    devices = machine_devices()
+    try:
+        procs = processes(args.replicas, engine=args.engine, extra_engine_args=extra,
+                          tensor_parallel_size=args.tensor_parallel_size, devices=devices, stagger=args.stagger)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+    def event(text: str) -> None:
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+
+    # The run's own sink writes this job only: its output root is the job's --out.
+    env = {"PFX_MODEL": model, "PFX_POLICY": args.policy, "PFX_OUT_ROOT": str(Path(args.out).resolve()),
+           "PFX_TASK": args.task}
+    cluster = LocalCluster(procs, workdir=args.workdir, env=env, on_event=event)
+    job = todo.job
+    replicas = [f"r{i}" for i in range(args.replicas)]
+
+    async def replicas_ready(submitted: float) -> None:
+        # The timeout bounds the wait for the first replica: the job runs on it while the
+        # others start (a replica that never comes is the supervisor's business).
+        def on_ready(name: str) -> None:
+            event(f"{name} ready in {cluster.uptime():.1f} s: it takes work now")
+
+        await wait_replicas_ready(cluster.url, replicas, STARTUP_TIMEOUT, on_ready=on_ready, first_within=True)
+        event(f"{len(replicas)} replicas ready in {cluster.uptime():.1f} s (the job was submitted at {submitted:.1f} s)")
+
+    async def run_job():
+        # Engines start while the job is ingested and bucketed: the job is submitted as
+        # soon as the services that take it are up, and each replica gets work as it
+        # becomes ready.
+        await cluster.wait_started([p.name for p in procs if not p.is_engine])
+        submitted = cluster.uptime()
+        print(f"services ready in {submitted:.1f} s: submitting job {job} while {len(replicas)} engines start", flush=True)
+        # From here on a process that exits is restarted (backoff, budget) while the job goes on.
+        return await cluster.supervised(
+            alongside(
+                submit(
+                    args.input,
+                    nats_url=cluster.url,
+                    job=job,
+                    out_dir=args.out,
+                    sampling=sampling,
+                    model=model,
+                    progress=not args.no_progress,
+                    timeout=args.timeout,
+                    overwrite=args.overwrite,
+                    resume=todo.resume,
+                    max_in_flight=args.max_in_flight,
+                    expires_in=args.expires_in,
+                    priority=args.priority,
+                    **chat,
+                ),
+                replicas_ready(submitted),
+            )
+        )
+
+    print(f"starting local cluster on {cluster.url} (workdir: {cluster.workdir}, logs: {cluster.workdir / 'logs'}) ...", flush=True)
+    if args.tensor_parallel_size > 1:
+        if devices.gpus:
+            print(f"each replica runs vLLM tensor-parallel over its own {args.tensor_parallel_size} GPUs "
+                  "(the engine-worker's default: the GPUs it sees)", flush=True)
+        else:
+            print("note: --tensor-parallel-size applies to GPUs only; ignored on CPU", flush=True)
+    for p in procs:
+        if p.is_engine:
+            print(f"{p.name}: {describe_placement(p.env)}", flush=True)
+    error: str | None = None
+    code = 0
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        cluster.start()
+        status = asyncio.run(run_job())
+    except JobFailed as exc:
+        error, code = str(exc), 1
+    except DirTaken as exc:  # a --workdir whose cluster bound OUT to another job
+        error, code = f"error: {exc}", 2
+    except AlreadyDone as done:  # a --workdir whose cluster finished the job
+        status = done.status
+    except ClusterFailed as exc:
+        error, code = f"giving up: {exc}", 1
+    except ProcessExited as exc:  # a process died during start-up (check_alive)
+        error, code = f"cluster failed to start: {exc}", 1
+    except TimeoutError as exc:  # --timeout, or replicas not ready in time
+        error, code = str(exc), 1
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        error, code = f"interrupted ({signal.Signals(signum).name}): stopped the cluster", 128 + signum
+    finally:
+        # Stopping is not interrupted by a second Ctrl-C (it has its own time limits).
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        if error is not None:
+            print("stopping the local cluster ...", file=sys.stderr, flush=True)
+        cluster.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    restarts = {name: n for name, n in cluster.restart_counts().items() if n}
+    print("restarts: " + (", ".join(f"{name} {n}" for name, n in restarts.items()) if restarts else "none"), flush=True)
+    if error is not None:
+        print(error, file=sys.stderr, flush=True)
+        sys.exit(code)
+    print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
+    # The summary on disk has the per-replica totals (the status keeps only the overall ones).
+    summary = read_json(Path(args.out) / "_summary.json") or status.summary
+    if summary:
+        print_summary(summary)
+    if not args.no_report:
+        from prefixflow.report.job_report import auto_report
+
+        auto_report(args.out, status.rows, model)

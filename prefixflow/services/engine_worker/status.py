@@ -1,0 +1,100 @@
+"""The engine-worker's status (mixed into `service.EngineWorker`): every
+`status_interval`, or as soon as completed work is due, an `EngineStatus` on
+`pfx.status.<replica>` (ready, load, KV cache, prefix-cache hits, the window the router's
+cap follows); before each, the window is sized from what the engine runs
+(`window.Window`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+
+log = structlog.get_logger()
+
+STATUS_MIN_GAP = 0.02
+"""Seconds between two status messages at least."""
+
+
+class StatusReport:
+    """Status and window sizing; `self` is the `EngineWorker`."""
+
+    def _track_idle(self) -> None:
+        now = time.monotonic()
+        if self.feeder.inflight == 0 and self.idle_since is None:
+            self.idle_since = now
+        elif self.feeder.inflight > 0 and self.idle_since is not None:
+            self.idle_seconds += now - self.idle_since
+            self.idle_since = None
+
+    def status(self) -> m.EngineStatus:
+        s = self.engine.snapshot()
+        return m.EngineStatus(
+            replica=self.cfg.replica,
+            ts=time.time(),
+            ready=self.ready,
+            running=s.running,
+            waiting=s.waiting,
+            inflight=self.feeder.inflight,
+            outstanding_tokens=self.feeder.held_tokens,
+            kv_usage=s.kv_usage,
+            kv_blocks=s.kv_blocks,
+            block_size=s.block_size,
+            prompt_tokens=self.done_prompt_tokens,
+            done_tokens=self.done_work_tokens,
+            window=self.window.limit,
+            generated_tokens=s.generated,
+            jobs=dict(self.feeder.jobs),
+            cache_epoch=self.cache_epoch,
+            decode_cost=s.decode_cost,
+            preemptions=s.preemptions,
+            adapters=self.engine.adapters,
+            lora_slots=self.engine.lora_slots,
+            loras=dict(self.feeder.loras),
+            cached_tokens=self.cached_tokens,
+            completed=self.completed,
+            output_tokens=self.output_tokens,
+            idle_seconds=self.idle_seconds + (time.monotonic() - self.idle_since if self.idle_since is not None else 0.0),
+        )
+
+    def adapt_window(self) -> None:
+        """Size the window from what the engine runs and generates (`window.Window`)."""
+        snap = self.engine.snapshot()
+        self.feeder.admission.resize(snap.kv_blocks, snap.block_size)
+        if not self.ready:  # an engine still starting reports no KV cache yet: not the echo engine's "none"
+            return
+        self.window.observe(time.monotonic(), snap.kv_blocks, snap.running, snap.generated, self.feeder.inflight)
+        self.feeder.feed()
+
+    async def publish_status(self) -> None:
+        self.last_status = time.monotonic()
+        try:
+            await self.nc.publish(subjects.status(self.cfg.replica), m.encode(self.status()))
+        except Exception:  # noqa: BLE001 - reconnecting: the next tick retries
+            pass
+
+    async def report_status(self, stop: asyncio.Event) -> None:
+        last_log = 0.0
+        while not stop.is_set():
+            self.adapt_window()
+            await self.publish_status()
+            now = time.monotonic()
+            if now - last_log >= 10.0 and self.completed:
+                last_log = now
+                s = self.status()
+                log.info("engine status", inflight=s.inflight, running=s.running, waiting=s.waiting,
+                         completed=s.completed, kv_usage=round(s.kv_usage, 3),
+                         hit_rate=round(s.cached_tokens / max(s.prompt_tokens, 1), 3))
+            # Next status at the tick, or as soon as completed work is due (at most every
+            # STATUS_MIN_GAP: a fast engine must not flood the router).
+            await asyncio.sleep(STATUS_MIN_GAP)
+            try:
+                await asyncio.wait_for(self.status_due.wait(), max(self.cfg.status_interval - STATUS_MIN_GAP, 0.0))
+            except TimeoutError:
+                pass
+            self.status_due.clear()

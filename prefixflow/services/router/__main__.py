@@ -1,0 +1,4 @@
+from prefixflow.services.registry import main_for
+
+if __name__ == "__main__":
+    main_for("router")

@@ -1,0 +1,199 @@
+"""A job owns its output directory: the manifest `_job.json` binds a directory to one job.
+
+Before the sink writes anything for a job it binds the job's `out_dir` (`bind`):
+
+| what the directory holds              | overwrite off          | overwrite on                |
+|---------------------------------------|------------------------|-----------------------------|
+| nothing of ours (or does not exist)   | BIND: write manifest   | BIND                        |
+| parts, no manifest (older sinks)      | ADOPT: write manifest  | REPLACE: delete, bind       |
+| manifest naming this job              | OWNED: nothing to do   | OWNED (a resume)            |
+| manifest naming another job           | REFUSE: the job fails  | REPLACE: delete, bind       |
+| manifest that cannot be read          | REFUSE                 | REPLACE                     |
+
+`decide` is the pure rule (tests/unit/test_sink_binding.py); `inspect` reads a directory's
+state and `apply` carries a decision out. No NATS here.
+
+Crash safety: the manifest is written to a temporary name, fsynced and renamed (and the
+directory fsynced), so it is either the old one or the new one. A REPLACE deletes the
+old job's files first and its manifest last: a crash half-way leaves the old manifest, so
+the restarted sink replaces again (it never adopts half of another job's parts).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from prefixflow.services.sink.parts import fsync_dir
+from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.wire.messages import JobSpec
+
+log = structlog.get_logger()
+
+MANIFEST = "_job.json"
+"""The file that names the job owning a directory: {"job": id, "created_at": unix time}."""
+OUTPUT_GLOBS = ("*.parquet", ".part-*", "part-*.tmp", "*.parquet.tmp", "_summary.json", "_summary.json.tmp",
+                "_job.json.tmp")
+"""Files of a job's output: parts (and whatever other Parquet the writer makes), their
+temporary and hidden names (a merge's `.part-*.ready` would otherwise come back as a part
+on the next open), the summary. `_report/` (plots) goes too; the manifest goes last."""
+OUTPUT_DIRS = ("_report",)
+
+
+class Action(enum.Enum):
+    BIND = "bind"
+    """Nothing of a job's output here: write the manifest."""
+    ADOPT = "adopt"
+    """Parts written before manifests existed: they become this job's (resumed as usual)."""
+    OWNED = "owned"
+    """Already this job's (a resumed job or a reopened one): nothing to do."""
+    REPLACE = "replace"
+    """Another job's output and the spec says overwrite: delete it, then bind."""
+    REFUSE = "refuse"
+    """Another job's output and no overwrite: the job fails, nothing is written."""
+
+
+@dataclass(frozen=True)
+class DirState:
+    """What a directory holds, as far as binding cares."""
+
+    owner: str | None = None
+    """The job its manifest names (None: no manifest, or one that cannot be read)."""
+    unreadable: str | None = None
+    """Why the manifest that is there cannot be read (None: absent or fine)."""
+    has_output: bool = False
+    """Any Parquet part, summary or report is there."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    previous: str | None = None
+    """The job whose output is replaced or refused over (None: unknown or none)."""
+    error: str | None = None
+    """REFUSE: the reason, as the job's status shows it."""
+
+
+def refusal(out_dir: str, state: DirState) -> str:
+    """The failed status text of a job refused over another job's directory."""
+    if state.owner is not None:
+        held = f"is bound to job {state.owner} (its {MANIFEST})"
+    else:
+        held = f"holds another job's output ({MANIFEST} unreadable: {state.unreadable})"
+    return f"out_dir {out_dir} {held}; submit with --overwrite to replace that output, or choose another --out"
+
+
+def decide(job: str, state: DirState, overwrite: bool, out_dir: str = "") -> Decision:
+    """What binding `job` to a directory in `state` does (`overwrite`: the job's spec)."""
+    if state.owner == job:
+        return Decision(Action.OWNED)
+    claimed = state.owner is not None or state.unreadable is not None
+    if not claimed:
+        if not state.has_output:
+            return Decision(Action.BIND)
+        # NOTE: parts without a manifest are from a sink that predates manifests. Without
+        # overwrite they are taken as this job's (a resume of an old job keeps its rows);
+        # with overwrite the user asked for a fresh output, so they go.
+        return Decision(Action.REPLACE) if overwrite else Decision(Action.ADOPT)
+    if overwrite:
+        return Decision(Action.REPLACE, previous=state.owner)
+    return Decision(Action.REFUSE, previous=state.owner, error=refusal(out_dir, state))
+
+
+def read_manifest(path: Path) -> tuple[str | None, str | None]:
+    """(owner, why unreadable) of the manifest at `path`; (None, None) if there is none."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        return None, f"not JSON: {exc}"
+    job = doc.get("job") if isinstance(doc, dict) else None
+    if not isinstance(job, str) or not job:
+        return None, "no job named"
+    return job, None
+
+
+def inspect(out_dir: Path) -> DirState:
+    """The binding state of `out_dir` (a directory that does not exist holds nothing)."""
+    if not out_dir.is_dir():
+        return DirState()
+    owner, unreadable = read_manifest(out_dir / MANIFEST)
+    has_output = any(True for _ in out_dir.glob("*.parquet")) or (out_dir / "_summary.json").exists() or any(
+        (out_dir / d).exists() for d in OUTPUT_DIRS
+    )
+    return DirState(owner, unreadable, has_output)
+
+
+def write_manifest(out_dir: Path, job: str) -> None:
+    """Bind `out_dir` to `job`: the manifest, atomically (tmp, fsync, rename, fsync dir)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"job": job, "created_at": round(time.time(), 3)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out_dir / MANIFEST)
+    fsync_dir(out_dir)
+
+
+def clear_output(out_dir: Path) -> list[str]:
+    """Delete a job's output from `out_dir` (parts, other Parquet files, summary, report),
+    the manifest last; other files stay. Returns the names removed."""
+    removed = []
+    for pattern in OUTPUT_GLOBS:
+        for path in sorted(out_dir.glob(pattern)):
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+                removed.append(path.name)
+    for name in OUTPUT_DIRS:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+            removed.append(name + "/")
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+            removed.append(name)
+    fsync_dir(out_dir)  # the deletions are durable before the manifest goes
+    if (out_dir / MANIFEST).exists():
+        (out_dir / MANIFEST).unlink()
+        removed.append(MANIFEST)
+    return removed
+
+
+def bind(job: str, out_dir: Path, overwrite: bool, shown: str = "") -> Decision:
+    """Bind `out_dir` to `job` (blocking file I/O: run it in a thread). `shown`: the
+    out_dir as the job's spec spells it (for the refusal text). A REFUSE writes nothing."""
+    state = inspect(out_dir)
+    decision = decide(job, state, overwrite, shown or str(out_dir))
+    match decision.action:
+        case Action.OWNED | Action.REFUSE:
+            return decision
+        case Action.REPLACE:
+            removed = clear_output(out_dir)
+            log.warning("output replaced (overwrite)", job=job, out_dir=str(out_dir), previous_job=decision.previous,
+                        removed=len(removed))
+        case Action.ADOPT:
+            log.info("output adopted (written before manifests)", job=job, out_dir=str(out_dir))
+        case Action.BIND:
+            pass
+    write_manifest(out_dir, job)
+    return decision
+
+
+def open_bound(job: str, out_dir: Path, spec: JobSpec) -> tuple[Decision, JobOutput | None]:
+    """Bind `out_dir` to `job`, then open its output (the ids and counts of the parts on
+    disk); (decision, None) if the job is refused. Blocking: run it in a thread."""
+    decision = bind(job, out_dir, spec.overwrite, spec.out_dir)
+    if decision.action is Action.REFUSE:
+        return decision, None
+    return decision, JobOutput(job, out_dir)

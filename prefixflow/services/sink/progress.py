@@ -1,0 +1,67 @@
+"""What the sink reports of a job as it goes: its status (rows and errors on disk, tokens,
+rows per second over the last `RATE_WINDOW` seconds, or done with its summary) and the
+metrics of every part it writes."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prefixflow.services.sink import lifecycle
+from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.bus.provision import job_retention
+from prefixflow.shared.process import metrics
+from prefixflow.shared.wire import messages as m
+
+RATE_WINDOW = 30.0
+"""Seconds of progress a job's rate (rows per second, hence its ETA) is measured over."""
+
+
+class Progress:
+    """Open jobs -> (monotonic time, rows on disk) over the last RATE_WINDOW seconds."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, deque[tuple[float, int]]] = {}
+
+    def forget(self, job: str) -> None:
+        self.seen.pop(job, None)
+
+    def status(self, job: str, out: JobOutput, spec: m.JobSpec, summary: dict | None) -> m.JobStatus:
+        """The job's status: progress, or done with its summary (no per-replica totals)."""
+        now = time.time()
+        done = summary is not None
+        prompt, cached, output = out.tokens
+        return m.JobStatus(
+            job, out.rows, out.errors, spec.total, done, now, lifecycle.status_summary(summary),
+            created_at=spec.created_at, rate=0.0 if done else self.rate(job, out.rows),
+            prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, expires_at=now + job_retention(),
+            duplicates=out.duplicates,
+            cancelled=done and bool(spec.ended_at(now)) and (spec.total is None or out.rows < spec.total),
+        )
+
+    def rate(self, job: str, rows: int) -> float:
+        """Rows per second the job made over the last RATE_WINDOW seconds (0 until there
+        is a second of history)."""
+        now = time.monotonic()
+        seen = self.seen.setdefault(job, deque())
+        seen.append((now, rows))
+        while len(seen) > 2 and now - seen[1][0] >= RATE_WINDOW:
+            seen.popleft()
+        t0, rows0 = seen[0]
+        return round((rows - rows0) / (now - t0), 2) if now - t0 >= 1.0 else 0.0
+
+
+def count_part(stats) -> None:
+    """Metrics of a part on disk: rows out, error rows by reason, tokens by replica."""
+    if stats is None:
+        return
+    metrics.PROMPTS_OUT.labels("ok").inc(stats.ok)
+    n_errors = sum(stats.errors.values())
+    if n_errors:
+        metrics.PROMPTS_OUT.labels("error").inc(n_errors)
+        for text, n in stats.errors.items():
+            metrics.ERROR_ROWS.labels(metrics.error_reason(text)).inc(n)
+    for replica, (prompt, cached, output) in stats.replicas.items():
+        metrics.SINK_PROMPT_TOKENS.labels(replica).inc(prompt)
+        metrics.SINK_CACHED_TOKENS.labels(replica).inc(cached)
+        metrics.SINK_OUTPUT_TOKENS.labels(replica).inc(output)

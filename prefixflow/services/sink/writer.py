@@ -1,0 +1,325 @@
+"""A job's Parquet output: dedupe by id, part files, summary. No NATS here.
+
+Layout of a job's `out_dir` (`prefixflow/services/sink/parts.py`):
+    part-000000-000099.parquet, part-000100-000230.parquet, ...   merged, ~`target_bytes` each
+    part-000231.parquet, part-000232.parquet, ...                 one per flush, not merged yet
+    _summary.json                                                 written when the job completes
+    _report/                                                      `prefixflow report` (plots)
+(`pyarrow.parquet.read_table(out_dir)` reads every row once: it skips names starting
+with `_` or `.`.)
+
+Each flush writes a small part durably (temporary name, fsync, rename): that is what lets
+the sink ack. Once the small parts not merged yet hold `target_bytes` (128 MiB), they are
+merged, streaming, into one file, and the tail is merged when the job completes: a job of
+B bytes ends in about B / target_bytes + 1 files, and every byte is rewritten once. On
+(re)start a crash's leftovers are cleaned up (`parts.recover`), the ids already written
+are loaded, so a redelivered result or a resumed job never writes a row twice, and the
+totals are counted once from the files; after that they are kept as parts are written,
+so a summary reads no file.
+
+Columns and the job's one schema: `prefixflow/services/sink/schema.py` (every file of a job has the
+first part's schema, also after a restart, so no part is ever rewritten to fit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import structlog
+
+from prefixflow.services.sink import parts as files
+from prefixflow.services.sink.parts import Part
+from prefixflow.services.sink.schema import INPUT_PREFIX, OUTPUT_TYPES, as_text, conform, generated_columns, input_column
+from prefixflow.services.sink.summary import TOTALS_COLUMNS, PartStats, Totals
+from prefixflow.shared.wire.ids import IdSet
+from prefixflow.shared.wire.messages import JobSpec, Result
+
+__all__ = [
+    "INPUT_PREFIX", "OUTPUT_TYPES", "TARGET_BYTES", "JobOutput", "OutsideRoot", "PartStats",
+    "as_text", "confine", "conform", "generated_columns", "input_column",
+]
+
+log = structlog.get_logger()
+
+TARGET_BYTES = 128 << 20
+"""Small parts are merged into files of about this many bytes (`JobOutput(target_bytes=)`)."""
+
+
+class OutsideRoot(ValueError):
+    """A job's `out_dir` resolves outside the sink's output root."""
+
+
+def confine(root: str | Path, out_dir: str) -> Path:
+    """Where to write a job whose spec says `out_dir`: the fully resolved directory
+    (`..` folded, every symlink followed, a relative path taken under `root`), which
+    must be `root` or inside it; else `OutsideRoot` with the reason.
+
+    NOTE: this checks the path when the job is opened; a directory swapped for a symlink
+    afterwards by someone with write access under the root is not caught (keep the root
+    writable by the sink only)."""
+    real_root = Path(os.path.realpath(root))
+    if not out_dir or "\x00" in out_dir:
+        raise OutsideRoot(f"invalid out_dir {out_dir!r}")
+    path = Path(out_dir)
+    real = Path(os.path.realpath(path if path.is_absolute() else real_root / path))
+    if not real.is_relative_to(real_root):
+        raise OutsideRoot(
+            f"out_dir {out_dir!r} resolves to {str(real)!r}, outside the sink's output root "
+            f"{str(real_root)!r} (--out-root / PFX_OUT_ROOT): job refused, nothing written"
+        )
+    return real
+
+
+class JobOutput:
+    def __init__(
+        self, job: str, out_dir: str | Path, target_bytes: int = TARGET_BYTES, compact_in_flush: bool = True
+    ) -> None:
+        """`target_bytes`: merged files' size; `compact_in_flush`: `flush` merges when
+        due (else the caller runs `compact`, e.g. in a thread of its own)."""
+        self.job = job
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.target_bytes = target_bytes
+        self.compact_in_flush = compact_in_flush
+        self.seen = IdSet()
+        self.duplicates = 0
+        self.last_added = 0.0
+        """When a row was last queued (monotonic; 0: none since opened)."""
+        """Rows received again and dropped (their id was taken) since the job was opened here."""
+        self.totals = Totals()
+        """Rows, errors, tokens overall and per replica of the rows on disk."""
+        self.last_part: PartStats | None = None
+        """What the last part written held."""
+        self.pending: list[tuple[Result, float | None]] = []
+        """Results queued for the next part, with when they reached the results stream."""
+        self.schema: pa.Schema | None = None
+        """Every part's schema: fixed by the first part written (read back on a restart)."""
+        self.next_part = 0
+        self.done = False
+        """`_summary.json` is written and no row was queued since: the job need not be
+        checked again (the sink forgets done jobs first when it has too many open)."""
+        self._small: list[tuple[Part, int]] = []
+        """Small parts not merged yet, in order, with the bytes of their rows (`data_bytes`)."""
+        self._lock = threading.Lock()  # guards `_small` (flush and compact may run in two threads)
+        self._compacting = threading.Lock()  # one merge at a time
+        self._load_existing()
+
+    @property
+    def rows(self) -> int:
+        return self.totals.overall[0]
+
+    @property
+    def errors(self) -> int:
+        return self.totals.overall[1]
+
+    @property
+    def tokens(self) -> list[int]:
+        """Prompt, cached and output tokens of the ok rows on disk (the job's progress)."""
+        return self.totals.overall[2:5]
+
+    def parts(self) -> list[Path]:
+        """The job's Parquet files, in part order."""
+        return [p.path for p in files.scan(self.dir)]
+
+    def _load_existing(self) -> None:
+        """Read back what a previous run wrote: ids, totals, schema (a few columns of one
+        file at a time), after cleaning up what a crash left."""
+        found = files.recover(self.dir)
+        for part in found:
+            schema = pq.read_schema(part.path)
+            table = pq.read_table(part.path, columns=[c for c in TOTALS_COLUMNS if c in schema.names])
+            ids = table.column("id")
+            if pa.types.is_integer(ids.type) and ids.null_count == 0:
+                self.seen.update(ids.to_numpy())
+            else:
+                self.seen.update(ids.to_pylist())
+            self.totals.add_table(table, part.first)
+            self.next_part = max(self.next_part, part.last + 1)
+            if self.schema is None:
+                self.schema = schema.remove_metadata()
+        last_merged = max((p.last for p in found if p.merged), default=-1)
+        self._small = [(p, files.data_bytes(p.path)) for p in found if not p.merged and p.first > last_merged]
+
+    def add(self, result: Result, finished_at: float | None = None) -> bool:
+        """Queue a result for the next part (`finished_at`: when it reached the results
+        stream, for a result that does not say when it finished); False if this id was
+        already taken."""
+        # NOTE: ids compare as text (IdSet), so a restart that reads back ids a mixed-type
+        # job wrote as strings still recognises a redelivered int id.
+        if not self.seen.add(result.id):
+            self.duplicates += 1
+            return False
+        self.pending.append((result, finished_at))
+        self.last_added = time.monotonic()
+        self.done = False
+        return True
+
+    def sources(self) -> set[int]:
+        """The blobs of input columns the queued rows need (`InputCache.fetch`)."""
+        return {r.src for r, _ in self.pending if r.src >= 0}
+
+    def drop_pending(self) -> None:
+        """Forget queued rows that could not be written (their messages are redelivered)."""
+        for r, _ in self.pending:
+            self.seen.discard(r.id)
+        self.pending = []
+
+    def flush(self, inputs: Callable[[int], pa.Table | None] | None = None) -> int:
+        """Write the queued rows as one small part, their input columns taken from
+        `inputs(src)` (a blob's record batch, None if there is none); then, with
+        `compact_in_flush`, merge small parts if they hold `target_bytes`. Returns the
+        number of rows written."""
+        if not self.pending:
+            return 0
+        results = [r for r, _ in self.pending]
+        finished = [f for _, f in self.pending]
+        table = self._to_table(results, finished, inputs or (lambda src: None))
+        n = self.next_part
+        part = files.write_part(table, self.dir, n)
+        self.next_part += 1
+        with self._lock:
+            self._small.append((part, files.data_bytes(part.path)))
+        times = table.column("finished_at").to_pylist() if "finished_at" in table.column_names else []
+        self.last_part = self.totals.add_results(results, times, n)
+        self.pending = []
+        if self.compact_in_flush and self.compact_due():
+            self._compact_quietly()
+        return len(results)
+
+    def compact_due(self) -> bool:
+        """The small parts not merged yet hold `target_bytes`: `compact` has work."""
+        with self._lock:
+            return sum(size for _, size in self._small) >= self.target_bytes
+
+    def compact(self, final: bool = False) -> int:
+        """Merge small parts, oldest first, into files of about `target_bytes`; with
+        `final` (the job is complete) also the rest into one file. Safe to run in another
+        thread than `flush`. Returns the number of files written."""
+        written = 0
+        with self._compacting:
+            while True:
+                with self._lock:
+                    run = list(self._small)
+                take, size = [], 0
+                for part, nbytes in run:
+                    take.append(part)
+                    size += nbytes
+                    if size >= self.target_bytes:
+                        break
+                if size < self.target_bytes and not (final and len(take) > 1):
+                    return written
+                if len(take) > 1:
+                    assert self.schema is not None
+                    files.merge(take, self.dir, self.schema)
+                    written += 1
+                # NOTE: a lone small part of `target_bytes` or more is big enough as it is.
+                with self._lock:
+                    self._small = self._small[len(take):]
+
+    def _compact_quietly(self, final: bool = False) -> None:
+        """`compact`, a failure logged: the small parts stay (every row is on disk
+        already), the merge is tried again later."""
+        try:
+            self.compact(final)
+        except Exception as exc:  # noqa: BLE001 - the rows are written; only the merge failed
+            log.error("merging parts failed; retried later", job=self.job, error=repr(exc))
+
+    def _inputs(self, results: list[Result], inputs: Callable[[int], pa.Table | None]) -> pa.Table | None:
+        """The input columns of each result's row, in the results' order (None: no row
+        has any). Rows of one blob are taken together; rows with none get nulls."""
+        by_src: dict[int, list[int]] = {}
+        for i, r in enumerate(results):
+            by_src.setdefault(r.src, []).append(i)
+        pieces, order = [], []
+        names: dict[str, pa.DataType] = {}
+        for src, idx in by_src.items():
+            table = inputs(src) if src >= 0 else None
+            if table is None:
+                continue
+            rows = pa.array([results[i].row for i in idx], pa.int64())
+            if len(rows) and (pc.min(rows).as_py() < 0 or pc.max(rows).as_py() >= table.num_rows):
+                log.error("input row out of range: its input columns are null", job=self.job, src=src)
+                continue
+            pieces.append(table.take(rows))
+            order.extend(idx)
+            for f in table.schema:
+                names.setdefault(f.name, f.type)
+        if not pieces:
+            return None
+        schema = pa.schema(list(names.items()))
+        pieces = [conform(piece, schema)[0] for piece in pieces]
+        have = set(order)
+        missing = [i for i in range(len(results)) if i not in have]
+        if missing:
+            pieces.append(pa.Table.from_arrays([pa.nulls(len(missing), f.type) for f in schema], schema=schema))
+            order.extend(missing)
+        joined = pa.concat_tables(pieces)
+        back = pa.array(sorted(range(len(order)), key=order.__getitem__), pa.int64())
+        return joined.take(back)
+
+    def _to_table(self, results: list[Result], finished: list[float | None], inputs: Callable[[int], pa.Table | None]) -> pa.Table:
+        kept = self._inputs(results, inputs)
+        embed_type = None
+        if self.schema is not None and self.schema.get_field_index("embedding") >= 0:
+            embed_type = self.schema.field("embedding").type
+        elif any(r.embedding for r in results):  # embed jobs: fixed-size float32
+            embed_type = pa.list_(pa.float32(), len(next(r.embedding for r in results if r.embedding)))
+        generated = generated_columns(results, finished, embed_type)
+        ids = [r.id for r in results]
+        columns: dict[str, pa.Array | pa.ChunkedArray] = {}
+        if kept is not None and "id" in kept.column_names and all(r.src >= 0 for r in results):
+            columns["id"] = kept.column("id")  # the input's own id column, its type kept
+        elif all(isinstance(i, int) for i in ids):
+            columns["id"] = pa.array(ids, pa.int64())
+        else:
+            columns["id"] = pa.array([str(i) for i in ids], pa.string())
+        if kept is not None:
+            for name in kept.column_names:
+                if name != "id":
+                    columns[input_column(name)] = kept.column(name)
+        columns.update(generated)
+        table = pa.table(columns)
+        if self.schema is None:
+            self.schema = table.schema
+            return table
+        table, notes = conform(table, self.schema)
+        if notes:
+            log.warning("part conformed to the job's schema", job=self.job, notes=notes)
+        return table
+
+    def _read_times(self, part: int) -> pa.ChunkedArray | None:
+        """The `finished_at` column of the file holding small part `part` (a summary reads
+        it only when that part holds rows finished both before and after the job's
+        `created_at`)."""
+        for _ in range(2):  # NOTE: a merge in another thread may just have renamed it
+            for p in files.scan(self.dir):
+                if p.first <= part <= p.last:
+                    try:
+                        return pq.read_table(p.path, columns=["finished_at"]).column("finished_at")
+                    except FileNotFoundError:
+                        break
+        return None
+
+    def summarize(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
+        """Totals over every row on disk, overall and per replica; written to
+        `_summary.json`. Kept as parts are written: no file is read."""
+        return self.totals.summary(spec, finished_at, self._read_times)
+
+    def write_summary(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
+        """Merge the small parts left, then write `_summary.json`."""
+        self._compact_quietly(final=True)
+        summary = self.summarize(spec, finished_at)
+        tmp = self.dir / "_summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.dir / "_summary.json")
+        self.done = True
+        return summary

@@ -1,0 +1,128 @@
+"""Job specs in the jobs key-value bucket: reading them with a short-lived cache that a
+cancellation notice (`subjects.JOB_CANCELLED`) clears at once (`follow_cancels`);
+cancelling and sealing a job, each a compare-and-set on the spec's revision so neither
+undoes the other (a client sealing a job as it is cancelled sees the cancellation)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+import msgspec
+import nats.errors
+import structlog
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.messages import JobLookup, job_spec_decoder
+
+log = structlog.get_logger()
+
+MAX_CACHED_JOBS = 10_000
+
+
+class JobCache:
+    def __init__(self, kv: KeyValue, ttl: float = 10.0, max_jobs: int = MAX_CACHED_JOBS) -> None:
+        self._kv = kv
+        self._ttl = ttl
+        self._max_jobs = max_jobs
+        self._entries: OrderedDict[str, tuple[float, JobLookup]] = OrderedDict()
+
+    async def get(self, job: str, *, fresh: bool = False) -> JobLookup:
+        now = time.monotonic()
+        hit = self._entries.get(job)
+        if hit is not None and not fresh and now - hit[0] < self._ttl:
+            return hit[1]
+        lookup = await self._read(job)
+        self._entries.pop(job, None)
+        self._entries[job] = (now, lookup)
+        while len(self._entries) > self._max_jobs:  # bounded: forget the least recently read
+            self._entries.popitem(last=False)
+        return lookup
+
+    def forget(self, job: str) -> None:
+        """Read the job's spec afresh next time (it changed: cancelled)."""
+        self._entries.pop(job, None)
+
+    async def follow_cancels(self, nc) -> object:
+        """Forget a job's cached spec as soon as it is cancelled (a core subscription to
+        `subjects.JOB_CANCELLED`; returns it). A missed notice costs at most the TTL."""
+
+        async def on_cancel(msg) -> None:
+            self.forget(msg.data.decode(errors="replace"))
+
+        return await nc.subscribe(subjects.JOB_CANCELLED, cb=on_cancel)
+
+    async def _read(self, job: str) -> JobLookup:
+        """The job's spec. A server that is away or restarting is waited for (with
+        backoff), never mistaken for an unknown job and never fatal to the caller. A job
+        id outside the grammar (`subjects.job_id_error`: it came from a raw subject or a
+        foreign body) is never looked up (the bucket would refuse the key): no such job."""
+        if (why := subjects.job_id_error(job)) is not None:
+            return JobLookup(None, why, exists=False)
+        delay = 0.1
+        for attempt in range(1_000_000):
+            try:
+                entry = await self._kv.get(job)
+                return JobLookup(job_spec_decoder.decode(entry.value))
+            except KeyNotFoundError:
+                return JobLookup(None, f"unknown job {job!r} (create it before publishing prompts)", exists=False)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                return JobLookup(None, f"invalid job spec: {exc}")
+            except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.ConnectionClosedError,
+                    nats.errors.NoRespondersError) as exc:
+                if attempt % 10 == 0:
+                    log.warning("job spec lookup waiting for nats", job=job, error=repr(exc))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise AssertionError("unreachable")
+
+
+class UnknownJob(Exception):
+    """No spec of this job in the cluster (never submitted, or expired)."""
+
+
+async def cancel_job(js, nc, job: str, *, at: float | None = None) -> tuple[m.JobSpec, bool]:
+    """Mark `job` cancelled (at `at`, default now): (its spec, True if this call cancelled
+    it; False if it was cancelled already). Raises `UnknownJob`."""
+    kv = await js.key_value(subjects.JOBS_KV)
+    while True:
+        try:
+            entry = await kv.get(job)
+        except KeyNotFoundError:
+            raise UnknownJob(job) from None
+        spec = m.job_spec_decoder.decode(entry.value)
+        if spec.cancelled_at:
+            return spec, False
+        cancelled = msgspec.structs.replace(spec, cancelled_at=at or time.time())
+        try:
+            await kv.update(job, m.encode_json(cancelled), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            continue  # written meanwhile (sealed): read it again
+        await nc.publish(subjects.JOB_CANCELLED, job.encode())
+        return cancelled, True
+
+
+async def seal(js, spec: m.JobSpec, total: int) -> m.JobSpec:
+    """Seal `spec.job` with `total` rows, unless it was cancelled meanwhile (then its
+    cancelled spec is returned, unsealed). A compare-and-set: never undoes a cancel."""
+    kv = await js.key_value(subjects.JOBS_KV)
+    while True:
+        try:
+            entry = await kv.get(spec.job)
+            current = m.job_spec_decoder.decode(entry.value)
+        except KeyNotFoundError:  # expired or deleted meanwhile: write it whole
+            sealed = msgspec.structs.replace(spec, total=total)
+            await kv.put(spec.job, m.encode_json(sealed))
+            return sealed
+        if current.cancelled_at:
+            return current
+        sealed = msgspec.structs.replace(current, total=total)
+        try:
+            await kv.update(spec.job, m.encode_json(sealed), last=entry.revision)
+            return sealed
+        except KeyWrongLastSequenceError:
+            continue
