@@ -179,6 +179,26 @@ CLUSTER_KV_BLOCKS = 128
 CLUSTER_BUFFER_PROMPTS = 64
 
 
+IDLE_WAIT = 60.0
+"""Seconds a shared cluster has to drain what an earlier test left running."""
+
+
+def fit_for_a_test(cluster, replicas: list[str], policy: str) -> bool:
+    """The check a shared cluster passes before each test that takes it: every process
+    alive, every replica ready and idle, the router back on `policy` (empty: the
+    default). False: start it again."""
+    from prefixflow.shared.process.config import RouterConfig
+
+    try:
+        cluster.check_alive()
+        if not asyncio.run(wait_idle(cluster.url, replicas, IDLE_WAIT)):
+            return False
+        asyncio.run(set_policy(cluster.url, policy or RouterConfig().policy))
+        return True
+    except Exception:  # noqa: BLE001 - any failure of the check means: start it again
+        return False
+
+
 class SharedHoncho:
     """The Procfile under `honcho start` with two real vLLM replicas, shared by the tests
     that only submit jobs to it (`vllm_cluster`): started when first asked for, checked
@@ -192,7 +212,7 @@ class SharedHoncho:
         self.starts = 0
 
     def get(self) -> HonchoCluster:
-        if self.cluster is not None and not self.healthy(self.cluster):
+        if self.cluster is not None and not fit_for_a_test(self.cluster, ["r0", "r1"], ""):
             print(f"\nthe shared honcho cluster failed its check: starting it again ({self.cluster.log})")
             self.stop()
         if self.cluster is None:
@@ -203,18 +223,6 @@ class SharedHoncho:
             startup = asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 300, cluster.check_alive))
             print(f"\ncluster ready in {startup:.1f} s (honcho log: {cluster.log})")
         return self.cluster
-
-    def healthy(self, cluster: HonchoCluster) -> bool:
-        from prefixflow.shared.process.config import RouterConfig
-
-        try:
-            cluster.check_alive()
-            if not asyncio.run(wait_idle(cluster.url, ["r0", "r1"], 60.0)):
-                return False
-            asyncio.run(set_policy(cluster.url, RouterConfig().policy))
-            return True
-        except Exception:  # noqa: BLE001 - any failure of the check means: start it again
-            return False
 
     def stop(self) -> None:
         if self.cluster is not None:
@@ -364,7 +372,6 @@ class Clusters:
     kill and restart a shared cluster's processes (`cluster.start_one`) as long as it
     leaves them running; the check catches one that did not."""
 
-    IDLE_WAIT = 60.0
     KEEP = {"echo": 1, "vllm": 1}
     """Clusters of each engine kept running at once (least recently used stopped first):
     an echo cluster is ~8 processes of a few hundred MB, a vLLM one holds two engines."""
@@ -383,7 +390,7 @@ class Clusters:
         key = (engine, replicas, tuple(engine_args), tuple(sorted(env.items())))
         names = [f"r{i}" for i in range(replicas)]
         cluster = self.clusters.get(key)
-        if cluster is not None and not self.healthy(cluster, names, env.get("PFX_POLICY", "")):
+        if cluster is not None and not fit_for_a_test(cluster, names, env.get("PFX_POLICY", "")):
             print(f"\nshared cluster {key} failed its check: starting it again")
             self.clusters.pop(key).stop()
             cluster = None
@@ -399,18 +406,6 @@ class Clusters:
             asyncio.run(cluster.wait_ready(names, self.READY[engine]))
         self.clusters[key] = self.clusters.pop(key)  # most recently used last
         return cluster
-
-    def healthy(self, cluster, names: list[str], policy: str) -> bool:
-        from prefixflow.shared.process.config import RouterConfig
-
-        try:
-            cluster.check_alive()
-            if not asyncio.run(wait_idle(cluster.url, names, self.IDLE_WAIT)):
-                return False
-            asyncio.run(set_policy(cluster.url, policy or RouterConfig().policy))
-            return True
-        except Exception:  # noqa: BLE001 - any failure of the check means: start it again
-            return False
 
     def release(self, engine: str) -> None:
         """Stop the clusters of this engine kind (started again when asked for)."""
