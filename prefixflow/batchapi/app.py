@@ -160,7 +160,7 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
         rec.batch.update(status="cancelling", cancelling_at=now())
         await store.save_batch(rec)
         try:
-            await cancel_job(js, nc, rec.job)
+            await cancel_job(js, nc, rec.job, by=f"api:{who}")
         except UnknownJob:
             pass  # not submitted yet: the runner sees the cancel before it submits
         runner.start(rec)

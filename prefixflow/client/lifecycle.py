@@ -2,8 +2,11 @@
 
 Cancelling writes `cancelled_at` into the job's spec (`prefixflow.shared.bus.jobs.cancel_job`: a
 compare-and-set on its revision, so a client sealing the job at the same moment cannot
-undo it: its own compare-and-set fails and it sees the cancellation) and announces it on
-`subjects.JOB_CANCELLED`, so the services drop their cached spec at once. A job past its
+undo it: its own compare-and-set fails and it sees the cancellation), with who cancelled
+(`JobSpec.cancelled_by`: the NATS user, `local:<os user>` without auth), and announces it
+on the job's own subject (`subjects.job_cancelled`, which only the job's tenant, the batch
+service and operators may publish on), so the services drop their cached spec at once
+and the job's submitter stops publishing (each reads the spec to confirm it). A job past its
 deadline (`JobSpec.expires_at`) is treated the same way by every service, with nothing
 written (`JobSpec.ended_at`): it completes as expired. From then on the ingestor drops the job's
 prompts, engine-workers do not start the ones they hold, prompts already in an engine
@@ -15,6 +18,7 @@ status says `cancelled` (and `done`: nothing more will be written).
 from __future__ import annotations
 
 import asyncio
+import getpass
 import time
 
 from nats.js.errors import KeyNotFoundError
@@ -22,6 +26,19 @@ from nats.js.errors import KeyNotFoundError
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+
+def canceller() -> str:
+    """Who this process cancels as (`JobSpec.cancelled_by`): its NATS user (the server
+    checked it, and the grants let it cancel only its own jobs), else `local:<os user>`."""
+    from prefixflow.shared.bus.connection import current_options
+
+    if user := current_options().nats_user:
+        return user
+    try:
+        return f"local:{getpass.getuser()}"
+    except (KeyError, OSError):  # no name for this uid (a container)
+        return "local:unknown"
+
 
 CANCEL_WAIT = 60.0
 """Seconds `prefixflow cancel` waits for the job's status to say cancelled."""
@@ -64,7 +81,7 @@ def cmd_cancel(args) -> None:
                 print(f"job {args.job} already failed: {before.error or 'no reason given'}")
                 return 0
             try:
-                _, fresh = await cancel_job(js, nc, args.job)
+                _, fresh = await cancel_job(js, nc, args.job, by=canceller())
             except UnknownJob:
                 print(f"error: no job {args.job!r} in the cluster (never submitted, or expired)")
                 return 2

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from prefixflow.client import columns
 from prefixflow.client.progress import FleetProgress, engines_note, progress_note
-from prefixflow.shared.bus.jobs import seal
+from prefixflow.shared.bus.jobs import follow_cancel, seal
 from prefixflow.client.window import IN_FLIGHT_ROWS, Window
 from prefixflow.shared.bus.blobs import put_blob
 from prefixflow.shared.wire import messages as m
@@ -173,14 +173,13 @@ class Submitter:
         self.jobs_kv = await self.js.key_value(subjects.JOBS_KV)
         self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
         self.cancelled: set[str] = set()
-        """Jobs cancelled while this client runs (`subjects.JOB_CANCELLED`)."""
-
-        async def on_cancel(msg) -> None:
-            if len(self.cancelled) < 10_000:
-                self.cancelled.add(msg.data.decode(errors="replace"))
-
-        await self.nc.subscribe(subjects.JOB_CANCELLED, cb=on_cancel)
+        """Jobs of this client (`follow_cancel`) whose spec says cancelled after a notice."""
         return self
+
+    async def follow_cancel(self, job: str) -> None:
+        """Stop publishing `job` once it is cancelled: its own notices, each confirmed by
+        its spec (`prefixflow.shared.bus.jobs.follow_cancel`: no other job's, no spoof)."""
+        await follow_cancel(self.nc, self.jobs_kv, job, lambda spec: self.cancelled.add(spec.job))
 
     async def __aexit__(self, *exc: object) -> None:
         await close(self.nc)
@@ -252,7 +251,8 @@ class Submitter:
         return m.job_status_decoder.decode(entry.value)
 
     def ended(self, spec: m.JobSpec) -> bool:
-        """The job was cancelled (a notice came) or its deadline passed: publish no more."""
+        """The job was cancelled (a notice came and its spec confirmed it) or its deadline
+        passed: publish no more."""
         return spec.job in self.cancelled or bool(spec.ended_at(time.time()))
 
     async def make_room(self, spec: m.JobSpec, window: Window, rows: int, check: Callable[[], None] | None = None) -> bool:
@@ -393,6 +393,7 @@ async def submit(
         replaced = await client.claim_dir(out_dir, job, overwrite=overwrite)
         if replaced is not None:
             print(f"{out_dir} held job {replaced}'s output: job {job} replaces it (--overwrite)", flush=True)
+        await client.follow_cancel(job)
         earlier = await client.spec(job)
         if (before is not None and before.cancelled) or (earlier is not None and earlier.cancelled_at):
             raise JobCancelled(job, before, " (earlier; submit under a new --job id)")

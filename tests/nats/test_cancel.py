@@ -8,17 +8,20 @@ and resubmitting the cancelled id, each get a clear answer."""
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import subprocess
 import time
 from pathlib import Path
 
+import nats
 import pyarrow.parquet as pq
 import pytest
 
 from prefixflow.client.submit import Submitter
 from prefixflow.datagen.dataset import write_prefix_repetition
 from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import REPO, SLOW_ECHO, VENV_BIN, run_cli
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
@@ -84,6 +87,7 @@ def test_cancel_stops_a_job_and_keeps_its_rows(cluster, tiny_model, tmp_path):
     assert len(ids) == len(set(ids)) == st.rows == status(url, "big").rows
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["cancelled"] is True and summary["expired"] is False and summary["rows"] == st.rows
+    assert summary["cancelled_by"] == f"local:{getpass.getuser()}", summary  # who cancelled (no auth: the OS user)
 
     # The job beside it was not touched.
     out_o, err_o = other.communicate(timeout=120)
@@ -120,3 +124,64 @@ def test_a_job_past_its_deadline_expires_with_its_rows(cluster, tiny_model, tmp_
     assert summary["expired"] is True and summary["rows"] == st.rows
     ids = pq.read_table(out).column("id").to_pylist()
     assert len(ids) == len(set(ids)) == st.rows
+
+
+SPOOFED = 1500
+
+
+async def spoof_cancels(url: str, job: str, submit: subprocess.Popen) -> int:
+    """Until `submit` exits, send every kind of false cancel notice of `job` a user who
+    may publish can send (no auth here): the old job-id-in-the-body notice on the old
+    subject (which stalled the submission for good), a notice on the job's own subject
+    its spec does not confirm, one naming another job, one that does not decode. Returns
+    the rounds sent while the job was publishing (its status not yet done)."""
+    nc = await nats.connect(url)
+    try:
+        kv = await nc.jetstream().key_value(subjects.JOBS_KV)
+        status_kv = await nc.jetstream().key_value(subjects.JOB_STATUS_KV)
+        rounds = 0
+        while submit.poll() is None:
+            await nc.publish("pfx.jobs.cancelled", job.encode())
+            await nc.publish(subjects.job_cancelled(job), m.encode(m.CancelNotice(job, "mallory", time.time())))
+            await nc.publish(subjects.job_cancelled(job), m.encode(m.CancelNotice("other", "mallory")))
+            await nc.publish(subjects.job_cancelled(job), b"not a notice")
+            await nc.flush()
+            try:
+                st = m.job_status_decoder.decode((await status_kv.get(job)).value)
+            except nats.js.errors.KeyNotFoundError:
+                st = None
+            rounds += st is None or not st.done
+            await asyncio.sleep(0.05)
+        spec = m.job_spec_decoder.decode((await kv.get(job)).value)
+        assert spec.cancelled_at == 0 and spec.cancelled_by == "", spec
+        return rounds
+    finally:
+        await nc.close()
+
+
+def test_a_spoofed_cancel_is_ignored(cluster, tiny_model, tmp_path):
+    """Issue 40: one notice naming a job stopped its `submit` from publishing, so the job
+    was never sealed and waited forever. Now a notice is only believed when the job's
+    spec says cancelled: the job under a stream of false notices completes with every row."""
+    data = dataset(tmp_path / "spoofed.parquet", tiny_model, SPOOFED, 4)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    submit = subprocess.Popen(
+        [str(VENV_BIN / "prefixflow"), "submit", str(data), "--out", str(out), "--nats", cluster.url, "--job",
+         "spoofed", "--no-progress", "--max-tokens", "4", "--max-in-flight", "256", "--timeout", "120"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        rounds = asyncio.run(spoof_cancels(cluster.url, "spoofed", submit))
+        out_s, err_s = submit.communicate(timeout=30)
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+    assert submit.returncode == 0, out_s + err_s
+    assert rounds >= 10, f"the false notices came while the job ran ({rounds} rounds)"
+    assert "ignored a cancel notice" in err_s and "mallory" in err_s, err_s  # seen, and said so
+    assert err_s.count("ignored a cancel notice") <= time.monotonic() - t0 + 1, "at most a line a second"
+    st = status(cluster.url, "spoofed")
+    assert st.done and not st.cancelled and st.rows == SPOOFED, st
+    assert sorted(pq.read_table(out).column("id").to_pylist()) == list(range(SPOOFED))
+    assert not json.loads((out / "_summary.json").read_text()).get("cancelled")

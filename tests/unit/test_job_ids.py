@@ -25,6 +25,7 @@ from prefixflow.shared.bus.jobs import JobCache
 from prefixflow.shared.bus.ledger import AckLedger
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.permissions import matches
 from tests.unit import fakes
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -60,6 +61,8 @@ def test_one_grammar_and_every_valid_id_is_a_key_and_round_trips_through_its_sub
     assert VALID_KEY_RE.match(job), "a valid id is a valid key-value key (never InvalidKeyError)"
     assert subjects.job_from_subject(subjects.ingest(job)) == subjects.job_from_subject(subjects.results(job)) == job
     assert subjects.job_of_done_query(subjects.done_query(job)) == job
+    assert subjects.job_of_cancel(subjects.job_cancelled(job)) == job
+    assert matches(subjects.ALL_JOB_CANCELLED, subjects.job_cancelled(job))
     assert subjects.bucket_parts(subjects.bucket("n1", job)) == ("n1", job)
 
 

@@ -92,6 +92,16 @@ def test_a_tenant_may_touch_only_its_own_jobs():
         assert not alice("publish", f"$KV.{subjects.JOBS_KV}.{other}")
         for bucket in (subjects.JOBS_KV, subjects.JOB_STATUS_KV):
             assert not alice("publish", f"$JS.API.DIRECT.GET.KV_{bucket}.$KV.{bucket}.{other}")
+    assert alice("publish", subjects.job_cancelled(mine)) and alice("subscribe", subjects.job_cancelled(mine))
+    for other in (theirs, plain):  # cancel notices: of her own jobs only (sent or read)
+        assert not alice("publish", subjects.job_cancelled(other)) and not alice("subscribe", subjects.job_cancelled(other))
+    for subject in (subjects.ALL_JOB_CANCELLED, "pfx.jobs.cancelled", "pfx.jobs.>"):
+        assert not alice("publish", subject) and not alice("subscribe", subject), subject
+    assert allowed("submitter", "publish", subjects.job_cancelled(plain))
+    assert not allowed("submitter", "publish", subjects.job_cancelled(mine))
+    assert not allowed("submitter", "subscribe", subjects.job_cancelled(mine))
+    for role in ("ingestor", "engine-worker", "sink"):  # they follow every job's notices, and send none
+        assert allowed(role, "subscribe", subjects.ALL_JOB_CANCELLED) and not allowed(role, "publish", subjects.job_cancelled(mine))
     assert not alice("publish", f"$KV.{subjects.JOBS_KV}.{subjects.dir_key('/o')}"), "no other's directory bindings"
     for subject in (f"$JS.API.DIRECT.GET.KV_{subjects.JOBS_KV}", f"$JS.API.STREAM.MSG.GET.KV_{subjects.JOBS_KV}",
                     f"$KV.{subjects.JOB_STATUS_KV}.{mine}", subjects.results(mine), "$JS.API.CONSUMER.CREATE.KV_PFX_JOBS"):

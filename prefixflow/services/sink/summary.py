@@ -176,6 +176,8 @@ class Totals:
             summary["cancelled"] = True
             summary["expired"] = spec.expired(finished_at)
             summary["cancelled_at"] = round(ended, 3)
+            if spec.cancelled_by and not summary["expired"]:
+                summary["cancelled_by"] = spec.cancelled_by
         summary["finished_at"] = round(finished_at, 3)
         summary["replicas"] = {name: totals(self.replicas[name]) for name in sorted(self.replicas)}
         return summary

@@ -23,7 +23,7 @@ format (`prefixflow/services/engine_worker/kv_events.py`).
     pfx.engine.<replica>.reset   (empty) -> ControlReply
     pfx.engine.<replica>.scheduling  SetScheduling -> ControlReply
     pfx.engine.<replica>.status  (empty) -> EngineStatus
-    pfx.jobs.cancelled           the job id as UTF-8 text (an event)
+    pfx.jobs.cancelled.<job>     CancelNotice (an event)
     pfx.blob.<job>.<key>.<n>     raw bytes: a piece of a blob (`prefixflow/shared/bus/blobs.py`)
     KV jobs / job-status         JobSpec / JobStatus (JSON); a jobs `dir.<hash>` key: the owning job id (text)
 
@@ -161,6 +161,9 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     """Weight of the job's share of the replicas while other jobs run too (`--priority`, a
     batch's `metadata.priority`): a job of priority 3 gets three times the engine work of
     a job of priority 1. Within a job, prefix affinity is kept."""
+    cancelled_by: str = ""
+    """Who cancelled the job (with `cancelled_at`): the canceller's NATS user (`tenant-alice`,
+    `submitter`; `api:<tenant>` for the batch service's), or `local:<os user>` without auth."""
 
     def ended_at(self, now: float) -> float:
         """When the cluster stopped feeding this job: `cancelled_at`, or `expires_at` once
@@ -498,6 +501,20 @@ class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):
     buffered: int = 0
 
 
+class CancelNotice(msgspec.Struct, omit_defaults=True):
+    """`prefixflow cancel` or the batch service -> the services and the job's submitter
+    (`pfx.jobs.cancelled.<job>`, core NATS): the job's spec was just marked cancelled.
+    Only a hint: a receiver reads the spec again and acts on what it says (a notice the
+    spec does not confirm is ignored). Who may send one for a job is the grants' business:
+    the subject names the job, tenant included."""
+
+    job: str
+    by: str = ""
+    """Who cancelled (`JobSpec.cancelled_by`)."""
+    at: float = 0.0
+    """When (`JobSpec.cancelled_at`)."""
+
+
 class RoutePart(msgspec.Struct, array_like=True):
     """One small bucket inside a pooled batch."""
 
@@ -720,6 +737,7 @@ work_batch_decoder = msgspec.msgpack.Decoder(WorkBatch)
 result_batch_decoder = msgspec.msgpack.Decoder(ResultBatch)
 engine_status_decoder = msgspec.msgpack.Decoder(EngineStatus)
 heartbeat_decoder = msgspec.msgpack.Decoder(BucketerHeartbeat)
+cancel_notice_decoder = msgspec.msgpack.Decoder(CancelNotice)
 route_request_decoder = msgspec.msgpack.Decoder(RouteRequest)
 route_reply_decoder = msgspec.msgpack.Decoder(RouteReply)
 job_spec_decoder = msgspec.json.Decoder(JobSpec)

@@ -196,7 +196,7 @@ def _ingestor():
             *kv_read(s.JOBS_KV),
             *kv_write(s.JOB_STATUS_KV),  # jobs that cannot run are marked failed
         ],
-        [s.ALL_BUCKETER_HEARTBEATS, s.JOB_CANCELLED],
+        [s.ALL_BUCKETER_HEARTBEATS, s.ALL_JOB_CANCELLED],
     )
 
 
@@ -243,7 +243,7 @@ def _engine_worker(replica: str = ANY):
             *blob_write(),  # a result too large for one message
             *kv_read(s.JOBS_KV),
         ],
-        [s.engine_reset(replica), s.engine_scheduling(replica), s.engine_status_request(replica), s.JOB_CANCELLED,
+        [s.engine_reset(replica), s.engine_scheduling(replica), s.engine_status_request(replica), s.ALL_JOB_CANCELLED,
          SERVICE_DISCOVERY],
         responds=True,
     )
@@ -263,7 +263,7 @@ def _sink():
             *object_read(s.FILES_OBJ),  # a batch job's results exported for the batch service
             *object_write(s.FILES_OBJ),
         ],
-        [s.ALL_DONE_QUERIES, s.JOB_CANCELLED],
+        [s.ALL_DONE_QUERIES, s.ALL_JOB_CANCELLED],
         responds=True,
     )
 
@@ -280,13 +280,13 @@ def _tenant(tenant: str = ""):
         *stream_info(ALL_STREAMS),  # `provision` only checks that they exist
         s.ingest(job),
         s.done_query(job),  # which rows of a resumed job are done (the sink answers)
-        s.JOB_CANCELLED,  # `prefixflow cancel`: the services drop their cached spec at once
+        s.job_cancelled(job),  # `prefixflow cancel` of its own jobs: the services read the spec again
         *blob_write(job),  # the input columns that do not travel with the prompts
         *(f"$KV.{s.JOBS_KV}.{k}" for k in [keys, *dirs]),
         *(p for k in [keys, *dirs] for p in kv_read_keys(s.JOBS_KV, k)),
         *kv_read_keys(s.JOB_STATUS_KV, keys),
     ]
-    return pub, [s.JOB_CANCELLED], False
+    return pub, [s.job_cancelled(job)], False  # its own jobs' cancel notices (`submit` stops)
 
 
 def _submitter():
@@ -302,11 +302,11 @@ def _api():
     them apart itself, by API key), plus its files (object store) and batches (key-value)
     and cancelling its jobs."""
     pub = [
-        *stream_info(ALL_STREAMS), s.ingest(ANY_JOB), s.done_query(ANY_JOB), s.JOB_CANCELLED, *blob_write(),
+        *stream_info(ALL_STREAMS), s.ingest(ANY_JOB), s.done_query(ANY_JOB), s.job_cancelled(ANY_JOB), *blob_write(),
         *kv_write(s.JOBS_KV), *kv_read(s.JOBS_KV), *kv_read(s.JOB_STATUS_KV),
         *object_read(s.FILES_OBJ), *object_write(s.FILES_OBJ), *kv_read(s.BATCHES_KV), *kv_write(s.BATCHES_KV),
     ]
-    return pub, [s.ALL_STATUS, s.JOB_CANCELLED], False
+    return pub, [s.ALL_STATUS, s.ALL_JOB_CANCELLED], False
 
 
 ROLE_GRANTS: dict[str, Callable[..., tuple[list[str], list[str], bool]]] = {

@@ -19,6 +19,7 @@ Flow (see docs/architecture.md):
     pfx.status.<replica> engine-worker (every second)  -> router, CLI
     pfx.cache.<replica>  engine-worker (KV events)     -> router
     pfx.hb.bucketer.<n>  bucketer (every second)       -> ingestor (live bucketers)
+    pfx.jobs.cancelled.<job> `prefixflow cancel`, API  -> services, the job's submitter
 """
 
 from __future__ import annotations
@@ -110,6 +111,20 @@ def job_of_done_query(subject: str) -> str:
     return subject.split(".", 3)[-1]
 
 
+def job_cancelled(job: str) -> str:
+    """Event (core NATS, no reply; `messages.CancelNotice`): `job`'s spec now says it is
+    cancelled. The job id is in the subject (its tenant a token of its own), so a tenant's
+    grant names only its own jobs' notices (`permissions._tenant`): nobody else can
+    announce a cancel of them, nor read theirs. A notice is only a hint to read the spec
+    again (the spec is the durable record): receivers act on the spec, never on the notice."""
+    return f"{PREFIX}.jobs.cancelled.{job}"
+
+
+def job_of_cancel(subject: str) -> str:
+    """The job id of a `job_cancelled` subject."""
+    return subject.split(".", 3)[-1]
+
+
 def dead(original_subject: str) -> str:
     """Dead-letter subject for a message that can never be processed."""
     return f"{PREFIX}.dead.{original_subject}"
@@ -128,9 +143,6 @@ replicas can still take."""
 ROUTER_ROOM_FREED = f"{PREFIX}.router.freed"
 """Event (core NATS, no reply): a status freed room on the fleet. Bucketers waiting on a
 retry-after, or holding buckets for room, try again now rather than at their next poll."""
-JOB_CANCELLED = f"{PREFIX}.jobs.cancelled"
-"""Event (core NATS, no reply; body: the job id): a job's spec now says it is cancelled.
-Services drop their cached copy of the spec at once (the spec is the durable record)."""
 ROUTER_POLICY = f"{PREFIX}.router.policy"
 """Request/reply (nats.micro endpoint; `messages.SetPolicy` -> `messages.ControlReply`):
 switch the router's policy."""
@@ -138,6 +150,8 @@ ALL_STATUS = f"{PREFIX}.status.*"
 ALL_CACHE_EVENTS = f"{PREFIX}.cache.*"
 ALL_BUCKETER_HEARTBEATS = f"{PREFIX}.hb.bucketer.*"
 ALL_DONE_QUERIES = f"{PREFIX}.sink.done.>"
+ALL_JOB_CANCELLED = f"{PREFIX}.jobs.cancelled.>"
+"""Every job's cancel notices (`job_cancelled`): the services that cache specs follow them."""
 
 # Job ids and node/replica names become subject tokens: keep them to a safe alphabet.
 NAME_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
