@@ -12,10 +12,13 @@ end to end only: the grants checked below do not depend on the transport).
 - an engine-worker's credentials cannot publish another replica's status or pull its
   work, nor create, update or delete a stream;
 - tenants (`cluster config --tenant alice --tenant bob`): alice's job (`prefixflow submit`
-  with her env file: job id `alice.<name>`, output under the root's `alice/`) runs; bob's
-  credentials can neither read nor write alice's job spec or status, publish prompts into
-  her job, ask the sink about it nor read its results (each refused by the server), and
-  her job's output and status are unchanged by his attempts;
+  with her env file: job id `alice.<name>`, output under the root's `alice/`) runs, with
+  every row, while bob sends cancel notices of it (refused by the server) and alice's own
+  credentials send one its spec does not confirm (ignored); bob's credentials can neither
+  read nor write alice's job spec or status, publish prompts into her job, ask the sink
+  about it nor read its results (each refused by the server), and her job's output and
+  status are unchanged by his attempts; `prefixflow cancel` with alice's env cancels a
+  job of hers, the spec saying who (`tenant-alice`);
 - a job submitted with `prefixflow submit` as the submitter runs end to end (every id
   exactly once), with R3 streams and buckets, and no service hits a permission error;
 - a job whose `--out` escapes the sink's root fails with the reason, writing nothing.
@@ -34,6 +37,7 @@ import pytest
 
 from prefixflow.datagen.dataset import prefix_repetition
 from prefixflow.shared.bus.connection import NatsOptions, NatsRefused, close, connect
+from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.permissions import kv_stream
 from tests.conftest import VENV_BIN
@@ -237,6 +241,51 @@ async def check_tenants_are_apart(fleet: Fleet, job: str) -> None:
         await close(admin)
 
 
+async def spoof_cancels(fleet: Fleet, job: str, submit: subprocess.Popen) -> tuple[str, int]:
+    """While alice's `submit` of `job` runs: bob sends cancel notices of it, on its subject
+    and on the old shared one (each refused by the server: his grant names his own jobs'
+    subjects only), and alice herself one that her job's spec does not confirm (allowed,
+    and ignored by her submit). Returns bob's denials (lowercased) and the rounds sent."""
+    urls = fleet.url(2).split(",")
+    bob, bob_errors = await connect_collecting(fleet.options("tenant-bob"), urls)
+    alice, alice_errors = await connect_collecting(fleet.options("tenant-alice"), urls)
+    rounds = 0
+    try:
+        while submit.poll() is None:
+            await bob.publish(subjects.job_cancelled(job), m.encode(m.CancelNotice(job, "tenant-bob", time.time())))
+            await bob.publish("pfx.jobs.cancelled", job.encode())  # the notice that stalled any job before
+            await alice.publish(subjects.job_cancelled(job), m.encode(m.CancelNotice(job, "tenant-alice")))
+            await bob.flush()
+            await alice.flush()
+            rounds += 1
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)  # the last denials arrive
+    finally:
+        await bob.close()
+        await alice.close()
+    assert alice_errors == [], alice_errors
+    return "\n".join(bob_errors).lower(), rounds
+
+
+async def alice_cancels_her_own(fleet: Fleet) -> m.JobSpec:
+    """`prefixflow cancel` with alice's env of a job of hers (its spec only): her grant
+    covers the spec's compare-and-set and the notice; the spec records who cancelled."""
+    nc = await connect(fleet.url(2), "alice", options=fleet.options("tenant-alice"))
+    try:
+        kv = await nc.jetstream().key_value(subjects.JOBS_KV)
+        await kv.put("alice.stop", m.encode_json(m.JobSpec(job="alice.stop", out_dir=str(fleet.out_root / "alice" / "stop"))))
+    finally:
+        await close(nc)
+    res = subprocess.run([str(VENV_BIN / "prefixflow"), "cancel", "stop", "--no-wait"], capture_output=True, text=True,
+                         timeout=60, env=fleet.cli_env(2, "tenant-alice"))
+    assert res.returncode == 0 and "job alice.stop: cancelling" in res.stdout, res.stdout + res.stderr
+    admin = await connect(fleet.url(2), "admin", options=fleet.options("admin"))
+    try:
+        return m.job_spec_decoder.decode((await (await admin.jetstream().key_value(subjects.JOBS_KV)).get("alice.stop")).value)
+    finally:
+        await close(admin)
+
+
 async def replicas(fleet: Fleet) -> dict[str, int]:
     nc = await connect(fleet.url(2), "admin", options=fleet.options("admin"))
     try:
@@ -275,14 +324,25 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
         assert asyncio.run(replicas(fleet)) == dict.fromkeys(asyncio.run(replicas(fleet)), 3), "R3 on a 3-server cluster"
 
         if tls:  # the tenants' separation is the grants': checked once
-            # Tenants: alice's job runs under her own id and part of the root; bob cannot touch it.
-            res = subprocess.run(
+            # Tenants: alice's job runs under her own id and part of the root; bob cannot touch
+            # it, nor stall it with cancel notices (refused), nor can her own unconfirmed ones.
+            proc = subprocess.Popen(
                 [str(VENV_BIN / "prefixflow"), "submit", str(data), "--out", str(fleet.out_root / "alice" / "report"),
                  "--job", "report", "--max-tokens", "4", "--no-progress", "--timeout", "120"],
-                capture_output=True, text=True, timeout=180, env=fleet.cli_env(2, "tenant-alice"))
-            assert res.returncode == 0, res.stdout + res.stderr
-            assert f"job alice.report: {N} rows (0 errors)" in res.stdout, res.stdout
-            assert "permission" not in res.stderr.lower(), res.stderr
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=fleet.cli_env(2, "tenant-alice"))
+            try:
+                denied, rounds = asyncio.run(spoof_cancels(fleet, "alice.report", proc))
+                out_s, err_s = proc.communicate(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            print(f"\ntenant bob's cancel notices of alice's job ({rounds} rounds) denied:\n" + denied[:400])
+            assert 'permissions violation for publish to "pfx.jobs.cancelled.alice.report"' in denied, denied
+            assert 'permissions violation for publish to "pfx.jobs.cancelled"' in denied, denied
+            assert proc.returncode == 0, out_s + err_s
+            assert f"job alice.report: {N} rows (0 errors)" in out_s, out_s
+            assert "permission" not in err_s.lower(), err_s
+            assert "ignored a cancel notice" in err_s, err_s  # hers, unconfirmed by her job's spec
             alice_out = fleet.out_root / "alice" / "report"
             assert sorted(pq.read_table(alice_out).column("id").to_pylist()) == list(range(N))
             asyncio.run(check_tenants_are_apart(fleet, "alice.report"))
@@ -294,6 +354,8 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
                 capture_output=True, text=True, timeout=180, env=fleet.cli_env(2, "tenant-bob"))
             assert res.returncode != 0 and "outside the sink's output root" in res.stderr, res.stdout + res.stderr
             assert not (fleet.out_root / "alice" / "mine").exists()
+            stopped = asyncio.run(alice_cancels_her_own(fleet))
+            assert stopped.cancelled_at and stopped.cancelled_by == "tenant-alice", stopped
 
         escape = fleet.out_root / ".." / "escape"
         res = submit(fleet, data, escape, "escape")
