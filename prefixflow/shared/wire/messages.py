@@ -52,6 +52,7 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 from msgspec import Meta
 
+from prefixflow.shared.wire.fingerprint import Fingerprint
 from prefixflow.shared.wire.structured import check_structured
 
 # --- job control (JSON, in the key-value buckets) ------------------------------------
@@ -161,6 +162,11 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     """Weight of the job's share of the replicas while other jobs run too (`--priority`, a
     batch's `metadata.priority`): a job of priority 3 gets three times the engine work of
     a job of priority 1. Within a job, prefix affinity is kept."""
+    fingerprint: Fingerprint | None = None
+    """What the job was asked to do: its input's and its spec's fingerprint
+    (`prefixflow/shared/wire/fingerprint.py`), set by the client. The sink writes it into the
+    directory's manifest (`_job.json`); another input or spec into the same output is
+    refused unless `overwrite`. None: a spec from before fingerprints (unknown)."""
 
     def ended_at(self, now: float) -> float:
         """When the cluster stopped feeding this job: `cancelled_at`, or `expires_at` once
