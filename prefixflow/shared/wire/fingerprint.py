@@ -52,13 +52,28 @@ def canonical(value: Any) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+def not_default(struct: msgspec.Struct) -> dict[str, Any]:
+    """A struct's fields whose value is not their default (by `==`: msgspec's own
+    `omit_defaults` keeps a float equal to its default but not the same object)."""
+    out = {}
+    for field in msgspec.structs.fields(struct):
+        if field.default is not msgspec.NODEFAULT:
+            default = field.default
+        elif field.default_factory is not msgspec.NODEFAULT:
+            default = field.default_factory()
+        else:
+            default = msgspec.NODEFAULT
+        if (value := getattr(struct, field.name)) != default:
+            out[field.name] = value
+    return out
+
+
 def spec_fields(spec: JobSpec) -> dict[str, str]:
     """The spec part of a job's fingerprint: each field that changes its outputs and is
     not at its default."""
-    doc = msgspec.to_builtins(spec)  # omit_defaults: a field at its default is absent
-    out = {name: canonical(doc[name]) for name in SPEC_FIELDS if doc.get(name) not in (None, "", {})}
-    sampling = msgspec.to_builtins(spec.sampling)
-    out.update((f"sampling.{name}", canonical(value)) for name, value in sorted(sampling.items()))
+    doc = not_default(spec)
+    out = {name: canonical(doc[name]) for name in SPEC_FIELDS if name in doc}
+    out.update((f"sampling.{name}", canonical(value)) for name, value in sorted(not_default(spec.sampling).items()))
     return out
 
 
