@@ -91,10 +91,13 @@ def chat_from(args: argparse.Namespace) -> dict[str, Any]:
 
 
 JOB_HELP = {
-    "run": "job id (default: the job whose output OUT holds, per OUT/_job.json: resumed if unfinished, its "
-           "summary printed if done; else a new id from INPUT's name and the time)",
-    "submit": "job id; submitting the same id again resumes it (only the rows the cluster has not written are "
-              "sent) or, if done, prints its summary (default: a new id from INPUT's name and the time)",
+    "run": "job id (default: the job whose output OUT holds, per OUT/_job.json, if it was asked the same input "
+           "and spec: resumed if unfinished, its summary printed if done; asked another: exit code 2 unless "
+           "--overwrite; else a new id from INPUT's name and the time)",
+    "submit": "job id; submitting the same id again (the same input and spec) resumes it (only the rows the "
+              "cluster has not written are sent) or, if done, prints its summary; another input or spec under "
+              "it: exit code 2 (default: the job bound to OUT if it was asked the same, as for run; else a new id "
+              "from INPUT's name and the time)",
 }
 
 
@@ -111,10 +114,12 @@ def weight(text: str) -> int:
 def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("input", help="Parquet or JSONL file with a 'prompt' column (and optionally 'id')")
     p.add_argument("--out", required=True, help="output directory (part-*.parquet, _summary.json, _job.json); "
-                   "bound to one job: another job into it fails (exit code 2) unless --overwrite")
+                   "bound to one job, and to the input and spec it was asked: another job or another input or "
+                   "spec into it fails (exit code 2, naming the difference) unless --overwrite")
     p.add_argument("--job", default=None, help=JOB_HELP[command])
     p.add_argument("--overwrite", action="store_true",
-                   help="OUT holds another job's output: delete it and write this job there instead of failing")
+                   help="OUT holds another job's output (or one of another input or spec): delete it and write this "
+                        "job there instead of failing")
     p.add_argument("--timeout", type=float, default=None, help="give up after this many seconds")
     p.add_argument("--max-in-flight", type=int, default=IN_FLIGHT_ROWS, metavar="ROWS",
                    help="publish no further ahead of the written output than this many rows (bounds what the job "
@@ -204,7 +209,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> None:
-    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, submit
+    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, JobMismatch, submit
 
     job = args.job or subjects.qualify(default_job_id(args.input), getattr(args, "tenant", ""))
     try:
@@ -221,12 +226,13 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 max_in_flight=args.max_in_flight,
                 expires_in=args.expires_in,
                 priority=args.priority,
+                adopt=args.job is None,
                 **chat_from(args),
             )
         )
     except JobFailed as exc:
         raise SystemExit(str(exc)) from None  # "job X failed: <reason>", exit code 1
-    except DirTaken as exc:
+    except (DirTaken, JobMismatch) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     except AlreadyDone as done:
@@ -234,7 +240,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
         if done.status.summary:
             print_summary(done.status.summary, args.json)
         return
-    print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
+    print(f"job {status.job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     if status.summary:
         print_summary(status.summary, args.json)
     if not args.no_report:

@@ -16,6 +16,14 @@ every job asks the sink which ids of each input chunk are on disk (`DoneQuery`) 
 publishes only the others, so a resume sends only what is missing, from any machine and
 whatever the cluster remembers; the first answer that says nothing of the job is on disk
 ends the queries (a new job costs one round trip).
+
+A job is what it was asked to do: its spec carries the fingerprint of its input and of
+its spec (`prefixflow/client/fingerprint.py`, `prefixflow/shared/wire/fingerprint.py`). A
+job id the cluster knows with another fingerprint is refused (`JobMismatch`, exit code 2:
+a job id names one job, even with `overwrite`); with no job id given (`adopt`), the job
+bound to the output directory is the one run when it was asked the same (resumed, or
+already done), and one asked something else is refused (`JobMismatch`) unless
+`overwrite` (then this new job replaces its output).
 """
 
 from __future__ import annotations
@@ -33,12 +41,14 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from tqdm import tqdm
 
 from prefixflow.client import columns
+from prefixflow.client.fingerprint import of_job
 from prefixflow.client.progress import FleetProgress, engines_note, progress_note
 from prefixflow.shared.bus.jobs import follow_cancel, seal
 from prefixflow.client.window import IN_FLIGHT_ROWS, Window
 from prefixflow.shared.bus.blobs import put_blob
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.fingerprint import Fingerprint, difference
 from prefixflow.shared.wire.ids import IdSet
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
@@ -84,6 +94,17 @@ class DirTaken(Exception):
             f"--overwrite to replace its output with job {job}'s, or another --out"
         )
         self.out_dir, self.owner, self.job = out_dir, owner, job
+
+
+class JobMismatch(Exception):
+    """The job id, or the job bound to the output directory, was asked another input or
+    spec than this one (`prefixflow` exits with code 2); the message names the difference."""
+
+
+def mismatch_text(out_dir: str, owner: str, diff: str) -> str:
+    """The refusal of another job into `owner`'s directory (`run` and `submit` say the same)."""
+    return (f"{out_dir} holds the output of job {owner}, which was asked something else ({diff}): pass --overwrite "
+            "to replace that output with this job's, or another --out")
 
 
 class AlreadyDone(Exception):
@@ -243,6 +264,24 @@ class Submitter:
         await self.jobs_kv.put(key, job.encode())
         return owner if owner != job else None
 
+    async def dir_job(self, out_dir: str, job: str, asked: Fingerprint, overwrite: bool) -> str:
+        """The job to run into `out_dir` when no job id was given (`job` is a new one): the
+        job bound to it if it was asked the same (`asked`), else `job`. One asked something
+        else: `JobMismatch`, unless `overwrite`. A bound job whose fingerprint is unknown
+        (from before fingerprints, or gone from the bucket): `job` (`claim_dir` decides)."""
+        try:
+            owner = (await self.jobs_kv.get(subjects.dir_key(out_dir, subjects.tenant_of(job)))).value.decode()
+        except KeyNotFoundError:
+            return job
+        earlier = await self.spec(owner) if owner != job else None
+        if earlier is None or earlier.fingerprint is None:
+            return job
+        if (diff := difference(earlier.fingerprint, asked)) is None:
+            return owner
+        if overwrite:
+            return job
+        raise JobMismatch(mismatch_text(out_dir, owner, diff))
+
     async def status(self, job: str) -> m.JobStatus | None:
         try:
             entry = await self.status_kv.get(job)
@@ -364,19 +403,29 @@ async def submit(
     deliver: str = "",
     resolve_out: bool = True,
     priority: int = 1,
+    adopt: bool = False,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
     Raises `DirTaken` when `out_dir` belongs to another job (unless `overwrite`: the sink
     then replaces that job's output), `AlreadyDone` when the job has every row already,
     `JobFailed` when the cluster marks it failed. Only the rows the sink does not have are
-    published; `resume` (or a job the cluster knows) prints how many were skipped."""
+    published; `resume` (or a job the cluster knows) prints how many were skipped.
+    `JobMismatch` when `job` was asked another input or spec; `adopt` (no job id given:
+    `job` is a new one): the job bound to `out_dir` is run instead if it was asked the same
+    (see the module docstring)."""
     if (why := subjects.job_id_error(job)) is not None:
         raise SystemExit(why)
     # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
     out_dir = str(Path(out_dir).resolve()) if resolve_out else str(out_dir)
     from prefixflow.client import openai_batch
 
+    now = time.time()
+    spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
+                     chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
+                     overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver,
+                     priority=priority)
+    spec.fingerprint = asked = of_job(input_path, spec)  # of the file as given (a batch file, not its rows)
     batch = None
     if openai_batch.is_batch_file(input_path):  # OpenAI Batch requests -> rows (prefixflow/client/openai_batch.py)
         import tempfile
@@ -385,16 +434,21 @@ async def submit(
         input_path = openai_batch.write_rows(batch, Path(tempfile.mkdtemp(prefix="pfx-batch-")) / "rows.jsonl")
     expected = count_rows(input_path)
     async with Submitter(nats_url) as client:
+        if adopt and (owner := await client.dir_job(out_dir, job, asked, overwrite)) != job:
+            job = spec.job = owner  # OUT's job, asked the same: resumed, or reported done
         # A job the cluster already marked failed would only fail again: say so now,
         # before publishing anything.
         before = await client.status(job)
         if before is not None and before.failed:
             raise JobFailed(job, f"{before.error} (earlier run; submit under a new --job id)")
+        await client.follow_cancel(job)  # before the spec is read: a cancel in between is not missed
+        earlier = await client.spec(job)
+        if earlier is not None and (diff := difference(earlier.fingerprint, asked)) is not None:
+            raise JobMismatch(f"job {job} was submitted with another input or spec ({diff}): a job id names one "
+                              f"job; submit under another --job (with --overwrite to replace its output in {out_dir})")
         replaced = await client.claim_dir(out_dir, job, overwrite=overwrite)
         if replaced is not None:
             print(f"{out_dir} held job {replaced}'s output: job {job} replaces it (--overwrite)", flush=True)
-        await client.follow_cancel(job)
-        earlier = await client.spec(job)
         if (before is not None and before.cancelled) or (earlier is not None and earlier.cancelled_at):
             raise JobCancelled(job, before, " (earlier; submit under a new --job id)")
         same_dir = earlier is None or earlier.out_dir == out_dir
@@ -402,11 +456,9 @@ async def submit(
                 and (expected is None or before.total >= expected)):
             raise AlreadyDone(before)
         resume = resume or (before is not None and before.rows > 0) or earlier is not None
-        now = time.time()
-        spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
-                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
-                         overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver,
-                         priority=priority)
+        if earlier is not None and earlier.fingerprint is None:
+            print(f"job {job} was submitted before jobs recorded what they were asked (no fingerprint): "
+                  "taken as the same job", flush=True)
         await client.create(spec)
         seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
         # Resume: rows the sink has written already are not sent again (asked per chunk;

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from prefixflow.shared.process import config as cfgmod
+from prefixflow.shared.wire import fingerprint
 from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire.fingerprint import Fingerprint
 
 T = TypeVar("T")
 
@@ -67,16 +69,28 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def plan(out: str | Path, input_path: str | Path, job: str | None, new_job: str, *, overwrite: bool = False) -> Plan:
+def model_of(model: str) -> str:
+    """The model as the job's spec names it: a local directory by its absolute path (the
+    default model, made on first use, included), else as given (a hub id)."""
+    path = Path(model)
+    return str(path.resolve()) if path.exists() or model == cfgmod.DEFAULT_MODEL else model
+
+
+def plan(out: str | Path, input_path: str | Path, job: str | None, new_job: str, *, overwrite: bool = False,
+         asked: Fingerprint | None = None) -> Plan:
     """The job `run` runs into `out` (a local directory): the one its manifest
-    (`_job.json`, written by the sink) names, resumed, or reported if `_summary.json`
-    shows it has every row (against INPUT's row count when the file says it cheaply:
-    Parquet; else the summary is trusted). `--job` naming another job: exit code 2,
-    unless `overwrite`. No manifest: `job` or `new_job`."""
-    from prefixflow.client.submit import count_rows
+    (`_job.json`, written by the sink) names, if it was asked the same input and spec
+    (`asked`), resumed, or reported if `_summary.json` shows it has every row (against
+    INPUT's row count when the file says it cheaply: Parquet; else the summary is
+    trusted). `--job` naming another job, or a job asked something else: exit code 2,
+    unless `overwrite` (then `job` or `new_job` replaces it). A manifest without a
+    fingerprint (written before them): the same job, as before. No manifest: `job` or
+    `new_job`."""
+    from prefixflow.client.submit import count_rows, mismatch_text
 
     out = Path(out).resolve()
-    owner = (read_json(out / "_job.json") or {}).get("job")
+    manifest = read_json(out / "_job.json") or {}
+    owner = manifest.get("job")
     if not isinstance(owner, str) or not owner:
         return Plan(job or new_job, False)
     if job is not None and job != owner:
@@ -84,6 +98,15 @@ def plan(out: str | Path, input_path: str | Path, job: str | None, new_job: str,
             return Plan(job, False)
         print(f"error: {out} holds the output of job {owner}: pass --job {owner} (or no --job) to resume that job, "
               f"--overwrite to replace its output with job {job}'s, or another --out", file=sys.stderr, flush=True)
+        sys.exit(2)
+    recorded = fingerprint.decode(manifest.get("fingerprint"))
+    if recorded is None:
+        print(f"note: {out / '_job.json'} records no fingerprint of what job {owner} was asked (written before "
+              "prefixflow recorded one): INPUT is taken as its input", flush=True)
+    elif (diff := fingerprint.difference(recorded, asked)) is not None:
+        if overwrite:
+            return Plan(job or new_job, False)  # the sink replaces the output (another job, or another fingerprint)
+        print(f"error: {mismatch_text(str(out), owner, diff)}", file=sys.stderr, flush=True)
         sys.exit(2)
     summary = read_json(out / "_summary.json")
     if summary is not None and summary.get("job") == owner:
@@ -98,7 +121,12 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     """`prefixflow run`: start the local cluster, submit INPUT while the engines load,
     supervise, print the summary and write the report, stop; exit codes as the README says.
     OUT holding this job's finished output: print its summary, start nothing."""
-    todo = plan(args.out, args.input, args.job, new_job, overwrite=args.overwrite)
+    from prefixflow.client.fingerprint import of_job
+
+    model = model_of(args.model)
+    asked = of_job(args.input, m.JobSpec(job=new_job, out_dir="", sampling=sampling, model=model, **chat)) \
+        if Path(args.input).is_file() else None  # a missing input: the submit says so
+    todo = plan(args.out, args.input, args.job, new_job, overwrite=args.overwrite, asked=asked)
     if todo.done is not None:
         print(f"job {todo.job} is already done: {todo.done.get('rows')} rows ({todo.done.get('errors')} errors) "
               f"in {args.out}; nothing to run (another --out runs it again)", flush=True)
@@ -111,11 +139,10 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     from prefixflow.launch.local_cluster import ClusterFailed, LocalCluster, ProcessExited, wait_replicas_ready
     from prefixflow.launch.processes import describe_placement, machine_devices, processes
     from prefixflow.datagen.make_model import make_model
-    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, submit
+    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, JobMismatch, submit
 
     if args.model == cfgmod.DEFAULT_MODEL:
         make_model(args.model)
-    model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     extra = ["--kv-cache-blocks", str(args.kv_cache_blocks)] if args.kv_cache_blocks else []
     engine_argv = getattr(args, "engine_argv", None)
     if engine_argv:  # vLLM engine arguments for every replica, checked by vLLM's parser now
@@ -200,7 +227,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         status = asyncio.run(run_job())
     except JobFailed as exc:
         error, code = str(exc), 1
-    except DirTaken as exc:  # a --workdir whose cluster bound OUT to another job
+    except (DirTaken, JobMismatch) as exc:  # a --workdir whose cluster bound OUT (or the id) to another job
         error, code = f"error: {exc}", 2
     except AlreadyDone as done:  # a --workdir whose cluster finished the job
         status = done.status

@@ -4,6 +4,9 @@
   at once, starting no cluster;
 - another `--job` into a directory bound to a job: a clear error (exit 2), the first job's
   output byte-identical; `--overwrite` replaces it;
+- another input or another sampling into a finished job's directory (issue 39): exit 2
+  naming the difference, the first output byte-identical; `--overwrite` replaces it;
+  the same for `submit`, whose same command twice (no `--job`) exits 0 at once;
 - an empty input: exit 0, an empty output and `_summary.json`;
 - `prefixflow submit` resuming a job interrupted half way (its input copied to another
   path) against one running cluster publishes only the missing ids; a finished job is not
@@ -107,15 +110,53 @@ def test_another_job_into_a_bound_directory_is_refused(first_run, dataset, tiny_
     assert snapshot(first_run) == before, "the first job's output is untouched"
 
 
-def test_overwrite_replaces_the_other_jobs_output(first_run, dataset, tiny_model, tmp_path):
-    """Needs the sink: `JobSpec.overwrite` deletes the other job's output and rebinds OUT.
-    (Runs last in this module: it replaces `first_run`'s output.)"""
-    res = run_job(dataset, first_run, tmp_path / "w4", tiny_model, "--job", "second", "--overwrite")
+@pytest.fixture(scope="module")
+def other_input(tmp_path_factory) -> Path:
+    """Another input, with fewer rows than `dataset` (the case that was "already done")."""
+    data = tmp_path_factory.mktemp("other") / "other.parquet"
+    pq.write_table(pa.table({"id": list(range(OTHER_N)), "prompt": [f"another prompt {i}" for i in range(OTHER_N)]}), data)
+    return data
+
+
+OTHER_N = 50
+
+
+def refused(res, out: Path, before: dict[str, bytes], *named: str) -> None:
+    """Exit code 2 naming the difference, OUT byte-identical."""
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "which was asked something else" in res.stderr and "--overwrite" in res.stderr, res.stderr
+    for text in named:
+        assert text in res.stderr, res.stderr
+    assert snapshot(out) == before, "the first job's output is untouched"
+
+
+def test_another_input_or_sampling_into_a_finished_jobs_directory_is_refused(first_run, dataset, other_input,
+                                                                             tiny_model, tmp_path):
+    """Issue 39: OUT's job was asked another input (fewer rows: it was "already done") or
+    another sampling; with or without --job. Refused before a cluster starts."""
+    before = snapshot(first_run)
+    assert "fingerprint" in json.loads((first_run / "_job.json").read_text()), "the sink records what was asked"
+    res = run_job(other_input, first_run, tmp_path / "w5", tiny_model, timeout=60)
+    refused(res, first_run, before, "job first", "input: another input")
+    res = run_job(other_input, first_run, tmp_path / "w6", tiny_model, "--job", "first", timeout=60)
+    refused(res, first_run, before, "input: another input")
+    res = run_job(dataset, first_run, tmp_path / "w7", tiny_model, "--temperature", "0.5", timeout=60)
+    refused(res, first_run, before, "spec: sampling.temperature default -> 0.5")
+    assert not any((tmp_path / w / "pids.json").exists() for w in ("w5", "w6", "w7")), "no cluster started"
+
+
+def test_overwrite_replaces_the_other_jobs_output(first_run, other_input, tiny_model, tmp_path):
+    """Needs the sink: `JobSpec.overwrite` deletes the other job's output and rebinds OUT:
+    another input, no --job (a new job). (Runs last in this module: it replaces
+    `first_run`'s output.)"""
+    res = run_job(other_input, first_run, tmp_path / "w4", tiny_model, "--overwrite")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads((first_run / "_job.json").read_text())["job"] == "second"
+    job = json.loads((first_run / "_job.json").read_text())["job"]
+    assert job.startswith("other-"), job
     summary = json.loads((first_run / "_summary.json").read_text())
-    assert summary["job"] == "second" and summary["rows"] == N
-    ids_once(first_run, N)
+    assert summary["job"] == job and summary["rows"] == OTHER_N
+    ids_once(first_run, OTHER_N)
+    assert set(pq.read_table(first_run).column("prompt").to_pylist()) == {f"another prompt {i}" for i in range(OTHER_N)}
 
 
 def test_an_empty_input_is_an_empty_output(tmp_path, tiny_model):
@@ -177,7 +218,8 @@ def test_submit_resumes_a_job_interrupted_half_way_sending_only_the_missing_ids(
     ids_once(out, N)
 
     t0 = time.monotonic()
-    again = run_cli("submit", str(moved), "--out", str(out), "--nats", url, "--job", job, "--no-progress", timeout=60)
+    again = run_cli("submit", str(moved), "--out", str(out), "--nats", url, "--job", job, "--no-progress",
+                    "--max-tokens", "4", timeout=60)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"job {job} is already done: {N} rows" in again.stdout, again.stdout
     assert time.monotonic() - t0 < 20
@@ -186,3 +228,40 @@ def test_submit_resumes_a_job_interrupted_half_way_sending_only_the_missing_ids(
     assert other.returncode == 2, other.stdout + other.stderr
     assert re.search(r"holds the output of job resumed.*--overwrite", other.stderr), other.stderr
     ids_once(out, N)
+
+
+def submit_cli(url: str, data: Path, out: Path, *extra: str, timeout: float = 180):
+    return run_cli("submit", str(data), "--out", str(out), "--nats", url, "--no-progress", "--max-tokens", "4",
+                   "--timeout", "120", *extra, timeout=timeout)
+
+
+def test_submit_of_another_input_or_sampling_into_a_finished_jobs_directory(echo_cluster, dataset, other_input, tmp_path):
+    """Issue 39 through `submit` (no --job: the job bound to OUT if asked the same): the
+    same command twice exits 0 at once; another input (with or without --job) or another
+    sampling exits 2 naming it, OUT byte-identical; --overwrite replaces it."""
+    url, out = echo_cluster.url, tmp_path / "out"
+    first = submit_cli(url, dataset, out)
+    assert first.returncode == 0, first.stdout + first.stderr
+    ids_once(out, N)
+    owner = json.loads((out / "_job.json").read_text())["job"]
+    before = snapshot(out)
+
+    t0 = time.monotonic()
+    again = submit_cli(url, dataset, out, timeout=60)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"job {owner} is already done: {N} rows" in again.stdout, again.stdout
+    assert time.monotonic() - t0 < 20 and snapshot(out) == before
+
+    refused(submit_cli(url, other_input, out, timeout=60), out, before, f"job {owner}", "input: another input")
+    refused(submit_cli(url, dataset, out, "--max-tokens", "8", timeout=60), out, before,
+            "spec: sampling.max_tokens 4 -> 8")
+    named = submit_cli(url, other_input, out, "--job", owner, timeout=60)
+    assert named.returncode == 2 and f"job {owner} was submitted with another input or spec" in named.stderr, named.stderr
+    assert snapshot(out) == before
+
+    replaced = submit_cli(url, other_input, out, "--overwrite")
+    assert replaced.returncode == 0, replaced.stdout + replaced.stderr
+    job = json.loads((out / "_job.json").read_text())["job"]
+    assert job != owner and f"held job {owner}'s output: job {job} replaces it" in replaced.stdout, replaced.stdout
+    assert json.loads((out / "_summary.json").read_text())["rows"] == OTHER_N
+    ids_once(out, OTHER_N)

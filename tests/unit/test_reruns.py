@@ -62,6 +62,39 @@ def test_plan_refuses_another_job_unless_overwrite(tmp_path, capsys):
     assert plan(out, data, "other", "new", overwrite=True) == Plan("other", False)
 
 
+def _asked(data, max_tokens: int = 4):
+    from prefixflow.client.fingerprint import of_job
+
+    return of_job(data, m.JobSpec(job="x", out_dir="", sampling=m.SamplingSpec(max_tokens=max_tokens)))
+
+
+def test_plan_refuses_the_same_directory_asked_another_input_or_spec(tmp_path, capsys):
+    data = _input(tmp_path, 10)
+    out = _out(tmp_path, "j", rows=10)
+    doc = json.loads((out / "_job.json").read_text())
+    (out / "_job.json").write_text(json.dumps({**doc, "fingerprint": msgspec.to_builtins(_asked(data))}))
+    assert plan(out, data, None, "new", asked=_asked(data)).done is not None, "the same: done"
+    other = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"id": list(range(20)), "prompt": ["q"] * 20}), other)
+    for job in (None, "j"):
+        with pytest.raises(SystemExit) as exc:
+            plan(out, other, job, "new", asked=_asked(other))
+        assert exc.value.code == 2
+        assert "holds the output of job j, which was asked something else (input: another input" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plan(out, data, None, "new", asked=_asked(data, max_tokens=8))
+    assert "spec: sampling.max_tokens 4 -> 8" in capsys.readouterr().err
+    assert plan(out, other, None, "new", overwrite=True, asked=_asked(other)) == Plan("new", False)
+    assert plan(out, other, "j", "new", overwrite=True, asked=_asked(other)) == Plan("j", False), "the sink replaces"
+
+
+def test_plan_takes_a_manifest_without_a_fingerprint_as_the_same_job(tmp_path, capsys):
+    data = _input(tmp_path, 10)
+    out = _out(tmp_path, "j", rows=10)
+    assert plan(out, data, None, "new", asked=_asked(data, max_tokens=8)).done is not None
+    assert "records no fingerprint" in capsys.readouterr().out
+
+
 class FakeNc:
     """Answers done queries: ids in `done` are done; `fail` raises that instead."""
 

@@ -17,6 +17,7 @@ from prefixflow.services.sink import lifecycle
 from prefixflow.services.sink.lifecycle import Reconciler, status_summary, write_empty_part
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.fingerprint import Fingerprint
 
 pytestmark = pytest.mark.unit
 
@@ -158,6 +159,36 @@ def test_a_replace_interrupted_before_the_new_manifest_is_finished_by_the_next_b
     assert binding.inspect(tmp_path).owner == "j1"
     assert binding.bind("j2", tmp_path, overwrite=True).action is Action.REPLACE
     assert manifest(tmp_path)["job"] == "j2"
+
+
+# --- a job is what it was asked to do: the manifest's fingerprint ------------------------
+
+ASKED = Fingerprint(input={"kind": "jsonl", "scheme": 1, "size": 10, "digest": "aa"}, spec={"sampling.max_tokens": "4"})
+OTHER = Fingerprint(input={"kind": "jsonl", "scheme": 1, "size": 12, "digest": "bb"}, spec={"sampling.max_tokens": "4"})
+
+
+def test_the_same_job_asked_something_else_is_refused_unless_overwrite():
+    state = DirState(owner="j1", has_output=True, fingerprint=ASKED)
+    assert decide("j1", state, False, "/o", ASKED).action is Action.OWNED
+    refused = decide("j1", state, False, "/o", OTHER)
+    assert refused.action is Action.REFUSE and "another input (12 bytes, not 10)" in refused.error
+    replaced = decide("j1", state, True, "/o", OTHER)
+    assert replaced.action is Action.REPLACE and replaced.previous is None, "nothing of another job to release"
+    # Unknown on either side (a manifest or a spec from before fingerprints): the same job.
+    assert decide("j1", DirState(owner="j1", has_output=True), False, "/o", OTHER).action is Action.OWNED
+    assert decide("j1", state, False, "/o", None).action is Action.OWNED
+
+
+def test_bind_writes_the_fingerprint_and_gives_an_older_manifest_one(tmp_path):
+    binding.write_manifest(tmp_path, "j1")  # before fingerprints
+    part(tmp_path / "part-000000.parquet")
+    assert binding.bind("j1", tmp_path, overwrite=False, fingerprint=ASKED).action is Action.OWNED
+    assert binding.inspect(tmp_path).fingerprint == ASKED
+    assert files(tmp_path) == [MANIFEST, "part-000000.parquet"]
+    d = binding.bind("j1", tmp_path, overwrite=False, fingerprint=OTHER)
+    assert d.action is Action.REFUSE and files(tmp_path) == [MANIFEST, "part-000000.parquet"]
+    assert binding.bind("j1", tmp_path, overwrite=True, fingerprint=OTHER).action is Action.REPLACE
+    assert files(tmp_path) == [MANIFEST] and binding.inspect(tmp_path).fingerprint == OTHER
 
 
 # --- what completion writes (prefixflow/services/sink/lifecycle.py) ----------------------

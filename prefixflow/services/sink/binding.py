@@ -7,8 +7,15 @@ Before the sink writes anything for a job it binds the job's `out_dir` (`bind`):
 | nothing of ours (or does not exist)   | BIND: write manifest   | BIND                        |
 | parts, no manifest (older sinks)      | ADOPT: write manifest  | REPLACE: delete, bind       |
 | manifest naming this job              | OWNED: nothing to do   | OWNED (a resume)            |
+| ... with another fingerprint          | REFUSE: the job fails  | REPLACE: delete, bind       |
 | manifest naming another job           | REFUSE: the job fails  | REPLACE: delete, bind       |
 | manifest that cannot be read          | REFUSE                 | REPLACE                     |
+
+A manifest's fingerprint (what its job was asked to do: input and spec,
+`prefixflow/shared/wire/fingerprint.py`) against the job's spec's: another one is another
+job under the same id (the client refuses it first when the cluster still holds the old
+spec). A manifest without one (written before fingerprints) is taken as the same job; an
+OWNED one gets the job's fingerprint written into it.
 
 `decide` is the pure rule (tests/unit/test_sink_binding.py); `inspect` reads a directory's
 state and `apply` carries a decision out. No NATS here.
@@ -29,16 +36,19 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import structlog
 
 from prefixflow.services.sink.parts import fsync_dir
 from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.wire.fingerprint import Fingerprint, decode, difference
 from prefixflow.shared.wire.messages import JobSpec
 
 log = structlog.get_logger()
 
 MANIFEST = "_job.json"
-"""The file that names the job owning a directory: {"job": id, "created_at": unix time}."""
+"""The file that names the job owning a directory: {"job": id, "created_at": unix time,
+"fingerprint": {"input": {...}, "spec": {...}}} (no fingerprint: written before them)."""
 OUTPUT_GLOBS = ("*.parquet", ".part-*", "part-*.tmp", "*.parquet.tmp", "_summary.json", "_summary.json.tmp",
                 "_job.json.tmp")
 """Files of a job's output: parts (and whatever other Parquet the writer makes), their
@@ -70,6 +80,8 @@ class DirState:
     """Why the manifest that is there cannot be read (None: absent or fine)."""
     has_output: bool = False
     """Any Parquet part, summary or report is there."""
+    fingerprint: Fingerprint | None = None
+    """What the manifest's job was asked to do (None: not recorded)."""
 
 
 @dataclass(frozen=True)
@@ -90,10 +102,18 @@ def refusal(out_dir: str, state: DirState) -> str:
     return f"out_dir {out_dir} {held}; submit with --overwrite to replace that output, or choose another --out"
 
 
-def decide(job: str, state: DirState, overwrite: bool, out_dir: str = "") -> Decision:
-    """What binding `job` to a directory in `state` does (`overwrite`: the job's spec)."""
+def decide(job: str, state: DirState, overwrite: bool, out_dir: str = "",
+           fingerprint: Fingerprint | None = None) -> Decision:
+    """What binding `job` to a directory in `state` does (`overwrite` and `fingerprint`:
+    the job's spec's)."""
     if state.owner == job:
-        return Decision(Action.OWNED)
+        if (diff := difference(state.fingerprint, fingerprint)) is None:
+            return Decision(Action.OWNED)
+        if overwrite:
+            return Decision(Action.REPLACE)
+        return Decision(Action.REFUSE, previous=job, error=(
+            f"out_dir {out_dir} holds job {job}'s output for another input or spec ({diff}); submit with "
+            "--overwrite to replace that output, or choose another --out"))
     claimed = state.owner is not None or state.unreadable is not None
     if not claimed:
         if not state.has_output:
@@ -107,39 +127,44 @@ def decide(job: str, state: DirState, overwrite: bool, out_dir: str = "") -> Dec
     return Decision(Action.REFUSE, previous=state.owner, error=refusal(out_dir, state))
 
 
-def read_manifest(path: Path) -> tuple[str | None, str | None]:
-    """(owner, why unreadable) of the manifest at `path`; (None, None) if there is none."""
+def read_manifest(path: Path) -> tuple[str | None, str | None, Fingerprint | None]:
+    """(owner, why unreadable, fingerprint) of the manifest at `path`; (None, None, None)
+    if there is none."""
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return None, None
+        return None, None, None
     try:
         doc = json.loads(raw)
     except ValueError as exc:
-        return None, f"not JSON: {exc}"
+        return None, f"not JSON: {exc}", None
     job = doc.get("job") if isinstance(doc, dict) else None
     if not isinstance(job, str) or not job:
-        return None, "no job named"
-    return job, None
+        return None, "no job named", None
+    return job, None, decode(doc.get("fingerprint"))
 
 
 def inspect(out_dir: Path) -> DirState:
     """The binding state of `out_dir` (a directory that does not exist holds nothing)."""
     if not out_dir.is_dir():
         return DirState()
-    owner, unreadable = read_manifest(out_dir / MANIFEST)
+    owner, unreadable, fingerprint = read_manifest(out_dir / MANIFEST)
     has_output = any(True for _ in out_dir.glob("*.parquet")) or (out_dir / "_summary.json").exists() or any(
         (out_dir / d).exists() for d in OUTPUT_DIRS
     )
-    return DirState(owner, unreadable, has_output)
+    return DirState(owner, unreadable, has_output, fingerprint)
 
 
-def write_manifest(out_dir: Path, job: str) -> None:
-    """Bind `out_dir` to `job`: the manifest, atomically (tmp, fsync, rename, fsync dir)."""
+def write_manifest(out_dir: Path, job: str, fingerprint: Fingerprint | None = None) -> None:
+    """Bind `out_dir` to `job` (asked `fingerprint`): the manifest, atomically (tmp, fsync,
+    rename, fsync dir)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / (MANIFEST + ".tmp")
+    doc: dict = {"job": job, "created_at": round(time.time(), 3)}
+    if fingerprint is not None:
+        doc["fingerprint"] = msgspec.to_builtins(fingerprint)
     with open(tmp, "w") as f:
-        f.write(json.dumps({"job": job, "created_at": round(time.time(), 3)}) + "\n")
+        f.write(json.dumps(doc) + "\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out_dir / MANIFEST)
@@ -170,13 +195,19 @@ def clear_output(out_dir: Path) -> list[str]:
     return removed
 
 
-def bind(job: str, out_dir: Path, overwrite: bool, shown: str = "") -> Decision:
-    """Bind `out_dir` to `job` (blocking file I/O: run it in a thread). `shown`: the
-    out_dir as the job's spec spells it (for the refusal text). A REFUSE writes nothing."""
+def bind(job: str, out_dir: Path, overwrite: bool, shown: str = "", fingerprint: Fingerprint | None = None) -> Decision:
+    """Bind `out_dir` to `job`, asked `fingerprint` (blocking file I/O: run it in a
+    thread). `shown`: the out_dir as the job's spec spells it (for the refusal text). A
+    REFUSE writes nothing."""
     state = inspect(out_dir)
-    decision = decide(job, state, overwrite, shown or str(out_dir))
+    decision = decide(job, state, overwrite, shown or str(out_dir), fingerprint)
     match decision.action:
-        case Action.OWNED | Action.REFUSE:
+        case Action.REFUSE:
+            return decision
+        case Action.OWNED:
+            if state.fingerprint is None and fingerprint is not None:  # a manifest from before fingerprints
+                write_manifest(out_dir, job, fingerprint)
+                log.info("manifest given the job's fingerprint", job=job, out_dir=str(out_dir))
             return decision
         case Action.REPLACE:
             removed = clear_output(out_dir)
@@ -186,14 +217,14 @@ def bind(job: str, out_dir: Path, overwrite: bool, shown: str = "") -> Decision:
             log.info("output adopted (written before manifests)", job=job, out_dir=str(out_dir))
         case Action.BIND:
             pass
-    write_manifest(out_dir, job)
+    write_manifest(out_dir, job, fingerprint)
     return decision
 
 
 def open_bound(job: str, out_dir: Path, spec: JobSpec) -> tuple[Decision, JobOutput | None]:
     """Bind `out_dir` to `job`, then open its output (the ids and counts of the parts on
     disk); (decision, None) if the job is refused. Blocking: run it in a thread."""
-    decision = bind(job, out_dir, spec.overwrite, spec.out_dir)
+    decision = bind(job, out_dir, spec.overwrite, spec.out_dir, spec.fingerprint)
     if decision.action is Action.REFUSE:
         return decision, None
     return decision, JobOutput(job, out_dir)

@@ -52,6 +52,7 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 from msgspec import Meta
 
+from prefixflow.shared.wire.fingerprint import Fingerprint
 from prefixflow.shared.wire.structured import check_structured
 
 # --- job control (JSON, in the key-value buckets) ------------------------------------
@@ -164,6 +165,11 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     cancelled_by: str = ""
     """Who cancelled the job (with `cancelled_at`): the canceller's NATS user (`tenant-alice`,
     `submitter`; `api:<tenant>` for the batch service's), or `local:<os user>` without auth."""
+    fingerprint: Fingerprint | None = None
+    """What the job was asked to do: its input's and its spec's fingerprint
+    (`prefixflow/shared/wire/fingerprint.py`), set by the client. The sink writes it into the
+    directory's manifest (`_job.json`); another input or spec into the same output is
+    refused unless `overwrite`. None: a spec from before fingerprints (unknown)."""
 
     def ended_at(self, now: float) -> float:
         """When the cluster stopped feeding this job: `cancelled_at`, or `expires_at` once
