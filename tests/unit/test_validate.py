@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from prefixflow.services.ingestor.validate import ID_HEADER, PLAN_FIELDS, Record, Rejected, header_id, length_error, parse
 from prefixflow.shared.prefix import tokens as tk
+from prefixflow.shared.wire.messages import ROW_FIELD, SRC_FIELD
 
 pytestmark = pytest.mark.unit
 
@@ -228,8 +229,10 @@ def test_length_error_property(n, max_tokens, max_len):
 # --- property: good rows round-trip ---------------------------------------------------
 
 non_blank = st.text(min_size=1, max_size=40).filter(lambda s: s.strip())
-extra_cols = st.dictionaries(  # (hypothesis also tries the module's own strings: "messages" is one)
-    st.text(max_size=12).filter(lambda k: k != "id" and k not in PLAN_FIELDS), st.text(max_size=20), max_size=5
+extra_cols = st.dictionaries(  # (hypothesis also tries the module's own strings: "messages" is one, and
+    # the client's reserved source columns, which a raw row may carry only as integers)
+    st.text(max_size=12).filter(lambda k: k != "id" and k not in PLAN_FIELDS and k not in (SRC_FIELD, ROW_FIELD)),
+    st.text(max_size=20), max_size=5,
 )
 
 
