@@ -40,6 +40,7 @@ from prefixflow.shared.bus.blobs import put_blob
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.ids import IdSet
+from prefixflow.shared.wire.limits import ROW_TIMEOUT
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
 from prefixflow.shared.bus.publish import message_limit, publish
@@ -364,6 +365,7 @@ async def submit(
     deliver: str = "",
     resolve_out: bool = True,
     priority: int = 1,
+    row_timeout: float = ROW_TIMEOUT,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
@@ -405,7 +407,7 @@ async def submit(
         spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
                          chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
                          overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver,
-                         priority=priority)
+                         priority=priority, row_timeout=row_timeout)
         await client.create(spec)
         seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
         # Resume: rows the sink has written already are not sent again (asked per chunk;
