@@ -396,7 +396,8 @@ class EngineWorker(Recovery, StatusReport):
                     elif is_engine_death(exc, self.engine.alive()):
                         self.engine_died(exc)
                         return  # still in `in_engine`: it died in flight
-                    error = f"{type(exc).__name__}: {exc}"
+                    else:
+                        error = f"{type(exc).__name__}: {exc}"
         finally:
             self.feeder.finished(prompt, output_tokens=completion.output_tokens if completion is not None else None)
             self._track_idle()
