@@ -15,7 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixflow.cli.main import parse_args, sampling_from
-from prefixflow.client.status import JobView, waiting_on
+from prefixflow.client.status import JobView
+from prefixflow.client.waiting import waiting_on
 from prefixflow.services.engine_worker.engines.echo import STALL, EchoEngine
 from prefixflow.services.sink.writer import JobOutput
 from prefixflow.shared.wire import limits
