@@ -31,6 +31,7 @@ import msgspec
 from prefixflow.client.window import IN_FLIGHT_ROWS
 from prefixflow.shared.process import config as cfgmod
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.limits import ROW_TIMEOUT
 from prefixflow.shared.wire.messages import SamplingSpec
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -111,6 +112,14 @@ def weight(text: str) -> int:
     return value
 
 
+def row_timeout(text: str) -> float:
+    """A job's row deadline in seconds: 0 (none) or more."""
+    value = float(text)
+    if not value >= 0:  # NOTE: also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 (no deadline) or more seconds, got {text}")
+    return value
+
+
 def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("input", help="Parquet or JSONL file with a 'prompt' column (and optionally 'id')")
     p.add_argument("--out", required=True, help="output directory (part-*.parquet, _summary.json, _job.json); "
@@ -130,6 +139,10 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     p.add_argument("--priority", type=weight, default=1, metavar="WEIGHT",
                    help="the job's weight while other jobs share the cluster: a job of weight 3 gets three times "
                         "the engine work of a job of weight 1 (default 1)")
+    p.add_argument("--row-timeout", type=row_timeout, default=ROW_TIMEOUT, metavar="SECONDS",
+                   help="a row not finished this many seconds after an engine first took it becomes an error row "
+                        "(time queued before that does not count); 0: no deadline (docs/limits.md) "
+                        f"(default {ROW_TIMEOUT:g})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the job's summary as JSON instead of a table")
     p.add_argument("--no-report", action="store_true",
@@ -227,6 +240,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 expires_in=args.expires_in,
                 priority=args.priority,
                 adopt=args.job is None,
+                row_timeout=args.row_timeout,
                 **chat_from(args),
             )
         )

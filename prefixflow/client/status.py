@@ -3,7 +3,11 @@ that reaches NATS.
 
 - `status [JOB]`: the jobs (or one), each with rows written, errors, rate, prefix-cache
   hit rate so far and ETA, from the job-status bucket the sink keeps (jobs created but
-  not yet written to come from the jobs bucket, as queued).
+  not yet written to come from the jobs bucket, as queued). For a job in progress it
+  listens a second to the engines' statuses and, when the job is in its tail
+  (`waiting.TAIL_ROWS` rows left) or a row has been in an engine `waiting.STUCK_SECONDS`, says which rows
+  it waits on: "waiting on N rows: K in engines (ids ...), the oldest admitted T ago on
+  replica R" (`--json`: the `waiting` object of every job in progress).
 - `top`: a live view (rich). One line per engine replica (from the `EngineStatus`
   messages on `pfx.status.*`): live or not, load (prompts in flight / window, work tokens
   outstanding), vLLM's running and waiting requests, KV-cache use, tokens per second,
@@ -28,6 +32,7 @@ import msgspec
 import nats.errors
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
+from prefixflow.client.waiting import Waiting, engine_statuses, waiting_on
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
@@ -37,6 +42,10 @@ LIVE_FOR = 5.0
 `--dead-after`)."""
 RATE_SPAN = 5.0
 """Seconds over which top measures tokens per second."""
+
+
+IN_PROGRESS = ("queued", "running", "cancelling")
+"""Job states that still wait on rows."""
 
 
 def fmt_duration(seconds: float | None) -> str:
@@ -69,6 +78,8 @@ class JobView:
     """When the cluster forgets the job's spec and status (0: unknown); the output stays."""
     created_at: float = 0.0
     """When the job was (last) submitted (0: unknown)."""
+    waiting: Waiting | None = None
+    """A job in progress: the rows it waits on (`waiting_on`; None: not asked)."""
 
     @classmethod
     def of(cls, job: str, status: m.JobStatus | None, spec: m.JobSpec | None) -> JobView:
@@ -171,7 +182,13 @@ def cmd_status(args) -> None:
         except Exception as exc:  # noqa: BLE001 - say why, do not trace back
             raise SystemExit(f"cannot reach NATS at {args.nats}: {exc}") from None
         try:
-            return await read_jobs(nc, args.job)
+            views = await read_jobs(nc, args.job)
+            if any(v.state in IN_PROGRESS for v in views):  # what do they wait on?
+                statuses, now = await engine_statuses(nc), time.time()
+                for v in views:
+                    if v.state in IN_PROGRESS:
+                        v.waiting = waiting_on(v, statuses, now)
+            return views
         except nats.errors.Error as exc:
             raise SystemExit(f"cannot read the job buckets: {exc!r} (with NATS users, pass a JOB id or use a user that may list jobs)") from None
         finally:
@@ -192,6 +209,8 @@ def cmd_status(args) -> None:
     for v in views:
         if v.error:
             print(f"{v.job}: {v.error}", file=sys.stderr)
+        elif v.waiting is not None and v.waiting.stuck():
+            print(v.waiting.line(v.job))
 
 
 # --- top --------------------------------------------------------------------------------

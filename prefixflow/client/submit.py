@@ -50,6 +50,7 @@ from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.fingerprint import Fingerprint, difference
 from prefixflow.shared.wire.ids import IdSet
+from prefixflow.shared.wire.limits import ROW_TIMEOUT
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
 from prefixflow.shared.bus.publish import message_limit, publish
@@ -404,6 +405,7 @@ async def submit(
     resolve_out: bool = True,
     priority: int = 1,
     adopt: bool = False,
+    row_timeout: float = ROW_TIMEOUT,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
@@ -424,7 +426,7 @@ async def submit(
     spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
                      chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
                      overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver,
-                     priority=priority)
+                     priority=priority, row_timeout=row_timeout)
     spec.fingerprint = asked = of_job(input_path, spec)  # of the file as given (a batch file, not its rows)
     batch = None
     if openai_batch.is_batch_file(input_path):  # OpenAI Batch requests -> rows (prefixflow/client/openai_batch.py)

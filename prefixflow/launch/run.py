@@ -203,6 +203,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
                     max_in_flight=args.max_in_flight,
                     expires_in=args.expires_in,
                     priority=args.priority,
+                    row_timeout=args.row_timeout,
                     **chat,
                 ),
                 replicas_ready(submitted),

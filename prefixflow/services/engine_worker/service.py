@@ -67,6 +67,7 @@ from prefixflow.shared.bus.provision import provision
 from prefixflow.shared.bus.pull import DurablePull, keep_in_progress
 from prefixflow.shared.prefix import tokens as tk
 from prefixflow.shared.process.config import EngineWorkerConfig
+from prefixflow.shared.wire import limits
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
@@ -332,6 +333,7 @@ class EngineWorker(Recovery, StatusReport):
         started = time.time()
         for h, _ in runnable:
             self.in_engine[id(h)] = h
+            h.prompt.admitted_at = h.prompt.admitted_at or started  # NOTE: a batch engine has no deadline
         completions: list[Completion] = []
         try:
             completions = await self.generate_batch([(h.prompt.tokens, sp) for h, sp in runnable])
@@ -372,19 +374,30 @@ class EngineWorker(Recovery, StatusReport):
                 request_id = f"{prompt.job}:{prompt.id}:{uuid.uuid4().hex[:8]}"
                 priority = self.groups.priority(prompt.tokens) if self.scheduling == "prefix-groups" else 0
                 token_ids = tk.unpack(prompt.tokens)
+                deadline = None
                 try:
                     sampling = prompt_sampling(prompt, spec.sampling)  # the row's own, else the job's
                     started = time.time()
-                    completion = await self.engine.generate(request_id, prompt.id, token_ids, sampling, priority, prompt.lora)
+                    # NOTE: set in place, so a re-publish after an engine death (`resplit`) carries it.
+                    prompt.admitted_at = prompt.admitted_at or started
+                    async with asyncio.timeout(limits.time_left(prompt.admitted_at, spec.row_timeout, started)) as deadline:
+                        completion = await self.engine.generate(request_id, prompt.id, token_ids, sampling, priority,
+                                                                prompt.lora)
                 except msgspec.DecodeError as exc:  # a sampling value this worker cannot take (unknown fields are ignored)
                     error = f"bad sampling parameters: {exc}"
                 except RequestFailed as exc:
                     error = str(exc)
                 except Exception as exc:  # noqa: BLE001 - classified: only a dead engine rebuilds
-                    if is_engine_death(exc, self.engine.alive()):
+                    if isinstance(exc, TimeoutError) and deadline is not None and deadline.expired():
+                        # Past its deadline: the request was cancelled (vLLM aborts it), its slot is free.
+                        error = limits.timeout_error(spec.row_timeout)
+                        log.warning("row past its deadline: error row", job=prompt.job, id=prompt.id,
+                                    row_timeout=spec.row_timeout, admitted_ago=round(time.time() - prompt.admitted_at, 1))
+                    elif is_engine_death(exc, self.engine.alive()):
                         self.engine_died(exc)
                         return  # still in `in_engine`: it died in flight
-                    error = f"{type(exc).__name__}: {exc}"
+                    else:
+                        error = f"{type(exc).__name__}: {exc}"
         finally:
             self.feeder.finished(prompt, output_tokens=completion.output_tokens if completion is not None else None)
             self._track_idle()

@@ -8,6 +8,7 @@ cap follows); before each, the window is sized from what the engine runs
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
 
 import structlog
@@ -56,11 +57,24 @@ class StatusReport:
             adapters=self.engine.adapters,
             lora_slots=self.engine.lora_slots,
             loras=dict(self.feeder.loras),
+            oldest=self.oldest_in_engine(),
             cached_tokens=self.cached_tokens,
             completed=self.completed,
             output_tokens=self.output_tokens,
             idle_seconds=self.idle_seconds + (time.monotonic() - self.idle_since if self.idle_since is not None else 0.0),
         )
+
+    def oldest_in_engine(self) -> list[m.InEngine]:
+        """Per job, its rows in the engine that were admitted first (`m.OLDEST_IDS` ids)."""
+        by_job: dict[str, list[tuple[float, m.PromptId]]] = {}
+        for held in self.in_engine.values():
+            if held.prompt.admitted_at:
+                by_job.setdefault(held.prompt.job, []).append((held.prompt.admitted_at, held.prompt.id))
+        out = []
+        for job, rows in by_job.items():
+            first = heapq.nsmallest(m.OLDEST_IDS, rows, key=lambda row: row[0])
+            out.append(m.InEngine(job, len(rows), [pid for _, pid in first], first[0][0]))
+        return out
 
     def adapt_window(self) -> None:
         """Size the window from what the engine runs and generates (`window.Window`)."""

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prefixflow.shared.wire.limits import TIMED_OUT
 from prefixflow.shared.wire.messages import JobSpec, Result
 
 TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "output_tokens")
@@ -58,6 +59,8 @@ class Totals:
 
     def __init__(self) -> None:
         self.overall = [0, 0, 0, 0, 0]
+        self.timed_out = 0
+        """Error rows of rows past their deadline (`limits.TIMED_OUT`)."""
         self.replicas: dict[str, list[int]] = {}
         # Per part with a finish time: its number, earliest and latest `finished_at`
         # (24 bytes a part; a restart keeps one entry per file).
@@ -69,6 +72,7 @@ class Totals:
         """Count a part just written (`finished`: its `finished_at` column)."""
         stats = PartStats.of(results)
         self.overall[0] += len(results)
+        self.timed_out += sum(1 for r in results if r.error is not None and r.error.startswith(TIMED_OUT))
         self.overall[1] += len(results) - stats.ok
         for acc in stats.replicas.values():
             for i in range(3):
@@ -103,6 +107,8 @@ class Totals:
         )
         self.overall[0] += t.num_rows
         self.overall[1] += errors
+        if errors:
+            self.timed_out += int(pc.sum(pc.starts_with(t.column("error"), TIMED_OUT)).as_py() or 0)
         for row in sums.to_pylist():
             tokens = [int(row[f"{name}_sum"] or 0) for name in TOKEN_COLUMNS]
             for i in range(3):
@@ -162,6 +168,7 @@ class Totals:
             return out
 
         summary = dict(job=spec.job, **totals(self.overall), wall_seconds=round(wall, 3) if wall else None)
+        summary["timed_out_rows"] = self.timed_out
         summary["created_at"] = spec.created_at or None
         if spec.created_at:
             first_finished = self.first_finished(spec.created_at, read_times)

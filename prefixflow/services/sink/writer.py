@@ -41,6 +41,7 @@ from prefixflow.services.sink.parts import Part
 from prefixflow.services.sink.schema import INPUT_PREFIX, OUTPUT_TYPES, as_text, conform, generated_columns, input_column
 from prefixflow.services.sink.summary import TOTALS_COLUMNS, PartStats, Totals
 from prefixflow.shared.wire.ids import IdSet
+from prefixflow.shared.wire.limits import TIMED_OUT
 from prefixflow.shared.wire.messages import JobSpec, Result
 
 __all__ = [
@@ -52,6 +53,11 @@ log = structlog.get_logger()
 
 TARGET_BYTES = 128 << 20
 """Small parts are merged into files of about this many bytes (`JobOutput(target_bytes=)`)."""
+
+
+def is_timeout(result: Result) -> bool:
+    """The error row of a row past its deadline (`JobSpec.row_timeout`)."""
+    return result.error is not None and result.error.startswith(TIMED_OUT)
 
 
 class OutsideRoot(ValueError):
@@ -92,6 +98,11 @@ class JobOutput:
         self.compact_in_flush = compact_in_flush
         self.seen = IdSet()
         self.duplicates = 0
+        self.timed_out = IdSet()
+        """Ids whose row is the error row of a row past its deadline (`limits.TIMED_OUT`)."""
+        self.late = 0
+        """Results dropped since the job was opened here because their row had timed out
+        already (a row aborted for its deadline, then run again after a redelivery)."""
         self.last_added = 0.0
         """When a row was last queued (monotonic; 0: none since opened)."""
         """Rows received again and dropped (their id was taken) since the job was opened here."""
@@ -142,6 +153,9 @@ class JobOutput:
                 self.seen.update(ids.to_numpy())
             else:
                 self.seen.update(ids.to_pylist())
+            timed_out = pc.starts_with(table.column("error"), TIMED_OUT)
+            if pc.any(timed_out).as_py():
+                self.timed_out.update(pc.filter(ids, timed_out).to_pylist())
             self.totals.add_table(table, part.first)
             self.next_part = max(self.next_part, part.last + 1)
             if self.schema is None:
@@ -157,7 +171,11 @@ class JobOutput:
         # job wrote as strings still recognises a redelivered int id.
         if not self.seen.add(result.id):
             self.duplicates += 1
+            if result.id in self.timed_out and not is_timeout(result):  # its error row stays
+                self.late += 1
             return False
+        if is_timeout(result):
+            self.timed_out.add(result.id)
         self.pending.append((result, finished_at))
         self.last_added = time.monotonic()
         self.done = False
@@ -171,6 +189,8 @@ class JobOutput:
         """Forget queued rows that could not be written (their messages are redelivered)."""
         for r, _ in self.pending:
             self.seen.discard(r.id)
+            if is_timeout(r):
+                self.timed_out.discard(r.id)
         self.pending = []
 
     def flush(self, inputs: Callable[[int], pa.Table | None] | None = None) -> int:
@@ -312,7 +332,9 @@ class JobOutput:
     def summarize(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
         """Totals over every row on disk, overall and per replica; written to
         `_summary.json`. Kept as parts are written: no file is read."""
-        return self.totals.summary(spec, finished_at, self._read_times)
+        summary = self.totals.summary(spec, finished_at, self._read_times)
+        summary["late_results"] = self.late
+        return summary
 
     def write_summary(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
         """Merge the small parts left, then write `_summary.json`."""

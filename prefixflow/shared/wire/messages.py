@@ -54,6 +54,7 @@ from msgspec import Meta
 
 from prefixflow.shared.wire.fingerprint import Fingerprint
 from prefixflow.shared.wire.structured import check_structured
+from prefixflow.shared.wire.limits import ROW_TIMEOUT, sampling_error
 
 # --- job control (JSON, in the key-value buckets) ------------------------------------
 
@@ -103,7 +104,8 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
     """Keep generating past EOS (benchmarks use it with min_tokens == max_tokens)."""
 
     stop: list[str] = msgspec.field(default_factory=list)
-    """Stop generating at any of these strings (not included in the output)."""
+    """Stop generating at any of these strings (not included in the output); at most
+    `limits.MAX_STOP` of them, each at most `limits.MAX_STOP_CHARS` characters."""
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     structured: StructuredSpec | None = None
@@ -118,6 +120,8 @@ class SamplingSpec(msgspec.Struct, omit_defaults=True):
     def __post_init__(self) -> None:
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be <= max_tokens")
+        if (why := sampling_error(self.stop)) is not None:  # docs/limits.md
+            raise ValueError(why)
 
 
 MAX_PRIORITY = 100
@@ -170,6 +174,11 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     (`prefixflow/shared/wire/fingerprint.py`), set by the client. The sink writes it into the
     directory's manifest (`_job.json`); another input or spec into the same output is
     refused unless `overwrite`. None: a spec from before fingerprints (unknown)."""
+    row_timeout: Annotated[float, Meta(ge=0)] = ROW_TIMEOUT
+    """Seconds a row may take from its first admission to an engine (`Prompt.admitted_at`)
+    until it is finished (`--row-timeout`; 0: no deadline): the engine-worker then aborts
+    it and writes its error row (`limits.timeout_error`). Time queued before an engine
+    takes the row does not count."""
 
     def ended_at(self, now: float) -> float:
         """When the cluster stopped feeding this job: `cancelled_at`, or `expires_at` once
@@ -318,6 +327,11 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """The LoRA adapter the row asked for (its `lora` column, or an OpenAI batch line's
     `model`); empty: the base model. Its prefix keys are the adapter's own
     (`block_keys.block_hashes`); an engine without that adapter answers an error row."""
+    admitted_at: float = 0.0
+    """Unix time an engine first took the row (0: none yet). Set by the engine-worker when
+    it submits the row, so a row it re-publishes after its engine died keeps its deadline
+    (`JobSpec.row_timeout`); a work message redelivered by JetStream (the worker process
+    died) carries none, and the deadline starts again (docs/limits.md)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -446,6 +460,22 @@ class ResultBatch(msgspec.Struct, array_like=True, gc=False):
     results: list[Result]
 
 
+OLDEST_IDS = 5
+"""Ids per job in `EngineStatus.oldest` (bounds the status message)."""
+
+
+class InEngine(msgspec.Struct, array_like=True):
+    """A job's rows in one engine, as its status reports them (`EngineStatus.oldest`)."""
+
+    job: str
+    count: int
+    """The job's rows in the engine now."""
+    ids: list[PromptId]
+    """The first `OLDEST_IDS` of them by admission, oldest first."""
+    admitted_at: float
+    """Unix time the oldest was first admitted to an engine (`Prompt.admitted_at`)."""
+
+
 class EngineStatus(msgspec.Struct, omit_defaults=True):
     """engine-worker -> router (`pfx.status.<replica>`), every second, core NATS."""
 
@@ -497,6 +527,9 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     """How many adapters its engine runs at once (vLLM's `--max-loras`; 0: no LoRA)."""
     loras: dict[str, int] = {}
     """Prompts held here per adapter (in the engine or waiting for its window)."""
+    oldest: list[InEngine] = []
+    """Per job with rows in the engine: its rows that have been there longest (what
+    `prefixflow status` names when a job waits on its last rows)."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):

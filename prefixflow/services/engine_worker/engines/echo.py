@@ -5,6 +5,12 @@ core (`EngineDead` for the request that hit it and for every request then in fli
 until `shutdown()` and `start()` rebuild it) on a prompt holding `crash_token`, and once
 after `crash_after` prompts.
 
+A test knob with no configuration: a row whose sampling has the stop string `STALL`
+(`{"sampling": {"stop": ["<pfx:echo-stall>"]}}`) never finishes on the echo engine with
+a delay (`--echo-delay`; the instant one answers whole batches at once and ignores it)
+until its request is cancelled, as a vLLM request that generates for ever would (the
+row deadline's test: `--row-timeout`, docs/limits.md).
+
 Outputs have the sizes and the fields the vLLM engine gives (`engines/vllm.py`), so
 message sizes are real without a model: `max(min_tokens, min(prompt, max_tokens))`
 tokens (the prompt's last ones, repeated as needed), `n` completions in `outputs` when
@@ -25,6 +31,8 @@ from prefixflow.shared.prefix import tokens as tk
 from prefixflow.shared.wire.messages import FinishReason, PromptId, SamplingSpec
 
 
+STALL = "<pfx:echo-stall>"
+"""A stop string that makes the (delayed) echo engine never finish the row (a test knob)."""
 EMBED_DIM = 256
 """Embedding width without `PFX_ECHO_EMBED_DIM` (the local tiny model's hidden size)."""
 
@@ -98,6 +106,8 @@ class EchoEngine:
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
+            if STALL in sampling.stop:
+                await asyncio.Event().wait()  # until cancelled (the row's deadline)
             if self.dead:  # died meanwhile: every request in flight is lost
                 raise EngineDead("echo engine died")
             done = echo_completion(tokens, sampling, self.task, self.embed_dim)
