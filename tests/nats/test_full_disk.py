@@ -74,6 +74,8 @@ async def stream_counts(url: str, job: str) -> tuple[int, int, m.JobStatus]:
         kv = await js.key_value(subjects.JOB_STATUS_KV)
         st = m.job_status_decoder.decode((await kv.get(job)).value)
         return sum((dead.state.subjects or {}).values()), sum((parked.state.subjects or {}).values()), st
+    finally:
+        await nc.close()
 
 
 def status(url: str, job: str) -> dict:
