@@ -222,7 +222,7 @@ def cmd_run(args: argparse.Namespace) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> None:
-    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, JobMismatch, submit
+    from prefixflow.client.submit import EX_TEMPFAIL, AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
 
     job = args.job or subjects.qualify(default_job_id(args.input), getattr(args, "tenant", ""))
     try:
@@ -246,6 +246,10 @@ def cmd_submit(args: argparse.Namespace) -> None:
         )
     except JobFailed as exc:
         raise SystemExit(str(exc)) from None  # "job X failed: <reason>", exit code 1
+    except JobPaused as exc:  # its output lacks a resource: the job waits on the cluster
+        print(f"error: {exc}\nthe job waits on the cluster and resumes by itself once {exc.path} takes writes "
+              "again; run the same command again to follow it to the end", file=sys.stderr)
+        sys.exit(EX_TEMPFAIL)
     except (DirTaken, JobMismatch) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

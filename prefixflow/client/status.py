@@ -64,7 +64,9 @@ class JobView:
 
     job: str
     state: str
-    """queued (created, nothing written yet), running, done, failed, cancelling (cancelled,
+    """queued (created, nothing written yet), running, paused (its output lacks a resource:
+    disk full, quota, read-only, no permission; `error` says which, `path` where: it
+    resumes by itself once the sink can write), done, failed, cancelling (cancelled,
     prompts still landing), cancelled (rows written so far are final)."""
     rows: int = 0
     total: int | None = None
@@ -80,12 +82,14 @@ class JobView:
     """When the job was (last) submitted (0: unknown)."""
     waiting: Waiting | None = None
     """A job in progress: the rows it waits on (`waiting_on`; None: not asked)."""
+    path: str | None = None
+    """A paused job's directory that lacks the resource."""
 
     @classmethod
     def of(cls, job: str, status: m.JobStatus | None, spec: m.JobSpec | None) -> JobView:
         view = cls._of(job, status, spec)
         view.created_at = (status.created_at if status is not None else 0.0) or (spec.created_at if spec else 0.0)
-        if spec is not None and spec.cancelled_at and view.state in ("queued", "running"):
+        if spec is not None and spec.cancelled_at and view.state in ("queued", "running", "paused"):
             view.state = "cancelling"
         return view
 
@@ -100,6 +104,9 @@ class JobView:
         if status.done and status.summary and status.summary.get("wall_seconds"):
             rate = status.rows / status.summary["wall_seconds"]
         hit = status.hit_rate if status.prompt_tokens else (status.summary or {}).get("prefix_cache_hit_rate")
+        if not status.done and status.paused:
+            return cls(job, "paused", status.rows, status.total, status.errors, 0.0, hit, None, status.updated_at,
+                       error=f"paused: {status.paused}", expires_at=status.expires_at, path=status.paused_path)
         return cls(
             job, ("cancelled" if status.cancelled else "done") if status.done else "running", status.rows, status.total, status.errors, rate,
             hit, status.eta_seconds(), status.updated_at, expires_at=status.expires_at,
@@ -154,7 +161,7 @@ def status_table(views: list[JobView]):
                           ("updated", "right"), ("expires", "right")):
         t.add_column(name, justify=justify)
     now = time.time()
-    colors = {"done": "green", "running": "cyan", "failed": "red", "queued": "yellow", "cancelling": "magenta",
+    colors = {"done": "green", "running": "cyan", "paused": "red", "failed": "red", "queued": "yellow", "cancelling": "magenta",
               "cancelled": "magenta"}
     for v in views:
         t.add_row(
@@ -334,6 +341,8 @@ class Top:
             bar = ProgressBar(total=max(total, st.rows, 1), completed=st.rows, width=30)
             if st.failed:
                 eta = "[red]failed[/]"
+            elif st.paused and not st.done:
+                eta = "[red]paused[/]"
             elif st.done:
                 eta = "[green]done[/]"
             else:
@@ -448,8 +457,8 @@ def add_parsers(sub, default_nats: str) -> None:
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for NATS (default 5)")
     p.set_defaults(fn=cmd_status)
 
-    p = sub.add_parser("jobs", help="list the jobs with their state (queued, running, done, failed, cancelling, "
-                                    "cancelled), rows, errors, age (from NATS)")
+    p = sub.add_parser("jobs", help="list the jobs with their state (queued, running, paused, done, failed, "
+                                    "cancelling, cancelled), rows, errors, age (from NATS)")
     p.add_argument("--nats", default=default_nats, help="NATS URL (env PFX_NATS_URL)")
     p.add_argument("--limit", type=int, default=50, help="show at most this many jobs (0: all; default 50)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -86,6 +86,41 @@ class JobCancelled(JobFailed):
         self.job, self.reason, self.status = job, "cancelled", status
 
 
+EX_TEMPFAIL = 75
+"""Exit code of `run` and `submit` for a paused job (sysexits.h's EX_TEMPFAIL: try again
+later): its output lacks a resource; it resumes once that is fixed."""
+PAUSED_GRACE = 5.0
+"""Seconds a job stays paused before the client gives up waiting (`JobPaused`): a pause
+the sink resolves at its next probe does not end the command."""
+
+
+class JobPaused(Exception):
+    """The job is paused: its output lacks a resource (disk full, quota, read-only file
+    system, no permission). Not failed: its results wait in the cluster and it resumes by
+    itself once the sink can write; the same command then completes it. Exit code 75."""
+
+    def __init__(self, job: str, status: m.JobStatus) -> None:
+        super().__init__(f"job {job} paused: {status.paused} ({status.rows} rows written)")
+        self.job, self.status = job, status
+        self.path = status.paused_path or "its output directory"
+
+
+class PauseWatch:
+    """Raises `JobPaused` once a job has been paused for `PAUSED_GRACE` seconds."""
+
+    def __init__(self, grace: float = PAUSED_GRACE) -> None:
+        self.grace = grace
+        self.since: float | None = None
+
+    def observe(self, job: str, st: m.JobStatus | None, now: float) -> None:
+        if st is None or not st.paused or st.done or st.failed:
+            self.since = None
+            return
+        self.since = now if self.since is None else self.since
+        if now - self.since >= self.grace:
+            raise JobPaused(job, st)
+
+
 class DirTaken(Exception):
     """The output directory is bound to another job (`prefixflow` exits with code 2)."""
 
@@ -301,6 +336,7 @@ class Submitter:
         (`ended`) meanwhile. Raises `JobFailed` when the status says the job failed;
         `check()` runs each round."""
         job = spec.job
+        paused = PauseWatch()
         while not window.may_send(rows, time.monotonic()):
             if self.ended(spec):
                 return False
@@ -311,6 +347,7 @@ class Submitter:
             else:
                 if st is not None and st.failed:
                     raise JobFailed(job, st.error)
+                paused.observe(job, st, time.monotonic())
                 window.observe(st.rows + st.duplicates if st is not None else 0, time.monotonic())
             if window.may_send(rows, time.monotonic()):
                 break
@@ -325,7 +362,8 @@ class Submitter:
         """Follow the sink's progress until `total` rows are written; raise `JobFailed`
         as soon as the status says the job failed (and `TimeoutError` when a job of no
         rows is not completed within `EMPTY_JOB_WAIT`). `check()` runs each round (raise there
-        to stop waiting). A NATS outage (nats-server restarting) is waited out."""
+        to stop waiting). `JobPaused` once the job has been paused for `PAUSED_GRACE`
+        seconds. A NATS outage (nats-server restarting) is waited out."""
         # Rate and ETA are the sink's (rows per second over its last 30 s), as in `prefixflow status`;
         # prompts under way and tokens/s come from the replicas' status messages (prefixflow/client/progress.py).
         bar = tqdm(total=total, desc=f"job {job}", unit="row", disable=not progress, dynamic_ncols=True,
@@ -346,6 +384,7 @@ class Submitter:
         # progress line shows rows only.
         status_sub = None if subjects.tenant_of(job) else await self.nc.subscribe(subjects.ALL_STATUS, cb=on_status)
         st = None
+        paused = PauseWatch()
         try:
             while True:
                 try:
@@ -358,6 +397,7 @@ class Submitter:
                     raise JobFailed(job, st.error)
                 if st is not None and st.done and st.cancelled:
                     raise JobCancelled(job, st)
+                paused.observe(job, st, time.monotonic())
                 if self.first_progress is None and ((st is not None and st.rows) or fleet.held(job)):
                     self.first_progress = time.time()
                 if st is not None:
@@ -411,7 +451,8 @@ async def submit(
 
     Raises `DirTaken` when `out_dir` belongs to another job (unless `overwrite`: the sink
     then replaces that job's output), `AlreadyDone` when the job has every row already,
-    `JobFailed` when the cluster marks it failed. Only the rows the sink does not have are
+    `JobFailed` when the cluster marks it failed, `JobPaused` when it stays paused (its
+    output lacks a resource: disk full...). Only the rows the sink does not have are
     published; `resume` (or a job the cluster knows) prints how many were skipped.
     `JobMismatch` when `job` was asked another input or spec; `adopt` (no job id given:
     `job` is a new one): the job bound to `out_dir` is run instead if it was asked the same

@@ -139,7 +139,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     from prefixflow.launch.local_cluster import ClusterFailed, LocalCluster, ProcessExited, wait_replicas_ready
     from prefixflow.launch.processes import describe_placement, machine_devices, processes
     from prefixflow.datagen.make_model import make_model
-    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, JobMismatch, submit
+    from prefixflow.client.submit import EX_TEMPFAIL, AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
 
     if args.model == cfgmod.DEFAULT_MODEL:
         make_model(args.model)
@@ -228,6 +228,8 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         status = asyncio.run(run_job())
     except JobFailed as exc:
         error, code = str(exc), 1
+    except JobPaused as exc:  # its output lacks a resource: the same command resumes it once that is fixed
+        error, code = f"error: {exc}\nonce {exc.path} takes writes again, run the same command to resume it", EX_TEMPFAIL
     except (DirTaken, JobMismatch) as exc:  # a --workdir whose cluster bound OUT (or the id) to another job
         error, code = f"error: {exc}", 2
     except AlreadyDone as done:  # a --workdir whose cluster finished the job

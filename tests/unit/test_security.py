@@ -219,6 +219,8 @@ def test_every_subject_in_the_subjects_module_has_a_publisher_and_a_reader():
         else:
             readers = [r for r in SERVICE_ROLES if any(p.startswith(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.") for p in permissions(r).publish)]
             readers += ["(kept)"] if stream == subjects.DEAD_STREAM.name else []
+            readers += [r for r in SERVICE_ROLES if f"$JS.API.STREAM.MSG.GET.{stream}" in permissions(r).publish
+                        and stream == subjects.PARKED_STREAM.name]  # read back by subject
         assert readers, f"nobody may read {subject}"
 
 

@@ -1,6 +1,7 @@
 """The sink's job boundary (prefixflow/services/sink/boundary.py, `Failures.job_fault`): a fault of one
-job's own fails that job with the reason and settles its messages, a missing resource or
-NATS being away retries them, and the other jobs go on; nothing raises out of the sink."""
+job's own fails that job with the reason and settles its messages, a missing resource
+pauses it (its messages parked), NATS being away retries them, and the other jobs go on;
+nothing raises out of the sink."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from prefixflow.services.sink import boundary
 from prefixflow.services.sink import service as sink_service
 from prefixflow.services.sink.boundary import Fault
 from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.bus.poison import PRIOR_DELIVERIES
+from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.messages import JobSpec
 from tests.unit.test_writer import FakeMsg, Recorder, fake_sink, ok, read_dir
 
@@ -78,25 +81,38 @@ def test_a_job_whose_out_dir_cannot_be_a_directory_fails_alone(tmp_path, where, 
     assert (tmp_path / "file").read_text() == "a file\n"
 
 
-def test_a_missing_resource_or_nats_away_retries_and_fails_nothing(tmp_path, monkeypatch):
+def test_a_missing_resource_pauses_the_job_and_nats_away_retries_and_neither_fails_nor_counts(tmp_path, monkeypatch):
+    """A resource fault pauses the job (its status says why and where, not failed) and
+    parks its results (copied to `pfx.parked.<job>`, acked: the sink's consumer holds none
+    of them), later results too; NATS away naks, and that delivery is not counted toward
+    poison. Neither fails a job."""
     rec = Recorder(tmp_path / "out")
-    sink = fake_sink({"j": JobSpec("j", str(tmp_path / "out"), total=1)})
+    sink = fake_sink({"j": JobSpec("j", str(tmp_path / "out"), total=2),
+                      "k": JobSpec("k", str(tmp_path / "other"), total=1)})
+    denied, later, away = FakeMsg(rec, "denied", "j", [ok(1)]), FakeMsg(rec, "later", "j", [ok(2)]), FakeMsg(rec, "away", "k", [ok(1)])
 
     def no_permission(*args):
         raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "out"))
 
-    async def away(job, *, fresh=False):
+    async def nats_away(job, *, fresh=False):
         raise nats.errors.TimeoutError
 
     async def go() -> None:
         monkeypatch.setattr(sink_service, "open_bound", no_permission)
-        await sink.take(FakeMsg(rec, "denied", "j", [ok(1)]))
-        monkeypatch.setattr(sink.jobs, "get", away)
-        await sink.take(FakeMsg(rec, "away", "j", [ok(1)]))
+        await sink.take(denied)
+        await sink.take(later)  # the job is paused: parked without a try
+        monkeypatch.setattr(sink.jobs, "get", nats_away)
+        await sink.take(away)
 
     asyncio.run(go())
-    assert rec.settled("denied") == {"nak": set()} and rec.settled("away") == {"nak": set()}
-    assert sink.status_kv.puts == [] and "j" not in sink.refused, "not the job's fault: it does not fail"
+    assert rec.settled("denied") == {"ack": set()} and rec.settled("later") == {"ack": set()}
+    parked = [(subject, headers) for subject, headers in sink.js.published if subject == subjects.parked("j")]
+    assert len(parked) == 2 and all(h[PRIOR_DELIVERIES] == "0" for _, h in parked), parked
+    [paused] = [s for s in sink.status_kv.puts if s.job == "j"]
+    assert not paused.failed and paused.paused.startswith(f"permission denied at {tmp_path / 'out'}"), paused
+    assert paused.paused_path == str(tmp_path / "out") and "j" in sink.pauses
+    assert rec.settled("away") == {"nak": set()} and sink.pauses.excused.own(away) == 0
+    assert "j" not in sink.refused and "k" not in sink.refused, "not the job's fault: it does not fail"
 
 
 def test_a_job_whose_record_cannot_be_read_fails_alone(tmp_path):

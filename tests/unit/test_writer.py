@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import types
 
 import msgspec
 import pyarrow as pa
@@ -14,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from nats.js.errors import KeyNotFoundError
 
 from prefixflow.services.sink import service as sink_service
 from tests.unit import fakes
@@ -398,11 +400,18 @@ class FakeKV:
     async def put(self, key: str, value: bytes) -> None:
         self.puts.append(m.job_status_decoder.decode(value))
 
+    async def get(self, key: str):
+        for status in reversed(self.puts):
+            if status.job == key:
+                return types.SimpleNamespace(value=m.encode_json(status))
+        raise KeyNotFoundError
+
 
 def fake_sink(specs: dict[str, JobSpec]) -> sink_service.Sink:
     # Output is confined to out_root: here, the root of every spec's out_dir.
     sink = sink_service.Sink(SinkConfig(out_root="/"))
     sink.js, sink.jobs, sink.status_kv = FakeJS(), FakeJobs(specs), FakeKV()
+    sink.pauses.connect(sink.js, sink.status_kv)
     sink.inputs = FakeInputs()
     return sink
 
@@ -443,9 +452,10 @@ def test_sink_terms_a_poison_message_only_once_its_error_rows_are_on_disk(tmp_pa
     assert sink.held == {} and sink.status_kv.puts[-1].done
 
 
-def test_sink_naks_a_poison_message_whose_part_write_fails(tmp_path, monkeypatch):
-    """A full disk is not the job's fault: its error rows are retried, never dropped (a
-    fault of the job's own fails it instead: tests/unit/test_sink_boundary.py)."""
+def test_sink_parks_a_poison_message_whose_part_write_fails(tmp_path, monkeypatch):
+    """A full disk is not the job's fault: the job pauses and its error rows are parked
+    (kept in JetStream with the deliveries that were their own), never dropped (a fault
+    of the job's own fails it instead: tests/unit/test_sink_boundary.py)."""
     out_dir = tmp_path / "out"
     rec = Recorder(out_dir)
     sink = fake_sink({"j": JobSpec("j", str(out_dir), total=2)})
@@ -460,7 +470,10 @@ def test_sink_naks_a_poison_message_whose_part_write_fails(tmp_path, monkeypatch
         await sink.flush()
 
     asyncio.run(go())
-    assert rec.settled("poison") == {"nak": set()}, rec.events  # redelivered, not lost
+    assert rec.settled("poison") == {"ack": set()}, rec.events  # parked, not lost
+    [(subject, headers)] = [p for p in sink.js.published if p[0] == subjects.parked("j")]
+    assert headers[PRIOR_DELIVERIES] == "10", "the full disk's delivery is not counted, the earlier ones are"
+    assert "j" in sink.pauses and "No space left" in sink.status_kv.puts[-1].paused
     out = sink.outputs["j"]
     assert out.pending == [] and out.seen == set(), "its rows are taken again on redelivery"
 

@@ -7,15 +7,16 @@ buckets) may raise. The exception ends at the job boundary (`Failures.job_fault`
 
 | kind        | examples                                            | what happens                      |
 |-------------|-----------------------------------------------------|-----------------------------------|
-| `RESOURCE`  | ENOSPC, EDQUOT, EROFS, EACCES                       | the job waits: its messages are   |
-|             |                                                     | retried (`wait_for_resources`)    |
+| `RESOURCE`  | ENOSPC, EDQUOT, EROFS, EACCES                       | the job pauses: its messages are  |
+|             |                                                     | parked until it resumes (pause.py)|
 | `TRANSPORT` | a NATS timeout, a closed or reconnecting connection | retried; the job is not touched   |
 | `JOB`       | anything else: `out_dir` is a file, a path under a  | the job fails with the reason in  |
 |             | file, a name too long, an invalid key, a bad part   | its status; its messages are acked|
 
 A resource fault is not the job's fault (a full disk frees up, a permission is granted):
-it never fails the job. Issue 39 (item 3) turns it into a paused job; until then its
-messages stay in the stream and are retried with a delay.
+it never fails the job, and never counts toward its messages' poison limit. The job
+pauses (`prefixflow/services/sink/pause.py`): its status says why and where, its results wait
+in JetStream, and it resumes by itself once its directory takes writes again.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ A bad job fails alone. Every exception on one job's path (opening and binding it
 directory, reading its parts back, writing a part, finishing it, its key-value records)
 ends here (`Failures.job_fault`, kinds in `prefixflow/services/sink/boundary.py`): a fault of the
 job's own fails that job (`fail_job`: the reason in its status, its messages acked); a
-missing resource (disk full, read-only, no permission) or NATS being away retries its
-messages; the sink and every other job go on. A failed or refused job is remembered
+missing resource (disk full, read-only, no permission) pauses it (`prefixflow/services/sink/pause.py`:
+its messages parked until it resumes); NATS being away retries its messages (that delivery
+not counted toward poison); the sink and every other job go on. A failed or refused job is remembered
 (`refused`): its results are dropped as they come, until a new spec of it is written.
 """
 
@@ -24,13 +25,14 @@ from prefixflow.services.sink import boundary
 from prefixflow.services.sink.boundary import Fault
 from prefixflow.services.sink.held import Held
 from prefixflow.services.sink.lifecycle import Reconciler
+from prefixflow.services.sink.pause import Pauses
 from prefixflow.shared.bus.provision import job_retention
 from prefixflow.shared.wire import messages as m
 
 log = structlog.get_logger()
 
-RESOURCE_RETRY = 1.0
-"""Seconds before the messages of a job whose output lacks a resource are delivered again."""
+TRANSPORT_RETRY = 1.0
+"""Seconds before the messages of a job whose path met NATS away are delivered again."""
 MAX_REFUSED_JOBS = 10_000
 """Refused jobs remembered (their results are dropped at once); the oldest are forgotten
 first (and refused again, from their spec, if more of their results arrive)."""
@@ -53,6 +55,8 @@ class Failures:
         gives its held messages, for the failure to settle."""
         self.put_status = put_status
         """Stores a job's encoded status in the status bucket."""
+        self.pauses: Pauses | None = None
+        """Paused jobs (set once the sink is connected)."""
 
     def spec_written(self, job: str) -> None:
         """A spec of `job` was written (the jobs watch): a refusal is decided again."""
@@ -103,15 +107,16 @@ class Failures:
             case Fault.TRANSPORT:
                 log.warning("nats unavailable on a job's path; its messages are retried", job=job, stage=stage,
                             error=repr(exc))
-                await asyncio.gather(*(msg.nak(delay=RESOURCE_RETRY) for msg in msgs), return_exceptions=True)
+                for msg in msgs:  # not the messages' fault: not counted toward poison
+                    self.pauses.excused.add(msg)
+                await asyncio.gather(*(msg.nak(delay=TRANSPORT_RETRY) for msg in msgs), return_exceptions=True)
             case Fault.JOB:
                 log.exception("job failed at the sink", job=job, stage=stage, exc_info=exc)
                 await self.fail_job(job, boundary.reason(stage, exc), msgs)
 
-    async def wait_for_resources(self, job: str, exc: Exception, msgs: list[Msg]) -> None:
+    async def wait_for_resources(self, job: str, exc: OSError, msgs: list[Msg]) -> None:
         """The job's output lacks a resource (disk full, quota, read-only file system, no
         permission: `boundary.RESOURCE_ERRNOS`). Not the job's fault, so it does not fail:
-        its messages are retried after `RESOURCE_RETRY` seconds, the sink goes on.
-        NOTE: the one place a later change turns into "pause the job" (issue 39, item 3)."""
-        log.error("job output lacks a resource; its messages are retried", job=job, error=repr(exc))
-        await asyncio.gather(*(msg.nak(delay=RESOURCE_RETRY) for msg in msgs), return_exceptions=True)
+        it pauses (its status says why and where) and its messages are parked until it
+        resumes (`prefixflow/services/sink/pause.py`); the sink goes on."""
+        await self.pauses.pause(job, exc, msgs)

@@ -135,8 +135,12 @@ def write_part(table: pa.Table, out_dir: Path, n: int) -> Part:
     """Write small part `n` durably (temporary name, fsync, rename, fsync the directory)."""
     final = out_dir / small_name(n)
     tmp = out_dir / f".{final.name}.tmp"
-    pq.write_table(table, tmp)
-    _fsync(tmp)
+    try:
+        pq.write_table(table, tmp)
+        _fsync(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a disk full: what was written of it goes, not left taking the room
+        raise
     os.replace(tmp, final)
     fsync_dir(out_dir)
     return Part(n, n, final, False)

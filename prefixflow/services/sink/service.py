@@ -47,7 +47,7 @@ from prefixflow.shared.bus.pull import DurablePull
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
 from prefixflow.shared.bus.consume import decode_or_quarantine
-from prefixflow.shared.bus.poison import dead_letter, deliveries, is_poison, quarantine, reject
+from prefixflow.shared.bus.poison import dead_letter, quarantine, reject
 from prefixflow.shared.process import metrics
 from prefixflow.services.sink import boundary, export, finishing, lifecycle, queries
 from prefixflow.services.sink.boundary import Fault
@@ -56,6 +56,7 @@ from prefixflow.services.sink.failures import Failures
 from prefixflow.services.sink.held import Held
 from prefixflow.services.sink.inputs import InputCache
 from prefixflow.services.sink.large import resolve_or_hand_back
+from prefixflow.services.sink.pause import Pauses
 from prefixflow.services.sink.progress import Progress, count_part
 from prefixflow.services.sink.reconcile import reconcile
 from prefixflow.services.sink.writer import JobOutput, OutsideRoot, confine
@@ -91,6 +92,8 @@ class Sink:
         """Sealed jobs not known done or failed: checked (opened from disk) when due."""
         self.failures = Failures(self.reconciler, self.forget, lambda job, data: self.status_kv.put(job, data))
         """The job boundary: refused and failed jobs, and what a fault on a job's path does."""
+        self.pauses = self.failures.pauses = Pauses(self.out_dir_of)
+        """Jobs paused because their output lacks a resource (disk full...): `pause.py`."""
         self.refused = self.failures.refused  # jobs refused or failed -> why: their results are dropped
         self.disk = asyncio.Lock()
         """Held while a job's directory is bound and opened, while parts are written and
@@ -108,6 +111,7 @@ class Sink:
         self.jobs = JobCache(jobs_kv, ttl=1.0)
         await self.jobs.follow_cancels(nc)
         self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
+        self.pauses.connect(self.js, self.status_kv)
         sub = DurablePull(self.js, subjects.sink_consumer())
         done_queries = await nc.subscribe(subjects.ALL_DONE_QUERIES)
         await nc.flush()  # subscribed at the server before "ready"
@@ -119,6 +123,7 @@ class Sink:
             tg.create_task(queries.answer(self, done_queries, stop))
             await self.consume(sub, stop)
         await self.flush()
+        await self.pauses.stop()
         await close(nc, sub, done_queries)
         self.inputs.close()
 
@@ -137,6 +142,7 @@ class Sink:
                 last_check = now
                 await self.check_jobs()
                 await reconcile(self)
+                await self.pauses.recheck()
 
     async def output(self, job: str, *, evict: bool = True) -> JobOutput | None:
         """The job's open output, opened (bound, read back from disk) if need be; None
@@ -190,6 +196,17 @@ class Sink:
         log.info("job opened", job=job, out_dir=str(out_dir), rows_on_disk=out.rows, binding=decision.action.value,
                  previous_job=decision.previous)
         return out
+
+    async def out_dir_of(self, job: str) -> Path:
+        """`job`'s output directory (the output root if it cannot be told)."""
+        if (out := self.outputs.get(job)) is not None:
+            return out.dir
+        try:
+            spec = (await self.jobs.get(job)).spec
+            tenant = subjects.tenant_of(job)
+            return confine(self.root / tenant if tenant else self.root, spec.out_dir) if spec else self.root
+        except Exception:  # noqa: BLE001 - NATS away or an out_dir outside the root: the root is what is known
+            return self.root
 
     async def release(self, previous: str, job: str, out_dir: str) -> None:
         """`job` took over `previous`'s directory (overwrite): if `previous` is open here,
@@ -246,7 +263,10 @@ class Sink:
 
     async def queue(self, batch: m.ResultBatch, msg: Msg) -> None:
         """Queue the rows of `msg` for its job's next part (held until then), or drop them
-        (acked) for a refused or failed job."""
+        (acked) for a refused or failed job, or park them for a paused one."""
+        if batch.job in self.pauses and batch.job not in self.refused:
+            await self.pauses.park(batch.job, [msg])
+            return
         out = None if batch.job in self.refused else await self.output(batch.job)  # may refuse it
         if batch.job in self.refused:
             # Its out_dir escapes the output root or is another job's, or the job failed
@@ -255,16 +275,16 @@ class Sink:
             await msg.ack()
             return
         if out is None:
-            if is_poison(msg):
+            if self.pauses.excused.is_poison(msg):
                 await quarantine(self.js, msg, f"results for unknown job {batch.job!r}")
             else:
                 log.warning("results for an unknown job: retried later", job=batch.job)
                 await msg.nak(delay=5.0)
             return
-        if not is_poison(msg) and (batch := await resolve_or_hand_back(self.js, batch, msg)) is None:
+        poison = self.pauses.excused.is_poison(msg)  # deliveries that were its own fault (not a pause)
+        if not poison and (batch := await resolve_or_hand_back(self.js, batch, msg)) is None:
             return  # a result stored by reference could not be read now: redelivered (prefixflow/services/sink/large.py)
         results = batch.results
-        poison = is_poison(msg)
         if poison:
             # Writing these rows failed again and again: the original goes to the
             # dead-letter stream, and its rows become bare error rows (id, replica,
@@ -273,7 +293,7 @@ class Sink:
             # crash before then redelivers it (and dead-letters it again) instead of
             # losing its rows, and a failed write naks it.
             await dead_letter(self.js, msg, "sink failed repeatedly")
-            why = f"poison message: result could not be written after {deliveries(msg)} deliveries"
+            why = f"poison message: result could not be written after {self.pauses.excused.own(msg)} deliveries"
             results = [m.error_result(r.id, why, replica=r.replica, src=r.src, row=r.row) for r in results]
         reached = msg.metadata.timestamp.timestamp()  # the finish time of rows that have none
         added = sum(out.add(r, reached) for r in results)
@@ -338,8 +358,8 @@ class Sink:
     async def check_job(self, job: str) -> None:
         """`check_jobs` for one job."""
         out = self.outputs.get(job)
-        if out is None or (out.done and job not in self.unannounced):
-            return
+        if out is None or (out.done and job not in self.unannounced) or job in self.pauses:
+            return  # (a paused job's status says so until it resumes: `pause.py`)
         lookup = await self.jobs.get(job)
         spec = lookup.spec
         if spec is None:

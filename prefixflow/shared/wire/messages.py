@@ -256,6 +256,13 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     duplicates: int = 0
     """Rows the sink received again and dropped (already written), since it opened the
     job (a restarted sink counts from 0): with `rows`, how much of what was sent arrived."""
+    paused: str | None = None
+    """Why the job is paused, None while it is not: its output lacks a resource (disk full,
+    quota, read-only file system, no permission; `prefixflow/services/sink/pause.py`). Not a
+    failure: its results wait in JetStream and it resumes by itself once the sink can
+    write again."""
+    paused_path: str | None = None
+    """The directory whose file system lacks it (the job's output directory)."""
 
     @property
     def hit_rate(self) -> float:

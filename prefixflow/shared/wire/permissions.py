@@ -162,6 +162,13 @@ def blob_read() -> list[str]:
     return [f"{JS_API}.STREAM.MSG.GET.{name}", f"{JS_API}.DIRECT.GET.{name}", f"{JS_API}.DIRECT.GET.{name}.>"]
 
 
+def parked_read() -> list[str]:
+    """Read a paused job's parked results back by subject, delete each once it is moved,
+    and list which jobs have any (stream info with a subject filter)."""
+    name = s.PARKED_STREAM.name
+    return [f"{JS_API}.STREAM.MSG.GET.{name}", f"{JS_API}.STREAM.MSG.DELETE.{name}", f"{JS_API}.STREAM.INFO.{name}"]
+
+
 def kv_watch(bucket: str) -> list[str]:
     """Watch a key-value bucket (an ordered, ephemeral consumer delivering to the user's
     inbox, with flow control)."""
@@ -254,6 +261,8 @@ def _sink():
         [
             *consume(s.sink_consumer()),
             s.dead(">"),
+            s.parked(">"),  # a paused job's results (prefixflow/services/sink/pause.py)
+            *parked_read(),
             *blob_read(),  # input columns, large results
             f"{JS_API}.STREAM.PURGE.{s.BLOB_STREAM.name}",  # a done job's blobs
             *kv_read(s.JOBS_KV),

@@ -62,6 +62,13 @@ def results(job: str) -> str:
     return f"{PREFIX}.results.{job}"
 
 
+def parked(job: str) -> str:
+    """Where the sink parks the results of a paused job (its output lacks a resource:
+    `prefixflow/services/sink/pause.py`) until it resumes: kept, never consumed, moved back
+    to `results(job)` then."""
+    return f"{PREFIX}.parked.{job}"
+
+
 def status(replica: str) -> str:
     return f"{PREFIX}.status.{replica}"
 
@@ -303,7 +310,11 @@ BLOB_STREAM = StreamSpec(
 """Blobs (`prefixflow/shared/bus/blobs.py`): values too large for one message, and the input columns
 that never travel with the prompts, cut into pieces under the server's max_payload. Read
 by subject (direct get), never consumed; full: writers wait (discard new)."""
-STREAMS = (INGEST_STREAM, BUCKET_STREAM, WORK_STREAM, RESULTS_STREAM, DEAD_STREAM, BLOB_STREAM)
+PARKED_STREAM = StreamSpec("PFX_PARKED", (f"{PREFIX}.parked.>",), 1024 * MiB, 1_000_000, work_queue=False)
+"""Results of paused jobs (`parked`), read back by subject when their job resumes (limits
+retention: the sink deletes each once it is back in the results stream). Full: the sink
+naks instead (the results stay in their stream, retried later)."""
+STREAMS = (INGEST_STREAM, BUCKET_STREAM, WORK_STREAM, RESULTS_STREAM, DEAD_STREAM, BLOB_STREAM, PARKED_STREAM)
 
 # --- consumers -----------------------------------------------------------------------
 
