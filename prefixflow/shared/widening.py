@@ -299,14 +299,18 @@ class SchemaGrowth:
         return pa.schema([(name, kind.type) for name, kind in self.kinds.items()])
 
     def conform(self, table: pa.Table) -> pa.Table:
-        """`table` under the grown schema: its columns widened, the ones it lacks null.
-        Every column of `table` must have been added (`add`): nothing is ever dropped."""
-        extra = set(table.column_names) - self.kinds.keys()
-        if extra:
-            raise ValueError(f"columns not in the job's schema: {sorted(extra)} (add them first)")
-        schema = self.schema()
-        arrays = [
-            widen_array(table.column(f.name), f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-            for f in schema
-        ]
-        return pa.Table.from_arrays(arrays, schema=schema)
+        """`table` under the grown schema (`conform`)."""
+        return conform(table, self.schema())
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` under `schema`, a schema grown from it: its columns widened, the ones it
+    lacks null. A column `schema` lacks is an error: nothing is ever dropped."""
+    extra = set(table.column_names) - set(schema.names)
+    if extra:
+        raise ValueError(f"columns not in the job's schema: {sorted(extra)} (add them first)")
+    arrays = [
+        widen_array(table.column(f.name), f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+        for f in schema
+    ]
+    return pa.Table.from_arrays(arrays, schema=schema)
