@@ -122,6 +122,18 @@ def join_all(kinds: Iterable[Kind]) -> Kind:
     return out
 
 
+def type_text(t: pa.DataType) -> str:
+    """A type as text, without the names Arrow and Parquet give list items (`item`,
+    `element`): the same type reads the same however it was made."""
+    if pa.types.is_fixed_size_list(t):
+        return f"fixed_size_list<{type_text(t.value_type)}>[{t.list_size}]"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"{'large_' if pa.types.is_large_list(t) else ''}list<{type_text(t.value_type)}>"
+    if pa.types.is_struct(t):
+        return "struct<" + ", ".join(f"{f.name}: {type_text(f.type)}" for f in t) + ">"
+    return str(t)
+
+
 # --- canonical text ----------------------------------------------------------------------
 
 

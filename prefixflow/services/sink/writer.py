@@ -50,7 +50,7 @@ from prefixflow.services.sink.schema import INPUT_PREFIX, OUTPUT_TYPES, as_text,
 from prefixflow.services.sink.summary import TOTALS_COLUMNS, PartStats, Totals
 from prefixflow.shared.wire.ids import IdSet
 from prefixflow.shared.wire.messages import JobSpec, Result
-from prefixflow.shared.widening import SchemaGrowth, conform
+from prefixflow.shared.widening import SchemaGrowth, conform, type_text
 
 __all__ = [
     "INPUT_PREFIX", "OUTPUT_TYPES", "TARGET_BYTES", "JobOutput", "OutsideRoot", "PartStats",
@@ -329,7 +329,7 @@ class JobOutput:
         is read."""
         summary = self.totals.summary(spec, finished_at, self._read_times)
         if self.schema is not None:
-            summary["columns"] = {f.name: str(f.type) for f in self.schema}  # the job's final schema, once complete
+            summary["columns"] = {f.name: type_text(f.type) for f in self.schema}  # the job's final schema, once complete
         return summary
 
     def rewrite_narrower(self) -> int:
@@ -370,7 +370,7 @@ def widened(before: pa.Schema, after: pa.Schema) -> dict[str, str]:
     out = {}
     for f in after:
         if before.get_field_index(f.name) < 0:
-            out[f.name] = f"new {f.type}"
+            out[f.name] = f"new {type_text(f.type)}"
         elif before.field(f.name).type != f.type:
-            out[f.name] = f"{before.field(f.name).type} -> {f.type}"
+            out[f.name] = f"{type_text(before.field(f.name).type)} -> {type_text(f.type)}"
     return out
