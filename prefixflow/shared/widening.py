@@ -271,7 +271,8 @@ class SchemaGrowth:
 
     Columns keep the order they were first seen in; a new column whose name is not in
     `trailing` (the generated columns) goes before the first trailing one, so input
-    columns stay ahead of what the sink generates."""
+    columns stay ahead of what the sink generates. A trailing column of the type it had
+    is taken as it is (the writer types them: no value of theirs widens anything)."""
 
     def __init__(self, trailing: Iterable[str] = ()) -> None:
         self.trailing = frozenset(trailing)
@@ -296,7 +297,15 @@ class SchemaGrowth:
         return changed
 
     def add_table(self, table: pa.Table) -> bool:
-        return self.add({name: kind_of_array(table.column(name)) for name in table.column_names})
+        kinds = {}
+        for name, col in zip(table.column_names, table.columns):
+            have = self.kinds.get(name)
+            if have is not None and have.type == col.type and (
+                have.wide_ints or name in self.trailing or not pa.types.is_integer(col.type)
+            ):
+                continue  # NOTE: nothing it holds can change the column (the common case: a part like the last)
+            kinds[name] = kind_of_array(col)
+        return self.add(kinds)
 
     def _insert(self, name: str, kind: Kind) -> None:
         names = list(self.kinds)
@@ -318,6 +327,8 @@ class SchemaGrowth:
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """`table` under `schema`, a schema grown from it: its columns widened, the ones it
     lacks null. A column `schema` lacks is an error: nothing is ever dropped."""
+    if table.schema.equals(schema):
+        return table
     extra = set(table.column_names) - set(schema.names)
     if extra:
         raise ValueError(f"columns not in the job's schema: {sorted(extra)} (add them first)")

@@ -30,7 +30,7 @@ scalars = st.one_of(
     st.floats(allow_nan=False), st.text(max_size=5), st.binary(max_size=3),
 )
 values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(st.sampled_from("abc"), inner, max_size=3)), max_leaves=4)
+    st.lists(inner, max_size=3), st.dictionaries(st.sampled_from("abc"), inner, max_size=3)), max_leaves=3)
 
 
 @given(kinds, kinds, kinds)
@@ -86,7 +86,7 @@ def exact(value, kind_type, got) -> bool:
     return json.dumps(got, default=str) == json.dumps(value, default=str)
 
 
-@given(st.lists(values, max_size=8), st.lists(st.integers(1, 4), max_size=4))
+@given(st.lists(values, max_size=6), st.lists(st.integers(1, 3), max_size=3))
 def test_batches_widened_to_the_job_kind_equal_one_batch_and_keep_every_value(vals, cuts):
     """The ingestor types a batch (`column_of`); the sink joins parts (`kind_of_array`) and
     widens each to the job's kind: same column whatever the batching, every value exact."""

@@ -154,7 +154,7 @@ def merge(smalls: list[Part], out_dir: Path, schema: pa.Schema, row_group_bytes:
     tmp = out_dir / f".{merged_name(first, last)}.tmp"
     ready = out_dir / f".part-{first:06d}-{last:06d}.ready"
     try:
-        with pq.ParquetWriter(tmp, with_int_ids(schema, _int_ids(p.path for p in smalls))) as writer:
+        with pq.ParquetWriter(tmp, _file_schema(schema, [p.path for p in smalls])) as writer:
             held: list[pa.Table] = []
             size = 0
             for part in smalls:
@@ -182,7 +182,15 @@ def merge(smalls: list[Part], out_dir: Path, schema: pa.Schema, row_group_bytes:
     return Part(first, last, final, True)
 
 
-def _int_ids(paths) -> np.ndarray:
+def _file_schema(schema: pa.Schema, paths: list[Path]) -> pa.Schema:
+    """The schema of a file of these files' rows: with which ids were integers, if its
+    id column is text (read from their footers only then)."""
+    if "id" not in schema.names or not pa.types.is_string(schema.field("id").type):
+        return schema
+    return with_int_ids(schema, _int_ids(paths))
+
+
+def _int_ids(paths: list[Path]) -> np.ndarray:
     """Which rows of these files, in order, had integer ids (their footers)."""
     masks = []
     for path in paths:
@@ -198,7 +206,7 @@ def rewrite(part: Part, schema: pa.Schema) -> None:
     tmp = part.path.parent / f".{part.path.name}.tmp"
     try:
         pf = pq.ParquetFile(part.path)
-        with pq.ParquetWriter(tmp, with_int_ids(schema, _int_ids([part.path]))) as writer:
+        with pq.ParquetWriter(tmp, _file_schema(schema, [part.path])) as writer:
             for i in range(pf.num_row_groups):
                 table = conform(pf.read_row_group(i), schema)
                 writer.write_table(table, row_group_size=max(table.num_rows, 1))
