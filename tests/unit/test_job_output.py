@@ -234,3 +234,25 @@ def test_legacy_directory_of_many_small_parts_is_merged_by_size(tmp_path):
     assert len(sizes) >= 3 and max(sizes) < 2 * TARGET
     assert ids_on_disk(copy) == list(range(end))
     assert pa.types.is_int64(pq.read_schema(out.parts()[0]).field("id").type)
+
+
+def test_a_merged_file_of_a_narrower_schema_is_rewritten_when_the_job_completes(tmp_path):
+    """Issue 39: files merged (and small parts written) before the schema grew are
+    rewritten under the final schema at the end; ids keep their type across it."""
+    out = JobOutput("j", tmp_path, target_bytes=TARGET)
+    end = write(out, 0, 60, 7)  # int ids: merged files with an int64 id column
+    assert any(p.merged for p in files.scan(tmp_path))
+    for i in (end, "x", str(end - 1)):  # a text id, and an int id's text: another row
+        assert out.add(Result(i, output="late", finish_reason=FinishReason.LENGTH))
+    out.flush()
+    assert pq.read_schema(tmp_path / "_common_metadata").field("id").type == pa.string()
+    before = [p.path for p in files.scan(tmp_path)]
+    out.write_summary(SPEC)
+    assert all(pq.read_schema(p).field("id").type == pa.string() for p in out.parts())
+    assert len(out.parts()) <= len(before)
+    ids = ids_on_disk(tmp_path)
+    assert sorted(ids) == sorted([str(i) for i in range(end + 1)] + ["x", str(end - 1)])
+    again = JobOutput("j", tmp_path, target_bytes=TARGET)  # a restart reads the ids with their types
+    assert again.seen == set(range(end + 1)) | {"x", str(end - 1)}
+    assert state(again)[:4] == state(out)[:4]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

@@ -127,14 +127,20 @@ def test_duplicates_dropped_and_flush_writes_part(tmp_path):
     assert out.add(ok(2)) is False  # still deduped after the flush
 
 
-def test_ids_compare_as_text(tmp_path):
-    # 1 and "1" are one prompt id: dedupe must survive a restart that reads back ids a
-    # mixed-type job wrote as strings.
+def test_ids_keep_their_type_also_after_a_restart(tmp_path):
+    # 1 and "1" are two prompt ids (issue 39): two rows, and a restart that reads back the
+    # text id column still knows which was the integer.
     out = JobOutput("j", tmp_path)
     assert out.add(ok(1)) is True
-    assert out.add(ok("1")) is False
+    assert out.add(ok("1")) is True
     assert out.add(ok("2")) is True
-    assert out.seen == {"1", "2"}
+    assert out.add(ok(1)) is False and out.add(ok("1")) is False
+    assert out.seen == {1, "1", "2"}
+    out.flush(KEPT.get)
+    again = JobOutput("j", tmp_path)
+    assert again.seen == {1, "1", "2"} and "2" in again.seen and 2 not in again.seen
+    assert again.add(ok(1)) is False and again.add(ok("1")) is False and again.add(ok(2)) is True
+    assert sorted(r["id"] for r in read_dir(tmp_path)) == ["1", "1", "2"]
 
 
 def test_rows_have_input_and_output_columns(tmp_path):
@@ -167,7 +173,7 @@ def test_restart_loads_seen_rows_errors_and_continues_numbering(tmp_path):
     del a
 
     b = JobOutput("j", d)
-    assert b.seen == {"1", "2", "3", "4", "5", "6"}
+    assert b.seen == {1, 2, 3, 4, 5, 6}
     assert (b.rows, b.errors, b.next_part) == (6, 2, 2)
     assert b.pending == []
     assert b.add(ok(3)) is False  # redelivered
@@ -283,19 +289,22 @@ def test_read_dir_when_errors_only_in_a_later_part(tmp_path):
     assert rows[2]["output"] is None and rows[2]["error"] == "boom"
 
 
-def test_schema_fixed_by_the_first_part_also_after_restart(tmp_path):
-    """Every part has the first part's schema (no part is rewritten): an input column
-    the input declared null stays null, a later value that fits a column is cast to it."""
+def test_schema_grows_also_after_restart(tmp_path):
+    """A job's schema grows, it never loses (issue 39): a column null so far takes a later
+    part's strings, int + float widens to float64, across a restart (the schema read back
+    from the parts); once complete every file has the final schema."""
     o = JobOutput("j", tmp_path)
     o.add(ok(1, note=None, score=1))
     o.flush(KEPT.get)
     o2 = JobOutput("j", tmp_path)  # restart: the schema is read back from the part
-    o2.add(ok(2, note="hello", score=2.0))
+    o2.add(ok(2, note="hello", score=2.5))
     o2.flush(KEPT.get)
-    assert pq.read_schema(o2.parts()[0]) == pq.read_schema(o2.parts()[1])
+    assert pq.read_schema(tmp_path / "_common_metadata").field("score").type == pa.float64()
+    assert o2.rewrite_narrower() == 1  # what finishing the job does
+    assert pq.read_schema(o2.parts()[0]) == pq.read_schema(o2.parts()[1]) == o2.schema
     rows = {r["id"]: r for r in read_dir(tmp_path)}
-    assert rows[1]["note"] is None and rows[2]["note"] is None
-    assert (rows[1]["score"], rows[2]["score"]) == (1, 2)
+    assert rows[1]["note"] is None and rows[2]["note"] == "hello"
+    assert (rows[1]["score"], rows[2]["score"]) == (1.0, 2.5)
 
 
 def test_mixed_int_and_str_ids_in_one_job(tmp_path):
@@ -313,9 +322,10 @@ def test_mixed_ids_still_deduped_after_restart(tmp_path):
     o.add(ok("a"))
     o.flush(KEPT.get)
     o2 = JobOutput("j", tmp_path)  # sink restart
-    assert o2.add(ok(1)) is False  # redelivered: already written
+    assert o2.add(ok(1)) is False and o2.add(ok("a")) is False  # redelivered: already written
+    assert o2.add(ok("1")) is True  # another id
     o2.flush(KEPT.get)
-    assert len(read_dir(tmp_path)) == 2
+    assert sorted(r["id"] for r in read_dir(tmp_path)) == ["1", "1", "a"]
 
 
 def test_read_dir_when_id_type_changes_between_parts(tmp_path):
@@ -324,7 +334,9 @@ def test_read_dir_when_id_type_changes_between_parts(tmp_path):
     o.flush(KEPT.get)
     o.add(ok("a"))
     o.flush(KEPT.get)
-    assert len(read_dir(tmp_path)) == 2
+    o.rewrite_narrower()  # the job complete: the int64 part rewritten with text ids
+    assert sorted(r["id"] for r in read_dir(tmp_path)) == ["1", "a"]
+    assert JobOutput("j", tmp_path).seen == {1, "a"}
 
 
 def test_done_until_a_new_row_is_queued(tmp_path):

@@ -18,7 +18,6 @@ gone for good (no heartbeat for `--bucketer-gone-after` seconds) are moved to li
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from typing import Any
@@ -251,23 +250,17 @@ _fields = msgspec.msgpack.Decoder(dict[str, Any])
 
 
 def kept_table(maps: list[bytes]) -> bytes:
-    """Rows' other fields (msgpack maps) as an Arrow IPC file: JSON types as Arrow infers
-    them, a field Arrow cannot hold as one type as JSON text."""
+    """Rows' other fields (msgpack maps) as an Arrow IPC file, each field typed to hold
+    every row's value exactly (`prefixflow/shared/widening.py`: int + float -> float64,
+    int + string -> string, a nested value of another shape -> JSON text; a field null in
+    every row -> null, which the sink's schema widens when later rows bring values)."""
     import pyarrow as pa
+
+    from prefixflow.shared.widening import column_of
 
     rows = [_fields.decode(b) for b in maps]
     names = list(dict.fromkeys(k for r in rows for k in r))
-    arrays = []
-    for name in names:
-        values = [r.get(name) for r in rows]
-        try:
-            # NOTE: a field that is null in every row of this batch is typed string, not
-            # null: the job's schema is fixed by its first part, and later batches may
-            # bring values.
-            arrays.append(pa.array(values, pa.string() if all(v is None for v in values) else None))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            arrays.append(pa.array([None if v is None else v if isinstance(v, str) else json.dumps(v, default=str)
-                                    for v in values], pa.string()))
+    arrays = [column_of([r.get(name) for r in rows]) for name in names]
     table = pa.Table.from_arrays(arrays, names=names)
     out = pa.BufferOutputStream()
     with pa.ipc.new_file(out, table.schema) as writer:

@@ -39,6 +39,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
+from prefixflow.services.sink.growth import RECORD
 from prefixflow.services.sink.parts import fsync_dir
 from prefixflow.services.sink.writer import JobOutput
 from prefixflow.shared.wire.fingerprint import Fingerprint, decode, difference
@@ -50,10 +51,10 @@ MANIFEST = "_job.json"
 """The file that names the job owning a directory: {"job": id, "created_at": unix time,
 "fingerprint": {"input": {...}, "spec": {...}}} (no fingerprint: written before them)."""
 OUTPUT_GLOBS = ("*.parquet", ".part-*", "part-*.tmp", "*.parquet.tmp", "_summary.json", "_summary.json.tmp",
-                "_job.json.tmp")
+                "_job.json.tmp", RECORD, f".{RECORD}.tmp")
 """Files of a job's output: parts (and whatever other Parquet the writer makes), their
 temporary and hidden names (a merge's `.part-*.ready` would otherwise come back as a part
-on the next open), the summary. `_report/` (plots) goes too; the manifest goes last."""
+on the next open), the summary, the schema record. `_report/` (plots) goes too; the manifest goes last."""
 OUTPUT_DIRS = ("_report",)
 
 

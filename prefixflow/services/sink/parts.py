@@ -6,6 +6,7 @@ Names in a job's `out_dir`:
     .part-000100.parquet.tmp     a file being written (a crash leaves it: deleted on open)
     .part-000000-000099.ready    a merged file complete on disk whose small parts are
                                  being deleted (a crash leaves it: finished on open)
+    _common_metadata             the job's schema so far (`growth.RECORD`)
 `pyarrow.parquet.read_table(out_dir)` skips names starting with `.` or `_`.
 
 Every file is written to a temporary name, fsynced and renamed, so a crash never leaves
@@ -22,10 +23,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from prefixflow.services.sink.schema import conform
+from prefixflow.services.sink.growth import RECORD, int_id_mask, with_int_ids
+from prefixflow.shared.widening import conform
 
 PART_NAME = re.compile(r"part-(\d+)(?:-(\d+))?\.parquet")
 READY_NAME = re.compile(r"\.part-(\d+)-(\d+)\.ready")
@@ -148,19 +151,18 @@ def write_part(table: pa.Table, out_dir: Path, n: int) -> Part:
 
 def merge(smalls: list[Part], out_dir: Path, schema: pa.Schema, row_group_bytes: int = ROW_GROUP_BYTES) -> Part:
     """Merge these small parts (consecutive in part order), streaming one at a time, into
-    one file named by their range, then delete them. Rows keep their order; tiny parts
-    are combined into row groups of about `row_group_bytes`."""
+    one file named by their range, then delete them. Rows keep their order and are
+    widened to `schema` (the job's, grown from theirs); tiny parts are combined into row
+    groups of about `row_group_bytes`."""
     first, last = smalls[0].first, smalls[-1].last
     tmp = out_dir / f".{merged_name(first, last)}.tmp"
     ready = out_dir / f".part-{first:06d}-{last:06d}.ready"
     try:
-        with pq.ParquetWriter(tmp, schema) as writer:
+        with pq.ParquetWriter(tmp, _file_schema(schema, [p.path for p in smalls])) as writer:
             held: list[pa.Table] = []
             size = 0
             for part in smalls:
-                table = pq.ParquetFile(part.path).read()
-                if not table.schema.equals(schema):
-                    table = conform(table, schema)[0]  # NOTE: a file from an older sink: same columns, kept as is
+                table = conform(pq.ParquetFile(part.path).read(), schema)
                 held.append(table)
                 size += table.nbytes
                 if size >= row_group_bytes:
@@ -182,6 +184,53 @@ def merge(smalls: list[Part], out_dir: Path, schema: pa.Schema, row_group_bytes:
     os.replace(ready, final)
     fsync_dir(out_dir)
     return Part(first, last, final, True)
+
+
+def _file_schema(schema: pa.Schema, paths: list[Path]) -> pa.Schema:
+    """The schema of a file of these files' rows: with which ids were integers, if its
+    id column is text (read from their footers only then)."""
+    if "id" not in schema.names or not pa.types.is_string(schema.field("id").type):
+        return schema
+    return with_int_ids(schema, _int_ids(paths))
+
+
+def _int_ids(paths: list[Path]) -> np.ndarray:
+    """Which rows of these files, in order, had integer ids (their footers)."""
+    masks = []
+    for path in paths:
+        pf = pq.ParquetFile(path)
+        masks.append(int_id_mask(pf.schema_arrow, pf.metadata.num_rows))
+    return np.concatenate(masks) if masks else np.zeros(0, bool)
+
+
+def rewrite(part: Part, schema: pa.Schema) -> None:
+    """Rewrite a file written under a narrower schema under `schema`, one row group at a
+    time, in place: a temporary name, fsync, then renamed over the old file (a reader or
+    a crash sees the old file or the new one, both with every row)."""
+    tmp = part.path.parent / f".{part.path.name}.tmp"
+    try:
+        pf = pq.ParquetFile(part.path)
+        with pq.ParquetWriter(tmp, _file_schema(schema, [part.path])) as writer:
+            for i in range(pf.num_row_groups):
+                table = conform(pf.read_row_group(i), schema)
+                writer.write_table(table, row_group_size=max(table.num_rows, 1))
+        _fsync(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        release_memory()
+    os.replace(tmp, part.path)
+    fsync_dir(part.path.parent)
+
+
+def write_record(out_dir: Path, schema: pa.Schema) -> None:
+    """The job's schema so far as `_common_metadata` (tmp, fsync, rename)."""
+    tmp = out_dir / f".{RECORD}.tmp"
+    pq.write_metadata(schema, tmp)
+    _fsync(tmp)
+    os.replace(tmp, out_dir / RECORD)
+    fsync_dir(out_dir)
 
 
 def _write_group(writer: pq.ParquetWriter, tables: list[pa.Table]) -> None:

@@ -1,9 +1,9 @@
-"""The columns of a job's output rows: the generated ones (`OUTPUT_TYPES`), where an input
-column lands (`input_column`), and fitting a table to the job's one schema (`conform`).
+"""The columns of a job's output rows: the generated ones (`OUTPUT_TYPES`) and where an
+input column lands (`input_column`).
 
 Columns of a row: `id`, every input column, then the generated columns (`OUTPUT_TYPES`).
-Every part of a job is written against one schema, fixed by its first part (read back
-from disk on a restart), so no part is ever rewritten.
+A job's schema grows as its rows bring columns and values (`prefixflow/shared/widening.py`,
+`prefixflow/services/sink/writer.py`): nothing is dropped or nulled to fit.
 No input value is ever overwritten: an input column named like a generated column is kept
 as `input_<name>` (`output` -> `input_output`). That makes `input_output` a name the sink
 uses, so an input column already called `input_output` is kept as `input_input_output`,
@@ -89,30 +89,3 @@ def generated_columns(results: list[Result], finished: list[float | None], embed
     if embed_type is not None:
         out["embedding"] = pa.array([r.embedding or None for r in results], embed_type)
     return out
-
-
-def conform(table: pa.Table, schema: pa.Schema) -> tuple[pa.Table, list[str]]:
-    """`table` with exactly the columns of `schema`, in its order and types: missing
-    columns null, a value that does not cast to a string column as JSON text, any other
-    that does not cast null. Returns the table and what had to give (for a log line)."""
-    arrays, notes = [], []
-    for f in schema:
-        if f.name not in table.column_names:
-            arrays.append(pa.nulls(table.num_rows, f.type))
-            continue
-        col = table.column(f.name)
-        if col.type == f.type:
-            arrays.append(col)
-            continue
-        try:
-            arrays.append(col.cast(f.type))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-            if pa.types.is_string(f.type):
-                arrays.append(as_text(col))
-            else:
-                notes.append(f"{f.name}: {col.type} does not fit {f.type} (null)")
-                arrays.append(pa.nulls(table.num_rows, f.type))
-    dropped = [n for n in table.column_names if schema.get_field_index(n) < 0]
-    if dropped:
-        notes.append(f"columns not in the job's schema dropped: {dropped}")
-    return pa.Table.from_arrays(arrays, schema=schema), notes

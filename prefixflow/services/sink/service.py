@@ -49,6 +49,7 @@ from prefixflow.shared.bus.provision import provision
 from prefixflow.shared.bus.consume import decode_or_quarantine
 from prefixflow.shared.bus.poison import dead_letter, quarantine, reject
 from prefixflow.shared.process import metrics
+from prefixflow.services.sink.growth import RewriteFailed
 from prefixflow.services.sink import boundary, export, finishing, lifecycle, queries
 from prefixflow.services.sink.boundary import Fault
 from prefixflow.services.sink.binding import Action, open_bound
@@ -368,9 +369,10 @@ class Sink:
         if complete and not out.done:
             try:
                 self.unannounced[job] = await self.finish(job, out, spec)  # sets out.done
-            except export.ExportFailed as exc:
+            except (export.ExportFailed, RewriteFailed) as exc:
                 out.done = False  # finished again next round
-                log.warning("job results not exported, tried again", job=job, error=str(exc))
+                log.warning("job not finished (results not exported or a file not rewritten), tried again", job=job,
+                            error=str(exc))
                 return
         elif not complete:
             self.unannounced.pop(job, None)  # rows came after its summary: finished again later

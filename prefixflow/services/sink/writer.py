@@ -17,8 +17,14 @@ are loaded, so a redelivered result or a resumed job never writes a row twice, a
 totals are counted once from the files; after that they are kept as parts are written,
 so a summary reads no file.
 
-Columns and the job's one schema: `prefixflow/services/sink/schema.py` (every file of a job has the
-first part's schema, also after a restart, so no part is ever rewritten to fit).
+Columns: `prefixflow/services/sink/schema.py`. A job's schema grows, it never loses
+(`prefixflow/shared/widening.py`): it is the union of its rows' columns, each widened to
+hold every value exactly. A part is written under the schema as it is then (recorded in
+`_common_metadata` before the part); files written under a narrower one are rewritten
+under the final schema when the job completes (`write_summary`), so a reader of the
+directory after the job gets every row with the widest types. Mid-job, read the
+directory with the record's schema (`pyarrow.dataset.dataset(OUT, schema=...)`): a plain
+read takes the first file's schema.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -38,15 +45,17 @@ import structlog
 
 from prefixflow.services.sink import parts as files
 from prefixflow.services.sink.parts import Part
-from prefixflow.services.sink.schema import INPUT_PREFIX, OUTPUT_TYPES, as_text, conform, generated_columns, input_column
+from prefixflow.services.sink.growth import RewriteFailed, file_kinds, int_id_mask, typed_ids, with_int_ids
+from prefixflow.services.sink.schema import INPUT_PREFIX, OUTPUT_TYPES, as_text, generated_columns, input_column
 from prefixflow.services.sink.summary import TOTALS_COLUMNS, PartStats, Totals
 from prefixflow.shared.wire.ids import IdSet
 from prefixflow.shared.wire.limits import TIMED_OUT
 from prefixflow.shared.wire.messages import JobSpec, Result
+from prefixflow.shared.widening import SchemaGrowth, conform, type_text
 
 __all__ = [
     "INPUT_PREFIX", "OUTPUT_TYPES", "TARGET_BYTES", "JobOutput", "OutsideRoot", "PartStats",
-    "as_text", "confine", "conform", "generated_columns", "input_column",
+    "as_text", "confine", "generated_columns", "input_column",
 ]
 
 log = structlog.get_logger()
@@ -112,8 +121,10 @@ class JobOutput:
         """What the last part written held."""
         self.pending: list[tuple[Result, float | None]] = []
         """Results queued for the next part, with when they reached the results stream."""
+        self.growth = SchemaGrowth(trailing=[*OUTPUT_TYPES, "embedding"])
+        """The job's columns so far: the union of its parts' (read back on a restart)."""
         self.schema: pa.Schema | None = None
-        """Every part's schema: fixed by the first part written (read back on a restart)."""
+        """The job's schema so far (`growth`'s; None before the first part)."""
         self.next_part = 0
         self.done = False
         """`_summary.json` is written and no row was queued since: the job need not be
@@ -148,18 +159,17 @@ class JobOutput:
         for part in found:
             schema = pq.read_schema(part.path)
             table = pq.read_table(part.path, columns=[c for c in TOTALS_COLUMNS if c in schema.names])
-            ids = table.column("id")
-            if pa.types.is_integer(ids.type) and ids.null_count == 0:
-                self.seen.update(ids.to_numpy())
-            else:
-                self.seen.update(ids.to_pylist())
+            ids = typed_ids(table.column("id"), int_id_mask(schema, table.num_rows))
+            self.seen.update(ids)
             timed_out = pc.starts_with(table.column("error"), TIMED_OUT)
             if pc.any(timed_out).as_py():
-                self.timed_out.update(pc.filter(ids, timed_out).to_pylist())
+                self.timed_out.update(i for i, late in zip(ids, timed_out.to_pylist()) if late)
             self.totals.add_table(table, part.first)
             self.next_part = max(self.next_part, part.last + 1)
-            if self.schema is None:
-                self.schema = schema.remove_metadata()
+            self.growth.add(file_kinds(part.path))
+        if found:
+            self.schema = self.growth.schema()
+            files.write_record(self.dir, self.schema)
         last_merged = max((p.last for p in found if p.merged), default=-1)
         self._small = [(p, files.data_bytes(p.path)) for p in found if not p.merged and p.first > last_merged]
 
@@ -167,8 +177,8 @@ class JobOutput:
         """Queue a result for the next part (`finished_at`: when it reached the results
         stream, for a result that does not say when it finished); False if this id was
         already taken."""
-        # NOTE: ids compare as text (IdSet), so a restart that reads back ids a mixed-type
-        # job wrote as strings still recognises a redelivered int id.
+        # NOTE: ids keep their type (IdSet): 5 and "5" are two rows; a restart reads a
+        # text id column back with its integer ids as integers (`growth.typed_ids`).
         if not self.seen.add(result.id):
             self.duplicates += 1
             if result.id in self.timed_out and not is_timeout(result):  # its error row stays
@@ -228,7 +238,7 @@ class JobOutput:
         with self._compacting:
             while True:
                 with self._lock:
-                    run = list(self._small)
+                    run, schema = list(self._small), self.schema
                 take, size = [], 0
                 for part, nbytes in run:
                     take.append(part)
@@ -238,8 +248,8 @@ class JobOutput:
                 if size < self.target_bytes and not (final and len(take) > 1):
                     return written
                 if len(take) > 1:
-                    assert self.schema is not None
-                    files.merge(take, self.dir, self.schema)
+                    assert schema is not None  # NOTE: taken with `run`: it holds every part of it
+                    files.merge(take, self.dir, schema)
                     written += 1
                 # NOTE: a lone small part of `target_bytes` or more is big enough as it is.
                 with self._lock:
@@ -260,7 +270,7 @@ class JobOutput:
         for i, r in enumerate(results):
             by_src.setdefault(r.src, []).append(i)
         pieces, order = [], []
-        names: dict[str, pa.DataType] = {}
+        growth = SchemaGrowth()
         for src, idx in by_src.items():
             table = inputs(src) if src >= 0 else None
             if table is None:
@@ -271,12 +281,11 @@ class JobOutput:
                 continue
             pieces.append(table.take(rows))
             order.extend(idx)
-            for f in table.schema:
-                names.setdefault(f.name, f.type)
+            growth.add_table(pieces[-1])
         if not pieces:
             return None
-        schema = pa.schema(list(names.items()))
-        pieces = [conform(piece, schema)[0] for piece in pieces]
+        schema = growth.schema()
+        pieces = [conform(piece, schema) for piece in pieces]
         have = set(order)
         missing = [i for i in range(len(results)) if i not in have]
         if missing:
@@ -308,12 +317,18 @@ class JobOutput:
                     columns[input_column(name)] = kept.column(name)
         columns.update(generated)
         table = pa.table(columns)
-        if self.schema is None:
-            self.schema = table.schema
-            return table
-        table, notes = conform(table, self.schema)
-        if notes:
-            log.warning("part conformed to the job's schema", job=self.job, notes=notes)
+        if self.growth.add_table(table) or self.schema is None:
+            before = self.schema
+            schema = self.growth.schema()
+            files.write_record(self.dir, schema)  # NOTE: before the part: the record holds every part's columns
+            with self._lock:
+                self.schema = schema
+            if before is not None:
+                log.info("job schema grew", job=self.job, columns=widened(before, schema))
+        table = conform(table, self.schema)
+        if pa.types.is_string(table.schema.field("id").type):
+            mask = np.array([isinstance(r.id, int) for r in results], bool)
+            table = table.replace_schema_metadata(with_int_ids(table.schema, mask).metadata)
         return table
 
     def _read_times(self, part: int) -> pa.ChunkedArray | None:
@@ -330,18 +345,54 @@ class JobOutput:
         return None
 
     def summarize(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
-        """Totals over every row on disk, overall and per replica; written to
-        `_summary.json`. Kept as parts are written: no file is read."""
+        """Totals over every row on disk, overall and per replica, and the job's columns
+        with their types; written to `_summary.json`. Kept as parts are written: no file
+        is read."""
         summary = self.totals.summary(spec, finished_at, self._read_times)
         summary["late_results"] = self.late
+        if self.schema is not None:
+            summary["columns"] = {f.name: type_text(f.type) for f in self.schema}  # the job's final schema, once complete
         return summary
 
+    def rewrite_narrower(self) -> int:
+        """Rewrite every file written under a narrower schema than the job's (the job is
+        complete: its schema is final). Returns the number of files rewritten; raises
+        `RewriteFailed` (every row is on disk still, in its old file)."""
+        if self.schema is None:
+            return 0
+        rewritten = 0
+        with self._compacting:
+            for part in files.scan(self.dir):
+                try:
+                    if pq.read_schema(part.path).equals(self.schema):
+                        continue
+                    files.rewrite(part, self.schema)
+                except OSError as exc:
+                    raise RewriteFailed(f"{part.path.name} not rewritten under the job's schema: {exc}") from exc
+                rewritten += 1
+        if rewritten:
+            log.info("files rewritten under the job's final schema", job=self.job, files=rewritten)
+        return rewritten
+
     def write_summary(self, spec: JobSpec, finished_at: float | None = None) -> dict[str, Any]:
-        """Merge the small parts left, then write `_summary.json`."""
+        """Merge the small parts left, rewrite files of a narrower schema, then write
+        `_summary.json` (with the job's columns and their types)."""
         self._compact_quietly(final=True)
+        self.rewrite_narrower()
         summary = self.summarize(spec, finished_at)
         tmp = self.dir / "_summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, self.dir / "_summary.json")
         self.done = True
         return summary
+
+
+def widened(before: pa.Schema, after: pa.Schema) -> dict[str, str]:
+    """What grew between two schemas of a job: column -> "new" or "old type -> new type"."""
+    out = {}
+    for f in after:
+        if before.get_field_index(f.name) < 0:
+            out[f.name] = f"new {type_text(f.type)}"
+        elif before.field(f.name).type != f.type:
+            out[f.name] = f"{type_text(before.field(f.name).type)} -> {type_text(f.type)}"
+    return out

@@ -1,12 +1,15 @@
 """A set of prompt ids whose memory stays small whatever the ids are.
 
-Ids compare as text (1 and "1" are one id), matching what a restarted sink reads back
-from Parquet. Two representations, both compact:
+Ids keep their type: 5 and "5" are two ids (a job may be given both, and each comes out
+as its own row); a restarted sink reads each id back with its type (an id column widened
+to text records which rows held integers: `prefixflow/services/sink/growth.py`). Two
+representations, both compact:
 
-- Integer ids (and strings that spell one: "17", not "017") live in a chunked bitmap:
+- Integer ids in [0, 2^62) live in a chunked bitmap:
   8 KiB per 65,536 consecutive ids, so a 200k-row job's dedupe memory is ~32 KiB
   instead of ~15 MB of Python objects.
-- Any other id is kept as a 12-byte blake2b digest of its UTF-8 text, in a sorted numpy
+- Any other id is kept as a 12-byte blake2b digest of its UTF-8 text (an integer's text
+  behind a 0xFF byte, which no UTF-8 text holds, so -1 and "-1" differ), in a sorted numpy
   array (`S12`) plus a small Python set of digests added since the last merge (merged in
   batches once it holds 1/32 of the array), and a small set of discarded digests still
   in the array. That is ~12-13 bytes per id (a Python set of str took ~90-130 bytes per
@@ -35,21 +38,24 @@ MIN_MERGE = 4096
 all, and the buffer stays under ~3 bytes per id)."""
 
 
+INT_TAG = b"\xff"
+"""Before an integer id's text in its digest (0xFF is no byte of any UTF-8 text)."""
+
+
 def _as_int(pid: object) -> int | None:
-    if isinstance(pid, bool):
-        return None
-    if isinstance(pid, int):
+    if isinstance(pid, int) and not isinstance(pid, bool):
         return pid if 0 <= pid < MAX_INT_ID else None
-    if isinstance(pid, str) and pid.isdigit() and pid.isascii() and (pid == "0" or not pid.startswith("0")):
-        value = int(pid)
-        return value if value < MAX_INT_ID else None
     return None
 
 
 def digest(pid: object) -> bytes:
-    """The 12-byte key of a non-integer id: blake2b of its text, last byte odd (so it has
-    no trailing NUL, which numpy's `S12` would strip)."""
-    d = hashlib.blake2b(str(pid).encode("utf-8", "surrogatepass"), digest_size=12).digest()
+    """The 12-byte key of an id outside the bitmap: blake2b of its text (an integer's
+    behind `INT_TAG`), last byte odd (so it has no trailing NUL, which numpy's `S12`
+    would strip)."""
+    data = str(pid).encode("utf-8", "surrogatepass")
+    if isinstance(pid, int) and not isinstance(pid, bool):
+        data = INT_TAG + data
+    d = hashlib.blake2b(data, digest_size=12).digest()
     return d[:11] + bytes((d[11] | 1,))
 
 
@@ -194,7 +200,7 @@ class IdSet:
     def _update_ints(self, values: np.ndarray) -> None:
         values = np.unique(values)
         inside = (values >= 0) & (values < MAX_INT_ID)
-        for pid in values[~inside].tolist():  # negative ids: compared as text
+        for pid in values[~inside].tolist():  # negative ids: digests
             self.add(pid)
         values = values[inside].astype(np.int64)
         chunk_of = values >> CHUNK_BITS
