@@ -354,6 +354,10 @@ class Fleet:
             return {**read_env_file(clients / "env"), **read_env_file(clients / f"{role}.env")}
         return {**read_env_file(self.etc(i) / "env"), **read_env_file(self.etc(i) / f"{role}.env")}
 
+    def address(self, i: int) -> str:
+        """Node i's own address (where a process on it listens for the others)."""
+        return self.lan.addrs[i] if self.lan is not None else "127.0.0.1"
+
     def url(self, i: int) -> str:
         """Node i's URL list (its own server first)."""
         return read_env_file(self.etc(i) / "env")["PFX_NATS_URL"]

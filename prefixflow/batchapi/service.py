@@ -29,7 +29,7 @@ class Api:
         nc = await connect(self.cfg.nats_url, "api")
         js = nc.jetstream()
         await provision(js)
-        store = await Store(js).open()
+        store = await Store(nc).open()
         runner = Runner(store, self.cfg.nats_url, self.cfg)
         await runner.resume_all()
         app = make_app(store, runner, self.keys, self.cfg, js, nc)
