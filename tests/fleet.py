@@ -343,6 +343,20 @@ class Fleet:
             proc.start(self.workdir / "var")
         return proc
 
+    def api(self, i: int, port: int, timeout: float = 60) -> Proc:
+        """prefixflow-api.service on node i, listening on the node's address at `port`;
+        returns once it is ready (its base URL: `api_url`)."""
+        proc = self.service("prefixflow-api.service", i, env={"PFX_HOST": self.address(i), "PFX_PORT": str(port)})
+        deadline = time.monotonic() + timeout
+        while "api ready" not in proc.log.read_text(errors="replace"):
+            if proc.exits or not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the batch API did not start:\n{self.tail(proc.name)}")
+            time.sleep(0.1)
+        return proc
+
+    def api_url(self, i: int, port: int) -> str:
+        return f"http://{self.address(i)}:{port}/v1"
+
     # 3. clients ----------------------------------------------------------------------
 
     def env(self, i: int, role: str) -> dict[str, str]:

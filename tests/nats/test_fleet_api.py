@@ -57,13 +57,8 @@ def start_node(tmp_path, tiny_model) -> tuple[Fleet, int]:
         fleet.service("prefixflow-engine@.service", 0, instance="0", env={"PFX_ENGINE": "echo"})
         for unit in ("ingestor", "router", "sink"):
             fleet.service(f"prefixflow-{unit}.service", 0)
-        api = fleet.service("prefixflow-api.service", 0, env={"PFX_HOST": fleet.address(0), "PFX_PORT": str(port)})
+        fleet.api(0, port)
         asyncio.run(wait_ready(fleet.url(0), fleet.options("admin"), ["nats-1-gpu0"], 90, fleet.check_alive))
-        deadline = time.monotonic() + 60
-        while "api ready" not in api.log.read_text(errors="replace"):
-            fleet.check_alive()
-            assert time.monotonic() < deadline, fleet.tail(api.name)
-            time.sleep(0.1)
     except BaseException:
         fleet.stop()
         raise
@@ -110,7 +105,7 @@ def test_a_one_node_fleet_runs_a_job_and_the_batch_api_under_its_own_grants(tmp_
         assert sorted(pq.read_table(out).column("id").to_pylist()) == list(range(N))
 
         # The batch API, with the keys cluster config wrote.
-        base = f"http://{fleet.address(0)}:{port}/v1"
+        base = fleet.api_url(0, port)
         alice = openai.OpenAI(api_key=ALICE_KEY, base_url=base, max_retries=0)
         bob = openai.OpenAI(api_key=bob_key, base_url=base, max_retries=0)
         for partial in ("ab", "ab#01", 'ab#01,23 "q"'):  # what a parser cutting at `#`, `,` or a space would keep

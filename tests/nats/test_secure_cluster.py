@@ -18,7 +18,10 @@ end to end only: the grants checked below do not depend on the transport).
   her job's output and status are unchanged by his attempts;
 - a job submitted with `prefixflow submit` as the submitter runs end to end (every id
   exactly once), with R3 streams and buckets, and no service hits a permission error;
-- a job whose `--out` escapes the sink's root fails with the reason, writing nothing.
+- a job whose `--out` escapes the sink's root fails with the reason, writing nothing;
+- the batch API (`prefixflow-api.service` on the head, its `api.env` and keys file)
+  starts under its grant and runs alice's batch (tests/nats/test_fleet_api.py does more
+  on one node).
 """
 
 from __future__ import annotations
@@ -28,16 +31,19 @@ import subprocess
 import time
 
 import nats
+import openai
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.launch.local_cluster import free_port
 from prefixflow.shared.bus.connection import NatsOptions, NatsRefused, close, connect
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.permissions import kv_stream
 from tests.conftest import VENV_BIN
 from tests.fleet import Fleet, wait_ready
+from tests.nats.test_fleet_api import REQUESTS, run_batch, shell_value
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(240)]
 
@@ -294,6 +300,14 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
                 capture_output=True, text=True, timeout=180, env=fleet.cli_env(2, "tenant-bob"))
             assert res.returncode != 0 and "outside the sink's output root" in res.stderr, res.stdout + res.stderr
             assert not (fleet.out_root / "alice" / "mine").exists()
+
+            # The batch API on the head, as `cluster config` set it up: alice's batch completes.
+            port = free_port()
+            fleet.api(2, port)
+            key = shell_value([fleet.etc_root / "clients" / "tenant-alice.env"], "OPENAI_API_KEY")
+            alice = openai.OpenAI(api_key=key, base_url=fleet.api_url(2, port), max_retries=0)
+            _, batch = run_batch(alice, tmp_path / "batch.jsonl", tiny_model.name)
+            assert batch.status == "completed" and batch.request_counts.completed == REQUESTS, batch
 
         escape = fleet.out_root / ".." / "escape"
         res = submit(fleet, data, escape, "escape")

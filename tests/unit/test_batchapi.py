@@ -64,8 +64,14 @@ def test_any_printable_key_survives_the_keys_file(tenant_keys):
 
 
 def test_the_env_var_keeps_a_hash_in_a_key():
+    from honcho.environ import parse as dotenv
+
     assert parse_keys("alice:ab#0123456789abcdef") == {"ab#0123456789abcdef": "alice"}
     assert tenant_of(parse_keys("alice:ab#0123456789abcdef"), "Bearer ab") is None
+    # `make up` (honcho) reads a .env: quoted, as the Procfile says, the value is whole.
+    env = dotenv("PFX_API_KEYS='alice:ab#0123456789abcdef'\nUNQUOTED=alice:ab#01\n")
+    assert parse_keys(env["PFX_API_KEYS"]) == {"ab#0123456789abcdef": "alice"}
+    assert env["UNQUOTED"] == "alice:ab", "honcho cuts an unquoted value at '#' (why the Procfile says to quote)"
 
 
 def test_completion_windows_and_endpoints():
