@@ -140,3 +140,14 @@ def test_a_batch_priority_comes_from_its_metadata():
     for bad in ("0", "-1", "2.5", "high", "1000"):
         with pytest.raises(b.Invalid):
             b.priority({"priority": bad})
+
+
+def test_a_bad_keys_file_stops_the_api_with_the_reason_and_no_key(tmp_path):
+    from prefixflow.batchapi.service import Api
+    from prefixflow.shared.process.config import ApiConfig
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice k1\nbob s3cret-of-bob x\nalice\n")
+    with pytest.raises(SystemExit, match="keys line 3: want 'TENANT KEY'") as exc:
+        Api(ApiConfig(api_keys_file=str(keys)))
+    assert "s3cret" not in str(exc.value)
