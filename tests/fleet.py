@@ -343,6 +343,20 @@ class Fleet:
             proc.start(self.workdir / "var")
         return proc
 
+    def api(self, i: int, port: int, timeout: float = 60) -> Proc:
+        """prefixflow-api.service on node i, listening on the node's address at `port`;
+        returns once it is ready (its base URL: `api_url`)."""
+        proc = self.service("prefixflow-api.service", i, env={"PFX_HOST": self.address(i), "PFX_PORT": str(port)})
+        deadline = time.monotonic() + timeout
+        while "api ready" not in proc.log.read_text(errors="replace"):
+            if proc.exits or not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the batch API did not start:\n{self.tail(proc.name)}")
+            time.sleep(0.1)
+        return proc
+
+    def api_url(self, i: int, port: int) -> str:
+        return f"http://{self.address(i)}:{port}/v1"
+
     # 3. clients ----------------------------------------------------------------------
 
     def env(self, i: int, role: str) -> dict[str, str]:
@@ -353,6 +367,10 @@ class Fleet:
             clients = self.etc_root / "clients"
             return {**read_env_file(clients / "env"), **read_env_file(clients / f"{role}.env")}
         return {**read_env_file(self.etc(i) / "env"), **read_env_file(self.etc(i) / f"{role}.env")}
+
+    def address(self, i: int) -> str:
+        """Node i's own address (where a process on it listens for the others)."""
+        return self.lan.addrs[i] if self.lan is not None else "127.0.0.1"
 
     def url(self, i: int) -> str:
         """Node i's URL list (its own server first)."""

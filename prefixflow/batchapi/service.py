@@ -23,13 +23,16 @@ log = structlog.get_logger()
 class Api:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.keys = load_keys(cfg.api_keys, cfg.api_keys_file)
+        try:
+            self.keys = load_keys(cfg.api_keys, cfg.api_keys_file)
+        except (ValueError, OSError) as exc:  # the reason, without a traceback (never a key)
+            raise SystemExit(f"prefixflow serve api: API keys: {exc}") from None
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, "api")
         js = nc.jetstream()
         await provision(js)
-        store = await Store(js).open()
+        store = await Store(nc).open()
         runner = Runner(store, self.cfg.nats_url, self.cfg)
         await runner.resume_all()
         app = make_app(store, runner, self.keys, self.cfg, js, nc)

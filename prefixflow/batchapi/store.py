@@ -4,6 +4,10 @@ under its tenant (`file.<tenant>.<id>`, `batch.<tenant>.<id>`): a tenant's reque
 ever name its own keys, so another tenant's file or batch is simply not found. Both
 stores are replicated like the streams: any API replica serves them, a restart loses
 nothing.
+
+Listing asks the server for the bucket's keys under one prefix (`kv_keys`: stream info,
+no consumer), so the `api` user's grant needs nothing beyond reading and writing its own
+bucket, and listing one tenant reads only that tenant's keys.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import time
 from typing import Any, BinaryIO
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
+from prefixflow.shared.bus.kv_keys import kv_keys
+from prefixflow.shared.bus.objects import read_object
 from prefixflow.shared.wire import subjects
 
 
@@ -55,8 +61,9 @@ def now() -> int:
 
 
 class Store:
-    def __init__(self, js) -> None:
-        self.js = js
+    def __init__(self, nc) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
 
     async def open(self) -> Store:
         self.kv = await self.js.key_value(subjects.BATCHES_KV)
@@ -79,7 +86,7 @@ class Store:
         return await self._get(f"file.{tenant}.{fid}", FileRec)
 
     async def files(self, tenant: str) -> list[FileRec]:
-        recs = [await self._get(k, FileRec) for k in await self._keys(f"file.{tenant}.")]
+        recs = [await self._get(k, FileRec) for k in await self._keys(f"file.{tenant}.>")]
         return sorted((r for r in recs if r is not None), key=lambda r: r.created_at, reverse=True)
 
     async def delete_file(self, rec: FileRec) -> None:
@@ -91,7 +98,7 @@ class Store:
                 pass
 
     async def read_object(self, name: str, into: BinaryIO) -> None:
-        await self.objects.get(name, writeinto=into)
+        await read_object(self.js, subjects.FILES_OBJ, name, into)  # the stream named: no stream lookup to grant
 
     async def put_object(self, name: str, data: BinaryIO) -> int:
         return (await self.objects.put(name, data)).size or 0
@@ -112,17 +119,13 @@ class Store:
 
     async def batches(self, tenant: str | None = None) -> list[BatchRec]:
         """The tenant's batches (None: every tenant's), newest first."""
-        keys = await self._keys(f"batch.{tenant}." if tenant else "batch.")
+        keys = await self._keys(f"batch.{tenant}.>" if tenant else "batch.>")
         recs = [await self._get(k, BatchRec) for k in keys]
         return sorted((r for r in recs if r is not None), key=lambda r: (r.batch["created_at"], r.batch["id"]),
                       reverse=True)
 
-    async def _keys(self, prefix: str) -> list[str]:
-        try:
-            keys = await self.kv.keys()
-        except NoKeysError:
-            return []
-        return [k for k in keys if k.startswith(prefix)]
+    async def _keys(self, pattern: str) -> list[str]:
+        return await kv_keys(self.nc, subjects.BATCHES_KV, pattern)
 
     async def _get(self, key: str, cls):
         try:

@@ -21,7 +21,10 @@ end to end only: the grants checked below do not depend on the transport).
   job of hers, the spec saying who (`tenant-alice`);
 - a job submitted with `prefixflow submit` as the submitter runs end to end (every id
   exactly once), with R3 streams and buckets, and no service hits a permission error;
-- a job whose `--out` escapes the sink's root fails with the reason, writing nothing.
+- a job whose `--out` escapes the sink's root fails with the reason, writing nothing;
+- the batch API (`prefixflow-api.service` on the head, its `api.env` and keys file)
+  starts under its grant and runs alice's batch (tests/nats/test_fleet_api.py does more
+  on one node).
 """
 
 from __future__ import annotations
@@ -31,17 +34,20 @@ import subprocess
 import time
 
 import nats
+import openai
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from prefixflow.datagen.dataset import prefix_repetition
+from prefixflow.launch.local_cluster import free_port
 from prefixflow.shared.bus.connection import NatsOptions, NatsRefused, close, connect
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.permissions import kv_stream
 from tests.conftest import VENV_BIN
 from tests.fleet import Fleet, wait_ready
+from tests.nats.test_fleet_api import REQUESTS, run_batch, shell_value
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(240)]
 
@@ -356,6 +362,14 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
             assert not (fleet.out_root / "alice" / "mine").exists()
             stopped = asyncio.run(alice_cancels_her_own(fleet))
             assert stopped.cancelled_at and stopped.cancelled_by == "tenant-alice", stopped
+
+            # The batch API on the head, as `cluster config` set it up: alice's batch completes.
+            port = free_port()
+            fleet.api(2, port)
+            key = shell_value([fleet.etc_root / "clients" / "tenant-alice.env"], "OPENAI_API_KEY")
+            alice = openai.OpenAI(api_key=key, base_url=fleet.api_url(2, port), max_retries=0)
+            _, batch = run_batch(alice, tmp_path / "batch.jsonl", tiny_model.name)
+            assert batch.status == "completed" and batch.request_counts.completed == REQUESTS, batch
 
         escape = fleet.out_root / ".." / "escape"
         res = submit(fleet, data, escape, "escape")

@@ -5,31 +5,73 @@ sink's export of a job's rows as OpenAI result lines."""
 from __future__ import annotations
 
 import json
+import string
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion
 
 from prefixflow.batchapi import batches as b
-from prefixflow.batchapi.tenants import OPEN_TENANT, load_keys, parse_keys, tenant_of
+from prefixflow.batchapi.tenants import OPEN_TENANT, load_keys, parse_keys, parse_keys_file, render_keys_file, tenant_of
 from prefixflow.services.sink.export import write_lines
 
 pytestmark = pytest.mark.unit
 
 
 def test_keys_map_to_tenants_and_bad_items_are_refused(tmp_path):
-    keys = parse_keys("alice:ka, bob:kb\n# a comment\ncarol : kc")
+    keys = parse_keys("alice:ka, bob:kb\ncarol : kc")
     assert keys == {"ka": "alice", "kb": "bob", "kc": "carol"}
-    for bad in ("alice", "alice:", ":ka", "al ice:ka", "a:k,b:k"):
+    for bad in ("alice", "alice:", ":ka", "al ice:ka", "a:k,b:k", "a:k\tk"):
         with pytest.raises(ValueError):
             parse_keys(bad)
     f = tmp_path / "keys"
-    f.write_text("dave:kd\n")
-    assert load_keys("alice:ka", str(f)) == {"ka": "alice", "kd": "dave"}
+    f.write_text("# TENANT KEY\ndave:kd\n  erin  e#1,2 3:4  \r\n\n")
+    assert load_keys("alice:ka", str(f)) == {"ka": "alice", "kd": "dave", "e#1,2 3:4": "erin"}
+    f.write_text("dave\n")
+    with pytest.raises(ValueError, match="line 1: want 'TENANT KEY'"):
+        load_keys("", str(f))
+    f.write_text("alice k\u00e9y\n")
+    with pytest.raises(ValueError, match="printable ASCII"):
+        load_keys("", str(f))
+    f.write_text("mallory secret-of-mallory\n")
+    with pytest.raises(ValueError, match="two tenants") as exc:
+        load_keys("alice:secret-of-mallory", str(f))
+    assert "secret-of-mallory" not in str(exc.value), "an error never shows a key"
     assert tenant_of(keys, "Bearer kb") == "bob" and tenant_of(keys, "bearer ka") == "alice"
     assert tenant_of(keys, "Bearer nope") is None and tenant_of(keys, None) is None and tenant_of(keys, "kb") is None
     assert tenant_of({}, None) == OPEN_TENANT
+
+
+KEY_CHARS = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+TENANTS = st.text(st.sampled_from(string.ascii_letters + string.digits + "-_"), min_size=1, max_size=12)
+
+
+@given(st.dictionaries(TENANTS, st.text(KEY_CHARS, min_size=1, max_size=40).map(str.strip).filter(bool),
+                       min_size=1, max_size=5))
+def test_any_printable_key_survives_the_keys_file(tenant_keys):
+    """`TENANT KEY` lines carry every printable ASCII key (`#`, `,`, `:`, quotes,
+    backslashes, inner spaces) to the same tenant, through the file `cluster config`
+    writes and the `Authorization` header."""
+    if len(set(tenant_keys.values())) != len(tenant_keys):
+        return  # one key for two tenants: refused (tested above)
+    keys = parse_keys_file(render_keys_file(tenant_keys))
+    assert keys == {key: tenant for tenant, key in tenant_keys.items()}
+    for tenant, key in tenant_keys.items():
+        assert tenant_of(keys, f"Bearer {key}") == tenant
+
+
+def test_the_env_var_keeps_a_hash_in_a_key():
+    from honcho.environ import parse as dotenv
+
+    assert parse_keys("alice:ab#0123456789abcdef") == {"ab#0123456789abcdef": "alice"}
+    assert tenant_of(parse_keys("alice:ab#0123456789abcdef"), "Bearer ab") is None
+    # `make up` (honcho) reads a .env: quoted, as the Procfile says, the value is whole.
+    env = dotenv("PFX_API_KEYS='alice:ab#0123456789abcdef'\nUNQUOTED=alice:ab#01\n")
+    assert parse_keys(env["PFX_API_KEYS"]) == {"ab#0123456789abcdef": "alice"}
+    assert env["UNQUOTED"] == "alice:ab", "honcho cuts an unquoted value at '#' (why the Procfile says to quote)"
 
 
 def test_completion_windows_and_endpoints():
@@ -98,3 +140,14 @@ def test_a_batch_priority_comes_from_its_metadata():
     for bad in ("0", "-1", "2.5", "high", "1000"):
         with pytest.raises(b.Invalid):
             b.priority({"priority": bad})
+
+
+def test_a_bad_keys_file_stops_the_api_with_the_reason_and_no_key(tmp_path):
+    from prefixflow.batchapi.service import Api
+    from prefixflow.shared.process.config import ApiConfig
+
+    keys = tmp_path / "keys"
+    keys.write_text("alice k1\nbob s3cret-of-bob x\nalice\n")
+    with pytest.raises(SystemExit, match="keys line 3: want 'TENANT KEY'") as exc:
+        Api(ApiConfig(api_keys_file=str(keys)))
+    assert "s3cret" not in str(exc.value)

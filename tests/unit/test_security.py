@@ -357,6 +357,39 @@ def test_cluster_config_writes_each_node_only_its_own_secrets(tmp_path, capsys):
     assert env_of(out / "d" / "bucketer.env")["PFX_NATS_USER"] == "bucketer-d"
 
 
+def test_cluster_config_gives_each_tenant_an_api_key_in_the_heads_keys_file(tmp_path, monkeypatch):
+    from prefixflow.batchapi.tenants import load_keys
+    from prefixflow.launch import fleet_config
+
+    monkeypatch.setattr(fleet_config, "BCRYPT_ROUNDS", 4)  # the cheapest hash: not what is tested here
+
+    out = tmp_path / "fleet"
+    out.mkdir()
+    chosen = 'ab#01,23 "q" \\x:y'  # an operator's own key, set in secrets.json
+    (out / "secrets.json").write_text(json.dumps({"api_keys": {"alice": chosen}}))
+    argv = ["--hosts", "10.0.0.1,10.0.0.2", "--names", "a,b", "--head", "b", "--etc-dir", "/srv/pfx/{node}", "--no-tls",
+            "--tenant", "alice", "--tenant", "bob"]
+    run_config(out, *argv)
+    keys_file = out / "b" / "api-keys"
+    assert not (out / "a" / "api-keys").exists() and stat.S_IMODE(keys_file.stat().st_mode) == 0o600
+    assert env_of(out / "b" / "api.env")["PFX_API_KEYS_FILE"] == "/srv/pfx/b/api-keys"
+    api_keys = json.loads((out / "secrets.json").read_text())["api_keys"]
+    assert api_keys["alice"] == chosen and len(api_keys["bob"]) > 32
+    assert load_keys("", str(keys_file)) == {chosen: "alice", api_keys["bob"]: "bob"}
+    assert f"OPENAI_API_KEY={api_keys['bob']}\n" in (out / "clients" / "tenant-bob.env").read_text()
+    for node in "ab":  # no node but the head holds a key
+        texts = "".join(f.read_text() for f in (out / node).iterdir())
+        assert (api_keys["bob"] in texts) == (node == "b")
+
+    run_config(out, *argv)  # again: the keys are kept
+    assert json.loads((out / "secrets.json").read_text())["api_keys"] == api_keys
+    run_config(out, *argv[:9])  # without tenants: no keys file left behind
+    assert not keys_file.exists() and "PFX_API_KEYS_FILE" not in (out / "b" / "api.env").read_text()
+    (out / "secrets.json").write_text(json.dumps({"api_keys": {"alice": "tab\there"}}))
+    with pytest.raises(SystemExit, match="printable ASCII"):
+        run_config(out, *argv)
+
+
 def test_node_certificates_are_signed_by_the_fleet_ca_for_the_node_address(tmp_path):
     from cryptography import x509
 

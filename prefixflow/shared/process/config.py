@@ -316,10 +316,11 @@ class ApiConfig(CommonConfig, kw_only=True):
     host: Annotated[str, _d("address the HTTP API listens on")] = "127.0.0.1"
     port: Annotated[int, _d("port the HTTP API listens on", ge=0, le=65535)] = 8000
     api_keys: Annotated[
-        str, _d("tenants and their API keys, 'tenant:key,tenant:key' (keep it in a 0600 env file); "
-                "none here nor in --api-keys-file: one tenant, 'default', and no key asked")
+        str, _d("tenants and their API keys, 'tenant:key,tenant:key', for keys without ',' (keep it in a 0600 "
+                "env file); none here nor in --api-keys-file: one tenant, 'default', and no key asked")
     ] = ""
-    api_keys_file: Annotated[str, _d("a file of 'tenant:key' lines (# comments), read at start-up")] = ""
+    api_keys_file: Annotated[str, _d("a file of 'TENANT KEY' lines (the key: the rest of the line, any printable "
+                                     "ASCII; lines starting with # are comments), read at start-up")] = ""
     model: Annotated[
         str, _d("the model the cluster serves, as requests name it (a request naming another is an error line); "
                 "default: the locally built tiny model's path")

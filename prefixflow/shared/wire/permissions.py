@@ -309,7 +309,9 @@ def _submitter():
 def _api():
     """The batch service (`prefixflow serve api`): submits its tenants' jobs (it keeps
     them apart itself, by API key), plus its files (object store) and batches (key-value)
-    and cancelling its jobs."""
+    and cancelling its jobs. No consumer on its bucket: it lists keys by stream info with
+    a subject filter (`prefixflow/shared/bus/kv_keys.py`), and reads objects naming their
+    stream (`prefixflow/shared/bus/objects.py`, no `STREAM.NAMES` lookup)."""
     pub = [
         *stream_info(ALL_STREAMS), s.ingest(ANY_JOB), s.done_query(ANY_JOB), s.job_cancelled(ANY_JOB), *blob_write(),
         *kv_write(s.JOBS_KV), *kv_read(s.JOBS_KV), *kv_read(s.JOB_STATUS_KV),
