@@ -2,10 +2,14 @@
 on a local cluster of echo engines: files up and down, a batch with good and bad lines
 to `completed` (its files validated with openai's own types), list and pagination,
 tenants that cannot see each other (404), a batch cancelled mid-run (partial output,
-the rest as `batch_cancelled` error lines), and the API restarted mid-batch."""
+the rest as `batch_cancelled` error lines), the API restarted mid-batch, and the races
+of issue 40: jobs that finish while the API is down (its input deleted or not) and a
+cancel right after create."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -15,9 +19,13 @@ from pathlib import Path
 
 import openai
 import pytest
+from nats.js.errors import KeyNotFoundError
 from openai.types.chat import ChatCompletion
 
 from prefixflow.launch.local_cluster import free_port
+from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 from tests.conftest import REPO, SLOW_ECHO, VENV_BIN
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(400)]
@@ -80,11 +88,11 @@ def write_batch(path: Path, lines: list) -> Path:
     return path
 
 
-def wait_for(client: openai.OpenAI, bid: str, states: set[str], timeout: float = 180):
+def wait_for(client: openai.OpenAI, bid: str, states: set[str], timeout: float = 180, every: float = 0.3):
     deadline = time.monotonic() + timeout
     while (batch := client.batches.retrieve(bid)).status not in states:
         assert time.monotonic() < deadline, batch
-        time.sleep(0.3)
+        time.sleep(every)
     return batch
 
 
@@ -143,14 +151,23 @@ def test_a_batch_with_bad_lines_completes_and_only_its_tenant_sees_it(api, tmp_p
     assert failed.status == "failed" and [e.line for e in failed.errors.data] == [1, 2, 3]
 
 
-def started_batch(client: openai.OpenAI, path: Path, n: int, done: int):
-    """A batch of `n` chat requests, once `done` of them are completed."""
+def created_batch(client: openai.OpenAI, path: Path, n: int):
+    """A batch of `n` chat requests, just created."""
     f = client.files.create(file=write_batch(path, [chat_line(i) for i in range(n)]).open("rb"), purpose="batch")
-    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 120
-    while client.batches.retrieve(batch.id).request_counts.completed < done:
+    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+def wait_completed(client: openai.OpenAI, bid: str, done: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while client.batches.retrieve(bid).request_counts.completed < done:
         assert time.monotonic() < deadline
         time.sleep(0.3)
+
+
+def started_batch(client: openai.OpenAI, path: Path, n: int, done: int):
+    """A batch of `n` chat requests, once `done` of them are completed."""
+    batch = created_batch(client, path, n)
+    wait_completed(client, batch.id, done)
     return batch
 
 
@@ -180,3 +197,82 @@ def test_the_api_restarted_mid_batch_finishes_it(api, tmp_path):
     out = lines_of(api.client("key-a"), done.output_file_id)
     assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
     assert api.client("key-a").files.content(batch.input_file_id).content == (tmp_path / "long.jsonl").read_bytes()
+
+
+def wait_jobs(url: str, jobs: list[str], bucket: str, decoder, ready, timeout: float = 120) -> list:
+    """Each job's record in the KV `bucket` (decoded) once `ready(record)` holds for all."""
+
+    async def main() -> list:
+        nc = await connect(url, "tests")
+        try:
+            kv = await nc.jetstream().key_value(bucket)
+            deadline = time.monotonic() + timeout
+            while True:
+                recs = []
+                for job in jobs:
+                    with contextlib.suppress(KeyNotFoundError):
+                        recs.append(decoder.decode((await kv.get(job)).value))
+                if len(recs) == len(jobs) and all(ready(r) for r in recs):
+                    return recs
+                assert time.monotonic() < deadline, recs
+                await asyncio.sleep(0.3)
+        finally:
+            await close(nc)
+
+    return asyncio.run(main())
+
+
+def test_batches_whose_jobs_finish_while_the_api_is_down_complete_at_its_restart(api, cluster, tmp_path):
+    """Issue 40: the API stopped (SIGTERM) mid-batch, the jobs completed meanwhile, the
+    API started again: each batch ends `completed` with every line in its output file,
+    also the one whose input file was deleted before the restart (nothing resubmitted)."""
+    alice = api.client("key-a")
+    n = 2000  # each: ~10 s of the slow echo engine for both, so they run on after the stop
+    kept, gone = (created_batch(alice, tmp_path / f"{name}.jsonl", n) for name in ("kept", "gone"))
+    # Every row published (the job sealed): the jobs go on without the API.
+    wait_jobs(cluster.url, [kept.id, gone.id], subjects.JOBS_KV, m.job_spec_decoder, lambda s: s.total == n)
+    alice.files.delete(gone.input_file_id)
+    with pytest.raises(openai.NotFoundError):
+        alice.files.retrieve(gone.input_file_id)
+    assert {alice.batches.retrieve(b.id).status for b in (kept, gone)} == {"in_progress"}
+    api.stop()
+    statuses = wait_jobs(cluster.url, [kept.id, gone.id], subjects.JOB_STATUS_KV, m.job_status_decoder,
+                         lambda st: st.done)
+    assert all(st.rows == n and not st.cancelled for st in statuses), statuses
+    api.start()
+    alice = api.client("key-a")
+    for batch in (kept, gone):
+        done = wait_for(alice, batch.id, {"completed", "failed", "cancelled", "expired"}, timeout=60)
+        assert done.status == "completed", done
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (n, n, 0)
+        out = lines_of(alice, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
+        assert done.error_file_id is None
+
+
+def test_a_cancel_right_after_create_is_never_undone(api, tmp_path):
+    """Issue 40: a 50,000-line batch cancelled at once (while its input is still being
+    read), or the moment it is `in_progress` (as its job is being created), ends
+    `cancelled`, never back in `in_progress` or `completed`; every request has one line
+    (a result or `batch_cancelled`)."""
+    alice = api.client("key-a")
+    n = 50_000
+    f = alice.files.create(file=write_batch(tmp_path / "large.jsonl", [chat_line(i) for i in range(n)]).open("rb"),
+                           purpose="batch")
+    for when in ("at once", "in_progress"):
+        batch = alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        if when == "in_progress":
+            wait_for(alice, batch.id, {"in_progress"}, timeout=60, every=0.02)
+        assert alice.batches.cancel(batch.id).status == "cancelling", when
+        seen = []
+        deadline = time.monotonic() + 120
+        while (now := alice.batches.retrieve(batch.id)).status not in ("cancelled", "completed", "failed", "expired"):
+            seen.append(now.status)
+            assert time.monotonic() < deadline, (when, now)
+            time.sleep(0.1)
+        assert now.status == "cancelled" and set(seen) <= {"cancelling", "finalizing"}, (when, seen, now)
+        out, errors = lines_of(alice, now.output_file_id), lines_of(alice, now.error_file_id)
+        assert len(out) < n and {x["response"]["body"]["error"]["code"] for x in errors} == {"batch_cancelled"}
+        ids = [x["custom_id"] for x in out + errors]
+        assert len(ids) == len(set(ids)) == n, "every request once: a result or a batch_cancelled line"
+        assert (now.request_counts.completed, now.request_counts.failed) == (len(out), len(errors)), when
