@@ -197,7 +197,8 @@ class Runner:
         if st is not None and (st.done or st.failed):
             return ended_of(st)  # it ended while no runner followed it (the API was down)
         spec = await self.job_spec(rec.job)
-        if spec is None and rec.batch["status"] == "cancelling":
+        fresh = await self.store.batch(rec.tenant, rec.batch["id"])  # a cancel since the last step?
+        if spec is None and (fresh is None or fresh.batch["status"] == "cancelling"):
             return "cancelled"  # cancelled before its job was created: it never will be
         follow = asyncio.create_task(self.follow(rec))
         try:

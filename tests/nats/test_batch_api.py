@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -252,27 +253,71 @@ def test_batches_whose_jobs_finish_while_the_api_is_down_complete_at_its_restart
 
 def test_a_cancel_right_after_create_is_never_undone(api, tmp_path):
     """Issue 40: a 50,000-line batch cancelled at once (while its input is still being
-    read), or the moment it is `in_progress` (as its job is being created), ends
+    read), or a batch cancelled the moment it is `in_progress` (as its job is created), ends
     `cancelled`, never back in `in_progress` or `completed`; every request has one line
     (a result or `batch_cancelled`)."""
     alice = api.client("key-a")
     n = 50_000
-    f = alice.files.create(file=write_batch(tmp_path / "large.jsonl", [chat_line(i) for i in range(n)]).open("rb"),
-                           purpose="batch")
-    for when in ("at once", "in_progress"):
-        batch = alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-        if when == "in_progress":
+    files = {"at once": alice.files.create(file=write_batch(tmp_path / "large.jsonl", [chat_line(i) for i in range(n)])
+                                          .open("rb"), purpose="batch").id,
+             "in_progress": alice.files.create(file=write_batch(tmp_path / "small.jsonl", [chat_line(i) for i in range(2000)])
+                                              .open("rb"), purpose="batch").id}
+    for when, fid in files.items():
+        batch = alice.batches.create(input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h")
+        if when == "in_progress":  # the runner is creating its job (the race needs no large file)
             wait_for(alice, batch.id, {"in_progress"}, timeout=60, every=0.02)
         assert alice.batches.cancel(batch.id).status == "cancelling", when
-        seen = []
         deadline = time.monotonic() + 120
         while (now := alice.batches.retrieve(batch.id)).status not in ("cancelled", "completed", "failed", "expired"):
-            seen.append(now.status)
+            assert now.status in ("cancelling", "finalizing"), (when, now)  # never back to in_progress
             assert time.monotonic() < deadline, (when, now)
             time.sleep(0.1)
-        assert now.status == "cancelled" and set(seen) <= {"cancelling", "finalizing"}, (when, seen, now)
+        assert now.status == "cancelled", (when, now)
         out, errors = lines_of(alice, now.output_file_id), lines_of(alice, now.error_file_id)
-        assert len(out) < n and {x["response"]["body"]["error"]["code"] for x in errors} == {"batch_cancelled"}
+        total = n if when == "at once" else 2000
+        assert len(out) < total and {x["response"]["body"]["error"]["code"] for x in errors} == {"batch_cancelled"}
         ids = [x["custom_id"] for x in out + errors]
-        assert len(ids) == len(set(ids)) == n, "every request once: a result or a batch_cancelled line"
+        assert len(ids) == len(set(ids)) == total, "every request once: a result or a batch_cancelled line"
         assert (now.request_counts.completed, now.request_counts.failed) == (len(out), len(errors)), when
+
+
+def test_a_cancel_that_found_no_job_cancels_the_job_once_it_is_created(cluster, tmp_path):
+    """The window the API's cancel cannot close: the tenant cancels after the runner
+    checked the record and before its `submit` created the job (the cancel's `cancel_job`
+    found none). The runner's follow cancels the job once it exists, and again when a
+    resubmit rewrites its spec without the cancel."""
+    from prefixflow.batchapi import lifecycle
+    from prefixflow.batchapi.runner import Runner
+    from prefixflow.batchapi.store import BatchRec, Store, batch_key, new_id, now
+    from prefixflow.shared.bus.provision import provision
+
+    async def main() -> None:
+        nc = await connect(cluster.url, "tests")
+        try:
+            js = nc.jetstream()
+            await provision(js)
+            store = await Store(js).open()
+            cfg = SimpleNamespace(model="m", served_names="", lora_adapters="")  # what `follow` reads of the config
+            runner = await Runner(store, cluster.url, cfg, js, nc).open()
+            bid = new_id("batch")
+            rec = BatchRec("alice", bid, {"id": bid, "status": "in_progress", "request_counts": {}}, requests=5,
+                           validated=True)
+            await store.create_batch(rec)
+            follow = asyncio.create_task(runner.follow(rec))
+            await store.update_batch("alice", bid, lifecycle.cancel(now()))  # the tenant's cancel: no job yet
+            spec = m.JobSpec(job=bid, out_dir=str(tmp_path / "out"))
+            jobs = await js.key_value(subjects.JOBS_KV)
+            try:
+                for _ in ("created", "rewritten by a resubmit"):
+                    await jobs.put(bid, m.encode_json(spec))
+                    deadline = time.monotonic() + 10
+                    while not (await runner.job_spec(bid)).cancelled_at:
+                        assert time.monotonic() < deadline, "the job was not cancelled"
+                        await asyncio.sleep(0.1)
+            finally:
+                follow.cancel()
+                await store.kv.delete(batch_key("alice", bid))  # no API resumes it later
+        finally:
+            await close(nc)
+
+    asyncio.run(main())
