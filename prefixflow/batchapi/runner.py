@@ -59,7 +59,8 @@ SETTLE_POLL_SECONDS = 0.5
 
 def parsed_names(job: str) -> tuple[str, str]:
     """The files object store's objects of a batch's parsed input: (its bad lines as
-    error lines, the custom_ids of its good requests), JSONL."""
+    error lines, the custom_ids of its good requests), JSONL; kept from validation until
+    the batch is final."""
     return f"{job}/input-errors.jsonl", f"{job}/input-ids.jsonl"
 
 
@@ -301,7 +302,11 @@ class Runner:
         ok = sum(1 for _ in ok_path.open("rb"))
         failed = rec.requests + rec.bad - ok
         fields["request_counts"] = {"total": rec.requests + rec.bad, "completed": ok, "failed": failed}
-        return await self.change(rec.tenant, rec.batch["id"], lifecycle.finished(fields))
+        final = await self.change(rec.tenant, rec.batch["id"], lifecycle.finished(fields))
+        if final is not None and final.batch["status"] in b.TERMINAL:
+            for name in parsed_names(rec.job):  # needed only until the batch is final
+                await self.store.delete_object(name)
+        return final
 
     async def register(self, rec: BatchRec, obj: str, kind: str, size: int) -> FileRec:
         frec = FileRec(new_id("file"), rec.tenant, f"{rec.batch['id']}_{kind}.jsonl", "batch_output", size, now(), obj)

@@ -130,10 +130,14 @@ class Store:
     async def delete_file(self, rec: FileRec) -> None:
         await self.kv.delete(f"file.{rec.tenant}.{rec.id}")
         if rec.object == rec.id:  # its own upload (a batch output's object is the job's)
-            try:
-                await self.objects.delete(rec.object)
-            except NotFoundError:
-                pass
+            await self.delete_object(rec.object)
+
+    async def delete_object(self, name: str) -> None:
+        """Delete an object (gone already: nothing to do)."""
+        try:
+            await self.objects.delete(name)
+        except NotFoundError:
+            pass
 
     async def read_object(self, name: str, into: BinaryIO) -> None:
         await self.objects.get(name, writeinto=into)

@@ -20,9 +20,10 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from openai.types.chat import ChatCompletion
 
+from prefixflow.batchapi.runner import parsed_names
 from prefixflow.launch.local_cluster import free_port
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.wire import messages as m
@@ -223,6 +224,25 @@ def wait_jobs(url: str, jobs: list[str], bucket: str, decoder, ready, timeout: f
     return asyncio.run(main())
 
 
+def objects_present(url: str, names: list[str]) -> list[str]:
+    """Which of these objects the files object store holds."""
+
+    async def main() -> list[str]:
+        nc = await connect(url, "tests")
+        try:
+            objects = await nc.jetstream().object_store(subjects.FILES_OBJ)
+            present = []
+            for name in names:
+                with contextlib.suppress(NotFoundError):
+                    await objects.get_info(name)
+                    present.append(name)
+            return present
+        finally:
+            await close(nc)
+
+    return asyncio.run(main())
+
+
 def test_batches_whose_jobs_finish_while_the_api_is_down_complete_at_its_restart(api, cluster, tmp_path):
     """Issue 40: the API stopped (SIGTERM) mid-batch, the jobs completed meanwhile, the
     API started again: each batch ends `completed` with every line in its output file,
@@ -249,6 +269,8 @@ def test_batches_whose_jobs_finish_while_the_api_is_down_complete_at_its_restart
         out = lines_of(alice, done.output_file_id)
         assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
         assert done.error_file_id is None
+    # The parsed input kept for finalizing is gone once the batches are final.
+    assert objects_present(cluster.url, [name for b in (kept, gone) for name in parsed_names(b.id)]) == []
 
 
 def test_a_cancel_right_after_create_is_never_undone(api, tmp_path):
