@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from prefixflow.batchapi import batches as b
+from prefixflow.batchapi import lifecycle
 from prefixflow.batchapi.runner import Runner
 from prefixflow.batchapi.store import BatchRec, Store, new_id, now
 from prefixflow.batchapi.tenants import tenant_of
@@ -132,7 +133,7 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
             "output_file_id": None, "error_file_id": None,
         }
         rec = BatchRec(who, bid, batch)
-        await store.save_batch(rec)
+        await store.create_batch(rec)
         runner.start(rec)
         return public(rec)
 
@@ -154,15 +155,16 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
 
     @app.post("/v1/batches/{bid}/cancel")
     async def cancel_batch(bid: str, who: str = Depends(tenant)):
-        rec = await own_batch(who, bid)
-        if rec.batch["status"] in b.TERMINAL or rec.batch["status"] in ("cancelling", "finalizing"):
-            return public(rec)
-        rec.batch.update(status="cancelling", cancelling_at=now())
-        await store.save_batch(rec)
+        # A compare-and-set: a runner's write cannot undo it, nor it a runner's step.
+        rec = await store.update_batch(who, bid, lifecycle.cancel(now()))
+        if rec is None:
+            raise ApiError(404, f"no batch {bid!r}", "not_found")
+        if rec.batch["status"] != "cancelling":
+            return public(rec)  # finalizing or final already: nothing to cancel
         try:
             await cancel_job(js, nc, rec.job, by=f"api:{who}")
         except UnknownJob:
-            pass  # not submitted yet: the runner sees the cancel before it submits
+            pass  # no job yet: the runner never creates it, or cancels it once it exists
         runner.start(rec)
         return public(rec)
 

@@ -3,16 +3,32 @@ that takes it from where its record says it is (so a restarted API resumes every
 the cluster's done queries make a resubmitted job send only what is missing).
 
 validating: the input file is read from the object store into rows (bad lines become
-error lines; none good: `failed`). in_progress: the rows are submitted as the job
-`batch.job` (its spec delivers OpenAI Batch results: `prefixflow/services/sink/export.py`, and
-carries the batch's deadline); the counters follow the job's status. finalizing: the
-sink's exported lines become the output file, its error lines plus the bad lines (plus,
-for a cancelled or expired batch, a line per request without a result) the error file.
+error lines; none good: `failed`); its bad lines and request ids are kept in the object
+store (`parsed_names`), so the batch can be finalized without its input. in_progress: the
+rows are submitted as the job `batch.job` (its spec delivers OpenAI Batch results:
+`prefixflow/services/sink/export.py`, and carries the batch's deadline); the counters follow
+the job's status. A job the cluster has already (done while the API was down) or whose
+every row is published (sealed) is not submitted again: its end is awaited. finalizing:
+the sink's exported lines become the output file, its error lines plus the bad lines
+(plus, for a cancelled or expired batch, a line per request without a result) the error
+file.
+
+Every record change is a compare-and-set (`prefixflow/batchapi/lifecycle.py`), so a cancel
+made meanwhile (by this API process or another) is never overwritten. A cancel that
+finds no job yet (`UnknownJob`: the runner is still reading the input) is carried out by
+the runner: it never creates the job of a batch that is `cancelling`, and while the job
+runs it checks the record every `CANCEL_POLL_SECONDS` and cancels the job when the batch
+is `cancelling` (so a cancel that lands between the check and the job's creation is
+carried out at the job's first poll).
+
+The runner reads the cluster's job records over the API's one long-lived NATS connection;
+`submit` keeps its own connection while it publishes a batch's rows and follows its job.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import tempfile
@@ -20,25 +36,70 @@ import time
 from pathlib import Path
 
 import structlog
+from nats.js.errors import KeyNotFoundError
 
-from prefixflow.client.submit import JobCancelled, JobFailed, Submitter, submit
 from prefixflow.batchapi import batches as b
+from prefixflow.batchapi import lifecycle
 from prefixflow.batchapi.store import BatchRec, FileRec, Store, new_id, now
+from prefixflow.client.submit import AlreadyDone, JobCancelled, JobFailed, submit
+from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 from prefixflow.shared.openai_batch import object_names
 from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire import subjects
 
 log = structlog.get_logger()
 
 PROGRESS_SECONDS = 2.0
 """How often a running batch's counters are brought up to date."""
+CANCEL_POLL_SECONDS = 0.5
+"""How often a running batch's record is checked for a cancel (one KV read)."""
+SETTLE_POLL_SECONDS = 0.5
+"""How often the job's status is read while waiting for the sink to complete it."""
+
+
+def parsed_names(job: str) -> tuple[str, str]:
+    """The files object store's objects of a batch's parsed input: (its bad lines as
+    error lines, the custom_ids of its good requests), JSONL; kept from validation until
+    the batch is final."""
+    return f"{job}/input-errors.jsonl", f"{job}/input-ids.jsonl"
+
+
+def ended_of(st: m.JobStatus) -> str:
+    """How a finished job ended: "" (every row), "cancelled" or "expired"; a failed job
+    fails its batch."""
+    if st.failed:
+        raise JobFailedError(f"the cluster failed the batch's job: {st.error}")
+    if not st.cancelled:
+        return ""
+    return "expired" if (st.summary or {}).get("expired") else "cancelled"
+
+
+async def read_record(kv, key: str, decoder):
+    """The record at `key`, decoded (None: there is none)."""
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:
+        return None
+    return decoder.decode(entry.value)
+
+
+class JobFailedError(ValueError):
+    """The cluster marked the batch's job failed."""
 
 
 class Runner:
-    def __init__(self, store: Store, nats_url: str, cfg) -> None:
+    def __init__(self, store: Store, nats_url: str, cfg, js, nc) -> None:
         self.store, self.nats_url, self.cfg = store, nats_url, cfg
+        self.js, self.nc = js, nc
+        """The API's connection (long-lived): every read of the cluster's job records."""
         self.served = b.served_names(cfg.model, cfg.served_names)
         self.adapters = frozenset(n.strip() for n in cfg.lora_adapters.split(",") if n.strip())
         self.tasks: dict[str, asyncio.Task] = {}
+
+    async def open(self) -> Runner:
+        self.jobs_kv = await self.js.key_value(subjects.JOBS_KV)
+        self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
+        return self
 
     async def resume_all(self) -> None:
         for rec in await self.store.batches():
@@ -49,6 +110,7 @@ class Runner:
         bid = rec.batch["id"]
         if bid in self.tasks and not self.tasks[bid].done():
             return
+        self.tasks = {k: t for k, t in self.tasks.items() if not t.done()}  # bounded: running batches only
         self.tasks[bid] = asyncio.create_task(self.run(rec.tenant, bid), name=f"batch {bid}")
 
     async def stop(self) -> None:
@@ -66,45 +128,29 @@ class Runner:
             raise
         except Exception as exc:  # noqa: BLE001 - the batch fails with the reason; the service goes on
             log.exception("batch failed", batch=bid)
-            rec = await self.store.batch(tenant, bid)
-            if rec is not None and rec.batch["status"] not in b.TERMINAL:
-                await self.set(rec, "failed", errors={"object": "list", "data": [
-                    {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}", "line": None, "param": None}]})
+            await self.change(tenant, bid, lifecycle.failed(f"{type(exc).__name__}: {exc}"))
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    async def set(self, rec: BatchRec, status: str, **fields) -> BatchRec:
-        rec.batch.update(status=status, **fields)
-        if status in ("in_progress", "finalizing", "completed", "failed", "expired", "cancelled"):
-            rec.batch.setdefault(f"{status}_at" if status != "in_progress" else "in_progress_at", now())
-        await self.store.save_batch(rec)
-        log.info("batch", batch=rec.batch["id"], tenant=rec.tenant, status=status)
+    async def change(self, tenant: str, bid: str, change: lifecycle.Change) -> BatchRec | None:
+        """Change the batch's record (a compare-and-set): the record as it now stands."""
+        rec = await self.store.update_batch(tenant, bid, change)
+        if rec is not None:
+            log.info("batch", batch=bid, tenant=tenant, status=rec.batch["status"])
         return rec
 
-    async def step(self, rec: BatchRec, work: Path) -> BatchRec:
-        fresh = await self.store.batch(rec.tenant, rec.batch["id"])
-        if fresh is not None and fresh.batch["status"] == "cancelling" and rec.batch["status"] != "finalizing":
-            rec.batch.update(status="cancelling", cancelling_at=fresh.batch.get("cancelling_at"))
-        status = rec.batch["status"]
-        parsed = await self.parse(rec, work)
-        if status == "cancelling" and not await self.job_exists(rec):  # cancelled before it was submitted
-            rec.requests, rec.bad = len(parsed.ids), len(parsed.bad)
-            return await self.set(rec, "finalizing", _ended="cancelled")
-        if status == "validating":
-            rec.requests, rec.bad = len(parsed.ids), len(parsed.bad)
-            if not parsed.ids:
-                return await self.set(rec, "failed", errors={"object": "list", "data": parsed.bad_errors},
-                                      request_counts=b.counts(0, rec.bad, 0, 0))
-            return await self.set(rec, "in_progress", request_counts=b.counts(rec.requests, rec.bad, 0, 0))
-        if status in ("in_progress", "cancelling"):
-            ended = await self.execute(rec, work)
-            fresh = await self.store.batch(rec.tenant, rec.batch["id"])
-            if not ended and fresh is not None and fresh.batch["status"] == "cancelling":
-                ended = "cancelled"  # cancelled as its last rows landed: cancelled, with every result
-                rec.batch.update(status="cancelling", cancelling_at=fresh.batch.get("cancelling_at"))
-            return await self.set(rec, "finalizing", _ended=ended)
+    async def step(self, rec: BatchRec, work: Path) -> BatchRec | None:
+        """One transition of the batch (its record as it now stands, None if it is gone)."""
+        tenant, bid, status = rec.tenant, rec.batch["id"], rec.batch["status"]
+        if status == "validating" or (status == "cancelling" and not rec.validated):
+            parsed = await self.parse(rec, work)
+            await self.keep_parsed(rec, parsed, work)
+            return await self.change(tenant, bid, lifecycle.validated(len(parsed.ids), len(parsed.bad),
+                                                                      parsed.bad_errors))
+        if status in lifecycle.RUNNING:
+            return await self.change(tenant, bid, lifecycle.ran(await self.execute(rec, work)))
         if status == "finalizing":
-            return await self.finalize(rec, parsed, work)
+            return await self.finalize(rec, work)
         raise ValueError(f"unknown batch status {status!r}")
 
     async def parse(self, rec: BatchRec, work: Path) -> b.Parsed:
@@ -120,10 +166,48 @@ class Runner:
         return await asyncio.to_thread(b.parse_file, src, work / "rows.jsonl", rec.batch["endpoint"], self.served,
                                        self.cfg.max_requests, self.adapters)
 
+    async def keep_parsed(self, rec: BatchRec, parsed: b.Parsed, work: Path) -> None:
+        """Keep what finalizing needs of the input (`parsed_names`) in the object store."""
+        for name, path, lines in zip(parsed_names(rec.job), (work / "bad.jsonl", work / "ids.jsonl"),
+                                     (parsed.bad, parsed.ids)):
+            with path.open("w") as f:
+                for line in lines:
+                    f.write(json.dumps(line) + "\n")
+            with path.open("rb") as f:
+                await self.store.put_object(name, f)
+
+    async def parsed_files(self, rec: BatchRec, work: Path) -> tuple[Path, Path]:
+        """The batch's bad lines and good ids (`keep_parsed`) as local files; read from
+        the object store, or from the input when they are not there (a batch validated
+        by an API before they were kept)."""
+        paths = work / "bad.jsonl", work / "ids.jsonl"
+        if all(p.exists() for p in paths):
+            return paths
+        names = parsed_names(rec.job)
+        if all([await self.store.object_size(name) is not None for name in names]):
+            for name, path in zip(names, paths):
+                with path.open("wb") as f:
+                    await self.store.read_object(name, f)
+        else:
+            await self.keep_parsed(rec, await self.parse(rec, work), work)
+        return paths
+
     async def execute(self, rec: BatchRec, work: Path) -> str:
         """Run the batch's job to its end: "" (every row), "cancelled" or "expired"."""
+        st = await self.job_status(rec.job)
+        if st is not None and (st.done or st.failed):
+            return ended_of(st)  # it ended while no runner followed it (the API was down)
+        spec = await self.job_spec(rec.job)
+        fresh = await self.store.batch(rec.tenant, rec.batch["id"])  # a cancel since the last step?
+        if spec is None and (fresh is None or fresh.batch["status"] == "cancelling"):
+            return "cancelled"  # cancelled before its job was created: it never will be
         follow = asyncio.create_task(self.follow(rec))
         try:
+            if spec is not None and (spec.total is not None or spec.cancelled_at):
+                # Every row published already (or cancelled): the input is not needed again.
+                return ended_of(await self.settled(rec.job))
+            if not (work / "rows.jsonl").exists():
+                await self.parse(rec, work)
             left = rec.batch["expires_at"] - time.time()
             await submit(
                 work / "rows.jsonl", nats_url=self.nats_url, job=rec.job,
@@ -133,61 +217,79 @@ class Runner:
                 expires_in=max(left, 0.001), deliver="openai-batch", priority=b.priority(rec.batch.get("metadata")),
             )
             return ""
+        except AlreadyDone as done:  # done between the status read above and the submit's
+            return ended_of(done.status)
         except JobCancelled:
-            st = await self.settled(rec.job)  # its results are exported before its done status
-            return "expired" if (st.summary or {}).get("expired") else "cancelled"
+            return ended_of(await self.settled(rec.job))  # its results are exported before its done status
         except JobFailed as exc:
-            raise ValueError(f"the cluster failed the batch's job: {exc.reason}") from None
+            raise JobFailedError(f"the cluster failed the batch's job: {exc.reason}") from None
         finally:
             follow.cancel()
-            await self.update_counts(rec)
+            with contextlib.suppress(asyncio.CancelledError):
+                await follow
+            with contextlib.suppress(Exception):  # best effort: finalizing sets the final counts
+                await self.update_counts(rec)
+
+    async def job_status(self, job: str) -> m.JobStatus | None:
+        return await read_record(self.status_kv, job, m.job_status_decoder)
+
+    async def job_spec(self, job: str) -> m.JobSpec | None:
+        return await read_record(self.jobs_kv, job, m.job_spec_decoder)
 
     async def settled(self, job: str) -> m.JobStatus:
         """The job's status once the sink has completed it (waits as long as that takes)."""
-        async with Submitter(self.nats_url) as client:
-            while True:
-                st = await client.status(job)
-                if st is not None and (st.done or st.failed):
-                    return st
-                await asyncio.sleep(0.5)
-
-    async def job_exists(self, rec: BatchRec) -> bool:
-        async with Submitter(self.nats_url) as client:
-            return await client.spec(rec.job) is not None
+        while True:
+            st = await self.job_status(job)
+            if st is not None and (st.done or st.failed):
+                return st
+            await asyncio.sleep(SETTLE_POLL_SECONDS)
 
     async def follow(self, rec: BatchRec) -> None:
+        """While the batch's job runs: cancel the job once the batch is `cancelling` (also
+        a cancel that found no job yet), and keep its counters up to date."""
+        counted = time.monotonic()
         while True:
-            await asyncio.sleep(PROGRESS_SECONDS)
+            await asyncio.sleep(CANCEL_POLL_SECONDS)
             try:
-                await self.update_counts(rec)
-            except Exception as exc:  # noqa: BLE001 - counters are best effort; tried again
-                log.warning("batch counters not updated", batch=rec.batch["id"], error=repr(exc))
+                fresh = await self.store.batch(rec.tenant, rec.batch["id"])
+                if fresh is not None and fresh.batch["status"] == "cancelling":
+                    await self.cancel_job(rec.job)
+                if time.monotonic() - counted >= PROGRESS_SECONDS:
+                    counted = time.monotonic()
+                    await self.update_counts(rec)
+            except Exception as exc:  # noqa: BLE001 - best effort; tried again at the next poll
+                log.warning("batch not followed", batch=rec.batch["id"], error=repr(exc))
+
+    async def cancel_job(self, job: str) -> None:
+        """Mark the job cancelled if it exists and is not yet (a job spec rewritten by a
+        resubmit is cancelled again)."""
+        spec = await self.job_spec(job)
+        if spec is not None and not spec.cancelled_at:
+            with contextlib.suppress(UnknownJob):
+                await cancel_job(self.js, self.nc, job)
+                log.info("batch job cancelled", job=job)
 
     async def update_counts(self, rec: BatchRec) -> None:
-        async with Submitter(self.nats_url) as client:
-            st = await client.status(rec.job)
+        st = await self.job_status(rec.job)
         if st is not None:
-            fresh = await self.store.batch(rec.tenant, rec.batch["id"])  # keep a cancel made meanwhile
-            if fresh is not None and fresh.batch["status"] == "cancelling":
-                rec.batch["status"], rec.batch["cancelling_at"] = "cancelling", fresh.batch.get("cancelling_at")
-            rec.batch["request_counts"] = b.counts(rec.requests, rec.bad, st.rows, st.errors)
-            await self.store.save_batch(rec)
+            await self.store.update_batch(rec.tenant, rec.batch["id"], lifecycle.counted(st.rows, st.errors))
 
-    async def finalize(self, rec: BatchRec, parsed: b.Parsed, work: Path) -> BatchRec:
-        ended = rec.batch.pop("_ended", "")
+    async def finalize(self, rec: BatchRec, work: Path) -> BatchRec | None:
+        ended = rec.batch.get("_ended", "")
         ok_name, err_name = object_names(rec.job)
         ok_path, err_path = work / "output.jsonl", work / "errors.jsonl"
         for name, path in ((ok_name, ok_path), (err_name, err_path)):
             with path.open("wb") as f:
                 if await self.store.object_size(name) is not None:  # none: the job never ran
                     await self.store.read_object(name, f)
+        bad_path, ids_path = await self.parsed_files(rec, work)
         have = await asyncio.to_thread(custom_ids, [ok_path, err_path])
-        with err_path.open("a") as f:
-            for line in parsed.bad:
-                f.write(json.dumps(line) + "\n")
+        with err_path.open("a") as f, bad_path.open() as bad:
+            shutil.copyfileobj(bad, f)
             if ended:
-                for line in b.missing_lines(parsed.ids, have, f"batch_{ended}"):
-                    f.write(json.dumps(line) + "\n")
+                with ids_path.open() as ids:
+                    for line in b.missing_lines((json.loads(x) for x in ids if x.strip()), have, f"batch_{ended}"):
+                        f.write(json.dumps(line) + "\n")
         fields = {}
         out_size = ok_path.stat().st_size
         if out_size:
@@ -200,7 +302,11 @@ class Runner:
         ok = sum(1 for _ in ok_path.open("rb"))
         failed = rec.requests + rec.bad - ok
         fields["request_counts"] = {"total": rec.requests + rec.bad, "completed": ok, "failed": failed}
-        return await self.set(rec, {"": "completed", "cancelled": "cancelled", "expired": "expired"}[ended], **fields)
+        final = await self.change(rec.tenant, rec.batch["id"], lifecycle.finished(fields))
+        if final is not None and final.batch["status"] in b.TERMINAL:
+            for name in parsed_names(rec.job):  # needed only until the batch is final
+                await self.store.delete_object(name)
+        return final
 
     async def register(self, rec: BatchRec, obj: str, kind: str, size: int) -> FileRec:
         frec = FileRec(new_id("file"), rec.tenant, f"{rec.batch['id']}_{kind}.jsonl", "batch_output", size, now(), obj)

@@ -33,7 +33,7 @@ class Api:
         js = nc.jetstream()
         await provision(js)
         store = await Store(nc).open()
-        runner = Runner(store, self.cfg.nats_url, self.cfg)
+        runner = await Runner(store, self.cfg.nats_url, self.cfg, js, nc).open()
         await runner.resume_all()
         app = make_app(store, runner, self.keys, self.cfg, js, nc)
         server = uvicorn.Server(uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning",

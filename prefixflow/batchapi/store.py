@@ -8,16 +8,22 @@ nothing.
 Listing asks the server for the bucket's keys under one prefix (`kv_keys`: stream info,
 no consumer), so the `api` user's grant needs nothing beyond reading and writing its own
 bucket, and listing one tenant reads only that tenant's keys.
+
+A batch record is created once (`create_batch`) and from then on only changed by
+`update_batch`: a compare-and-set on the key's revision that reads the record again and
+re-applies its change when another writer came first, so no writer undoes another's
+change (a cancel is never overwritten by a runner's stale copy).
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, BinaryIO
+from collections.abc import Callable
+from typing import Any, BinaryIO, TypeVar
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from prefixflow.shared.bus.kv_keys import kv_keys
 from prefixflow.shared.bus.objects import read_object
@@ -50,6 +56,8 @@ class BatchRec(msgspec.Struct, omit_defaults=True):
     """Good request lines (sent to the cluster)."""
     bad: int = 0
     """Request lines that never ran (error lines)."""
+    validated: bool = False
+    """Its input was read (`requests`, `bad` and the parsed objects are set)."""
 
 
 def new_id(prefix: str) -> str:
@@ -58,6 +66,43 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+R = TypeVar("R")
+
+MAX_CONFLICTS = 1000
+"""Compare-and-set attempts before `update_record` gives up (each failed attempt means
+another writer's change went in: only a storm of writers to one record gets there)."""
+
+
+class TooManyConflicts(RuntimeError):
+    """A record changed under `update_record` `MAX_CONFLICTS` times in a row."""
+
+
+async def update_record(kv, key: str, cls: type[R], change: Callable[[R], R | None]) -> R | None:
+    """Change the record at `key` by a compare-and-set on its revision: read it, apply
+    `change` (to the record as read: it may change it in place; it returns the record to
+    write, or None to leave it as it is) and write it only if nobody wrote it meanwhile;
+    otherwise read it again and apply `change` to what the other writer wrote. So a
+    change is never lost and never undoes another's: `change` must be a function of the
+    record it is given (it may run several times). Returns the record as it now stands
+    (None: there is none)."""
+    for _ in range(MAX_CONFLICTS):
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        new = change(msgspec.json.decode(entry.value, type=cls))
+        if new is None:
+            return msgspec.json.decode(entry.value, type=cls)
+        try:
+            await kv.update(key, msgspec.json.encode(new), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            continue  # written meanwhile: apply the change to what is there now
+        return new
+    raise TooManyConflicts(f"{key}: changed by others {MAX_CONFLICTS} times in a row")
 
 
 class Store:
@@ -92,10 +137,14 @@ class Store:
     async def delete_file(self, rec: FileRec) -> None:
         await self.kv.delete(f"file.{rec.tenant}.{rec.id}")
         if rec.object == rec.id:  # its own upload (a batch output's object is the job's)
-            try:
-                await self.objects.delete(rec.object)
-            except NotFoundError:
-                pass
+            await self.delete_object(rec.object)
+
+    async def delete_object(self, name: str) -> None:
+        """Delete an object (gone already: nothing to do)."""
+        try:
+            await self.objects.delete(name)
+        except NotFoundError:
+            pass
 
     async def read_object(self, name: str, into: BinaryIO) -> None:
         await read_object(self.js, subjects.FILES_OBJ, name, into)  # the stream named: no stream lookup to grant
@@ -111,11 +160,17 @@ class Store:
 
     # --- batches -------------------------------------------------------------------
 
-    async def save_batch(self, rec: BatchRec) -> None:
-        await self.kv.put(f"batch.{rec.tenant}.{rec.batch['id']}", msgspec.json.encode(rec))
+    async def create_batch(self, rec: BatchRec) -> None:
+        """Write a new batch's first record (its id is new: never an overwrite)."""
+        await self.kv.create(batch_key(rec.tenant, rec.batch["id"]), msgspec.json.encode(rec))
+
+    async def update_batch(self, tenant: str, bid: str, change: Callable[[BatchRec], BatchRec | None]) -> BatchRec | None:
+        """Change a batch's record by a compare-and-set (`update_record`; the changes are
+        in `prefixflow/batchapi/lifecycle.py`): the record as it now stands (None: no such batch)."""
+        return await update_record(self.kv, batch_key(tenant, bid), BatchRec, change)
 
     async def batch(self, tenant: str, bid: str) -> BatchRec | None:
-        return await self._get(f"batch.{tenant}.{bid}", BatchRec)
+        return await self._get(batch_key(tenant, bid), BatchRec)
 
     async def batches(self, tenant: str | None = None) -> list[BatchRec]:
         """The tenant's batches (None: every tenant's), newest first."""
@@ -133,3 +188,7 @@ class Store:
         except KeyNotFoundError:
             return None
         return msgspec.json.decode(entry.value, type=cls) if entry.value else None
+
+
+def batch_key(tenant: str, bid: str) -> str:
+    return f"batch.{tenant}.{bid}"
