@@ -230,9 +230,10 @@ def test_prompt_work_tokens():
 
 def test_array_like_extra_trailing_field_is_ignored():
     t12 = tk.pack([1, 2])
-    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, 90, "a1", "new-field"]], 2, {"new": "batch field"}])
+    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, 90, "a1", 12.5, "new-field"]], 2, {"new": "batch field"}])
     out = m.prompt_batch_decoder.decode(raw)
-    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7, cost=90, lora="a1")], priority=2)
+    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7, cost=90, lora="a1", admitted_at=12.5)],
+                                priority=2)
     # A batch from an ingestor that predates priorities: weight 1.
     raw = msgspec.msgpack.encode([[["j", 1, t12]]])
     assert m.prompt_batch_decoder.decode(raw).priority == 1
