@@ -163,7 +163,8 @@ class JobOutput:
             self.seen.update(ids)
             timed_out = pc.starts_with(table.column("error"), TIMED_OUT)
             if pc.any(timed_out).as_py():
-                self.timed_out.update(i for i, late in zip(ids, timed_out.to_pylist()) if late)
+                given = ids.tolist() if isinstance(ids, np.ndarray) else ids  # Python ints: typed ids
+                self.timed_out.update(i for i, late in zip(given, timed_out.to_pylist()) if late)
             self.totals.add_table(table, part.first)
             self.next_part = max(self.next_part, part.last + 1)
             self.growth.add(file_kinds(part.path))
