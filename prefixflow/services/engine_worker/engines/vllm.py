@@ -17,6 +17,12 @@ from prefixflow.shared.wire.messages import FinishReason, PromptId, SamplingSpec
 
 log = structlog.get_logger()
 
+ENGINE_STOP_GRACE = 1.0
+"""Seconds the engine core gets to exit on SIGTERM before vLLM kills it. The core holds
+nothing worth saving at a stop (prefix caches are memory, requests are drained first) and
+on CPU it spends vLLM's default grace of 5 s in its distributed cleanup and then lingers
+until killed: every stop took 5 s, more than honcho's whole stop window."""
+
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -250,7 +256,7 @@ class VllmEngine:
         llm, self.llm = self.llm, None
         if llm is not None:
             # Stops the engine-core processes (waits for them): off the event loop.
-            await asyncio.to_thread(llm.shutdown)
+            await asyncio.to_thread(llm.shutdown, ENGINE_STOP_GRACE)
             del llm
             gc.collect()  # the dead front-end's buffers, before a new engine is built
         self.stats.running = self.stats.waiting = 0
