@@ -243,3 +243,23 @@ def test_a_bad_keys_file_stops_the_api_with_the_reason_and_no_key(tmp_path):
     with pytest.raises(SystemExit, match="keys line 3: want 'TENANT KEY'") as exc:
         Api(ApiConfig(api_keys_file=str(keys)))
     assert "s3cret" not in str(exc.value)
+
+
+def test_every_kind_of_result_line_validates_with_openai_types():
+    """Success lines (chat, completion, embedding), error rows, bad lines and requests that
+    never ran (cancelled, expired) with the `openai` package's types (vLLM's own:
+    tests/heavy/test_batch_lines.py)."""
+    from prefixflow.shared.openai_batch import error_line, not_run_line, result_line
+    from tests.openai_lines import check_error_line, check_output_line
+
+    row = {"output": "hi", "finish_reason": "length", "prompt_tokens": 3, "cached_tokens": 1, "output_tokens": 2,
+           "embedding": [0.5, -1.0]}
+    for url in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        good, out = result_line("r1", url, row, "tiny", 1)
+        assert good
+        check_output_line(out, url)
+    good, err = result_line("r2", "/v1/chat/completions", {"error": "engine died"}, "tiny", 1, "line 2")
+    assert not good and check_error_line(err) == "invalid_request"
+    assert check_error_line(error_line(None, "line 3: not JSON")) == "invalid_request"
+    for code in ("batch_cancelled", "batch_expired"):
+        assert check_error_line(not_run_line("r3", code)) == code
