@@ -216,3 +216,16 @@ def test_a_full_files_store_answers_507(nats_server, tiny_model, tmp_path):
         assert [f.id for f in alice.files.list()] == [ok]
     finally:
         a.stop()
+
+
+def test_a_file_of_only_bad_lines_ends_with_its_complete_error_file_while_others_are_served(api, tmp_path):
+    """Issue 40, the suite's size (`prefixflow bench batch-limits` runs 50,000 lines of
+    ~4 KB and reports the API's peak RSS): every line bad, the batch ends `failed` with
+    an error file holding a line for each, while another tenant's requests are answered."""
+    from prefixflow.bench.batch_limits import run_against, write_bad_lines
+
+    lines = 5000
+    path = write_bad_lines(tmp_path / "bad.jsonl", lines, 512)
+    result = run_against(f"http://127.0.0.1:{api.port}/v1", path, lines)
+    assert result["status"] == "failed" and result["complete"], result
+    assert result["other_tenant_requests"] > 0 and not result["other_tenant_errors"], result
