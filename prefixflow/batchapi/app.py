@@ -1,9 +1,10 @@
 """The OpenAI Batch API over HTTP (FastAPI): `/v1/files` and `/v1/batches`.
 
 Why FastAPI on uvicorn: vLLM's own OpenAI server is built on them, so they come with
-vLLM (no new dependency), and Starlette's multipart parsing spools an upload to a
-temporary file past 1 MiB, so a 200 MB file never sits in memory; from there it goes to
-the object store in chunks. Errors have OpenAI's shape (`{"error": {"message", "type",
+vLLM (no new dependency). An upload is parsed as it streams (`prefixflow/batchapi/upload.py`):
+refused as soon as it passes the limit, spooled to a temporary file past 1 MiB, so a
+large file never sits in memory; from there it goes to the object store in chunks (a full
+store: 507). A malformed id is a 404 like any unknown one. Errors have OpenAI's shape (`{"error": {"message", "type",
 "param", "code"}}`), so the `openai` client raises its own exception types.
 
 Every request names its tenant by its API key (`Authorization: Bearer`); records are
@@ -13,16 +14,18 @@ keyed by tenant (`prefixflow/batchapi/store.py`), so another tenant's id is a 40
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import Any
 
-from fastapi import Depends, FastAPI, File, Form, Header, Request, UploadFile
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import FileResponse, JSONResponse
+from nats.js.errors import APIError
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
 from prefixflow.batchapi import batches as b
-from prefixflow.batchapi import lifecycle
+from prefixflow.batchapi import lifecycle, upload
 from prefixflow.batchapi.runner import Runner
 from prefixflow.batchapi.store import BatchRec, Store, new_id, now
 from prefixflow.batchapi.tenants import tenant_of
@@ -30,9 +33,19 @@ from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, type_: str = "invalid_request_error") -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, type_: str = "invalid_request_error",
+                 param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code, self.type = status, message, code, type_
+        self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
+
+
+ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+"""What a file or batch id can look like (a key token of the records bucket)."""
+
+
+def well_formed(id_: str) -> bool:
+    """An id that can name a record (any other, e.g. `a:b` or `a.b`, is simply not found: 404)."""
+    return ID_RE.fullmatch(id_) is not None
 
 
 class CreateBatch(BaseModel):
@@ -51,7 +64,7 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"error": {"message": exc.message, "type": exc.type, "param": None, "code": exc.code}},
+        return JSONResponse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}},
                             status_code=exc.status)
 
     async def tenant(authorization: str | None = Header(default=None)) -> str:
@@ -62,13 +75,13 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
         return who
 
     async def own_file(tenant: str, fid: str):
-        rec = await store.file(tenant, fid)
+        rec = await store.file(tenant, fid) if well_formed(fid) else None
         if rec is None:
             raise ApiError(404, f"no file {fid!r}", "not_found")
         return rec
 
     async def own_batch(tenant: str, bid: str) -> BatchRec:
-        rec = await store.batch(tenant, bid)
+        rec = await store.batch(tenant, bid) if well_formed(bid) else None
         if rec is None:
             raise ApiError(404, f"no batch {bid!r}", "not_found")
         return rec
@@ -76,14 +89,25 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
     # --- files -------------------------------------------------------------------------
 
     @app.post("/v1/files")
-    async def create_file(file: UploadFile = File(...), purpose: str = Form(...), who: str = Depends(tenant)):
-        if purpose not in ("batch", "batch_output", "user_data"):
-            raise ApiError(400, f"purpose {purpose!r}: this service keeps 'batch' files")
-        size = file.size if file.size is not None else os.fstat(file.file.fileno()).st_size
-        if size > cfg.max_file_bytes:
-            raise ApiError(413, f"file of {size} bytes is over the limit of {cfg.max_file_bytes}", "file_too_large")
-        file.file.seek(0)
-        rec = await store.put_file(who, file.filename or "upload.jsonl", purpose, file.file)
+    async def create_file(request: Request, who: str = Depends(tenant)):
+        try:
+            up = await upload.receive(request, cfg.max_file_bytes)
+        except upload.TooLarge as exc:
+            raise ApiError(413, f"file over the limit of {exc.limit} bytes (refused after {exc.seen} bytes)",
+                           "file_too_large", param="file") from None
+        except upload.BadForm as exc:
+            raise ApiError(400, str(exc)) from None
+        try:
+            if up.purpose not in ("batch", "batch_output", "user_data"):
+                raise ApiError(400, f"purpose {up.purpose!r}: this service keeps 'batch' files", param="purpose")
+            rec = await store.put_file(who, up.filename, up.purpose, up.file, up.lines)
+        except APIError as exc:
+            if upload.store_full(exc):
+                raise ApiError(507, f"the files store is full ({exc.description}): delete files or try later",
+                               "storage_full", "server_error") from None
+            raise
+        finally:
+            up.file.close()
         return rec.openai()
 
     @app.get("/v1/files")
@@ -119,11 +143,11 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
     async def create_batch(body: CreateBatch, who: str = Depends(tenant)):
         try:
             b.check_endpoint(body.endpoint, cfg.task)
-            window = b.window_seconds(body.completion_window)
+            window = b.window_seconds(body.completion_window, cfg.completion_windows.split(","))
             b.priority(body.metadata)
+            b.check_input(await own_file(who, body.input_file_id), cfg.max_batch_bytes, cfg.max_requests)
         except b.Invalid as exc:
-            raise ApiError(400, str(exc)) from None
-        await own_file(who, body.input_file_id)
+            raise ApiError(400, str(exc), exc.code, param=exc.param) from None
         bid, created = new_id("batch"), now()
         batch = {
             "id": bid, "object": "batch", "endpoint": body.endpoint, "input_file_id": body.input_file_id,
@@ -156,7 +180,7 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
     @app.post("/v1/batches/{bid}/cancel")
     async def cancel_batch(bid: str, who: str = Depends(tenant)):
         # A compare-and-set: a runner's write cannot undo it, nor it a runner's step.
-        rec = await store.update_batch(who, bid, lifecycle.cancel(now()))
+        rec = await store.update_batch(who, bid, lifecycle.cancel(now())) if well_formed(bid) else None
         if rec is None:
             raise ApiError(404, f"no batch {bid!r}", "not_found")
         if rec.batch["status"] != "cancelling":

@@ -50,10 +50,18 @@ def cancel(at: int) -> Change:
     return change
 
 
-def validated(requests: int, bad: int, bad_errors: list[dict[str, Any]]) -> Change:
-    """The input was read: `requests` good lines, `bad` error lines. `in_progress`, or
-    `failed` when no line can run; a batch cancelled meanwhile stays `cancelling` (with
-    its counts)."""
+def fails_validation(requests: int, duplicates: int) -> bool:
+    """A batch whose input has no good request, or a `custom_id` twice (OpenAI fails it
+    at validation: the results could not be told apart), fails without running."""
+    return not requests or duplicates > 0
+
+
+def validated(requests: int, bad: int, errors: list[dict[str, Any]], duplicates: int = 0,
+              error_file_id: str | None = None) -> Change:
+    """The input was read: `requests` good lines, `bad` error lines (`duplicates` of them
+    repeat a custom_id). `in_progress`, or `failed` (`fails_validation`: its `errors`
+    name the lines, its error file, `error_file_id`, has a line for each bad one); a batch
+    cancelled meanwhile stays `cancelling` (with its counts)."""
 
     def change(rec: BatchRec) -> BatchRec | None:
         status = rec.batch["status"]
@@ -64,8 +72,9 @@ def validated(requests: int, bad: int, bad_errors: list[dict[str, Any]]) -> Chan
         if status == "cancelling":
             rec.batch["request_counts"] = counts
             return rec
-        if not requests:
-            return enter(rec, "failed", errors={"object": "list", "data": bad_errors}, request_counts=counts)
+        if fails_validation(requests, duplicates):
+            return enter(rec, "failed", errors={"object": "list", "data": errors}, request_counts=counts,
+                         error_file_id=error_file_id)
         return enter(rec, "in_progress", request_counts=counts)
 
     return change

@@ -43,6 +43,7 @@ from prefixflow.batchapi import lifecycle
 from prefixflow.batchapi.store import BatchRec, FileRec, Store, new_id, now
 from prefixflow.client.submit import AlreadyDone, JobCancelled, JobFailed, submit
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
+from prefixflow.shared.bus.publish import message_limit
 from prefixflow.shared.openai_batch import object_names
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
@@ -144,9 +145,16 @@ class Runner:
         tenant, bid, status = rec.tenant, rec.batch["id"], rec.batch["status"]
         if status == "validating" or (status == "cancelling" and not rec.validated):
             parsed = await self.parse(rec, work)
-            await self.keep_parsed(rec, parsed, work)
-            return await self.change(tenant, bid, lifecycle.validated(len(parsed.ids), len(parsed.bad),
-                                                                      parsed.bad_errors))
+            await self.keep_parsed(rec, work)
+            error_file = None
+            if status == "validating" and lifecycle.fails_validation(parsed.requests, parsed.duplicates):
+                error_file = await self.error_file(rec, work / "bad.jsonl")
+            now_rec = await self.change(tenant, bid, lifecycle.validated(
+                parsed.requests, parsed.bad, parsed.errors, parsed.duplicates,
+                error_file.id if error_file is not None else None))
+            if error_file is not None and (now_rec is None or now_rec.batch.get("error_file_id") != error_file.id):
+                await self.store.delete_file(error_file)  # cancelled meanwhile: finalizing writes its own
+            return now_rec
         if status in lifecycle.RUNNING:
             return await self.change(tenant, bid, lifecycle.ran(await self.execute(rec, work)))
         if status == "finalizing":
@@ -154,7 +162,8 @@ class Runner:
         raise ValueError(f"unknown batch status {status!r}")
 
     async def parse(self, rec: BatchRec, work: Path) -> b.Parsed:
-        """The batch's input, read again (the same every time): rows in `work/rows.jsonl`."""
+        """The batch's input, read again (the same every time), streaming: rows in
+        `work/rows.jsonl`, error lines in `work/bad.jsonl`, good ids in `work/ids.jsonl`."""
         src = work / "input.jsonl"
         if not src.exists():
             fid = rec.batch["input_file_id"]
@@ -163,18 +172,23 @@ class Runner:
                 raise ValueError(f"input file {fid} is gone")
             with src.open("wb") as f:
                 await self.store.read_object(frec.object, f)
-        return await asyncio.to_thread(b.parse_file, src, work / "rows.jsonl", rec.batch["endpoint"], self.served,
-                                       self.cfg.max_requests, self.adapters)
+        return await asyncio.to_thread(b.parse_file, src, work / "rows.jsonl", work / "bad.jsonl", work / "ids.jsonl",
+                                       rec.batch["endpoint"], self.served, self.cfg.max_requests, self.adapters,
+                                       max_line_bytes(self.nc))
 
-    async def keep_parsed(self, rec: BatchRec, parsed: b.Parsed, work: Path) -> None:
-        """Keep what finalizing needs of the input (`parsed_names`) in the object store."""
-        for name, path, lines in zip(parsed_names(rec.job), (work / "bad.jsonl", work / "ids.jsonl"),
-                                     (parsed.bad, parsed.ids)):
-            with path.open("w") as f:
-                for line in lines:
-                    f.write(json.dumps(line) + "\n")
+    async def keep_parsed(self, rec: BatchRec, work: Path) -> None:
+        """Keep what finalizing needs of the input (`parsed_names`: the files `parse`
+        wrote) in the object store."""
+        for name, path in zip(parsed_names(rec.job), (work / "bad.jsonl", work / "ids.jsonl"), strict=True):
             with path.open("rb") as f:
                 await self.store.put_object(name, f)
+
+    async def error_file(self, rec: BatchRec, path: Path) -> FileRec:
+        """`path` (error lines) stored and registered as the batch's error file."""
+        name = f"{rec.job}/errors-all.jsonl"
+        with path.open("rb") as f:
+            size = await self.store.put_object(name, f)
+        return await self.register(rec, name, "errors", size)
 
     async def parsed_files(self, rec: BatchRec, work: Path) -> tuple[Path, Path]:
         """The batch's bad lines and good ids (`keep_parsed`) as local files; read from
@@ -185,11 +199,12 @@ class Runner:
             return paths
         names = parsed_names(rec.job)
         if all([await self.store.object_size(name) is not None for name in names]):
-            for name, path in zip(names, paths):
+            for name, path in zip(names, paths, strict=True):
                 with path.open("wb") as f:
                     await self.store.read_object(name, f)
         else:
-            await self.keep_parsed(rec, await self.parse(rec, work), work)
+            await self.parse(rec, work)
+            await self.keep_parsed(rec, work)
         return paths
 
     async def execute(self, rec: BatchRec, work: Path) -> str:
@@ -295,10 +310,7 @@ class Runner:
         if out_size:
             fields["output_file_id"] = (await self.register(rec, ok_name, "output", out_size)).id
         if err_path.stat().st_size:
-            final_err = f"{rec.job}/errors-all.jsonl"
-            with err_path.open("rb") as f:
-                size = await self.store.put_object(final_err, f)
-            fields["error_file_id"] = (await self.register(rec, final_err, "errors", size)).id
+            fields["error_file_id"] = (await self.error_file(rec, err_path)).id
         ok = sum(1 for _ in ok_path.open("rb"))
         failed = rec.requests + rec.bad - ok
         fields["request_counts"] = {"total": rec.requests + rec.bad, "completed": ok, "failed": failed}
@@ -312,6 +324,12 @@ class Runner:
         frec = FileRec(new_id("file"), rec.tenant, f"{rec.batch['id']}_{kind}.jsonl", "batch_output", size, now(), obj)
         await self.store.save_file(frec)
         return frec
+
+
+def max_line_bytes(nc) -> int:
+    """The longest request line a batch may hold: half the server's message limit (a
+    chat row carries its `messages` as the model input and again as an input column)."""
+    return message_limit(nc) // 2
 
 
 def custom_ids(paths: list[Path]) -> set[str]:

@@ -39,6 +39,8 @@ class FileRec(msgspec.Struct, omit_defaults=True):
     created_at: int
     object: str
     """The object holding its content (an upload's own; a batch output's, the sink's export)."""
+    lines: int = 0
+    """An upload's lines, counted as it arrived (0: not counted, e.g. a file stored before they were)."""
 
     def openai(self) -> dict[str, Any]:
         """As OpenAI's `FileObject`."""
@@ -117,10 +119,10 @@ class Store:
 
     # --- files ---------------------------------------------------------------------
 
-    async def put_file(self, tenant: str, filename: str, purpose: str, data: BinaryIO) -> FileRec:
+    async def put_file(self, tenant: str, filename: str, purpose: str, data: BinaryIO, lines: int = 0) -> FileRec:
         fid = new_id("file")
         info = await self.objects.put(fid, data)
-        rec = FileRec(fid, tenant, filename, purpose, info.size or 0, now(), fid)
+        rec = FileRec(fid, tenant, filename, purpose, info.size or 0, now(), fid, lines)
         await self.save_file(rec)
         return rec
 

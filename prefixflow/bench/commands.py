@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 def add_parsers(sub) -> None:
+    from prefixflow.bench.batch_limits import add_batch_limits_parser
     from prefixflow.bench.batching import add_batching_parser
     from prefixflow.bench.fairness import add_fairness_parser
     from prefixflow.bench.lora import add_lora_parser
@@ -21,3 +22,4 @@ def add_parsers(sub) -> None:
     add_soak_parser(sub)
     add_fairness_parser(sub)
     add_lora_parser(sub)
+    add_batch_limits_parser(sub)

@@ -60,19 +60,36 @@ class BatchInput:
     """Error lines of the requests that never ran."""
 
 
+SNIFF_LINES = 16
+"""Non-blank lines `is_batch_file` looks at."""
+REQUEST_KEYS = frozenset({"custom_id", "method", "url", "body"})
+
+
 def is_batch_file(path: str | Path) -> bool:
-    """A JSONL file whose first request line has `custom_id` and `body`."""
+    """A JSONL file of OpenAI Batch request lines: among its first `SNIFF_LINES`
+    non-blank lines, JSON objects with `custom_id`, one of which has one more of a
+    request line's keys (`method`, `url`, `body`); an object without `custom_id` first
+    makes it a plain file. Other keys beside them (an unknown extra field) do not
+    matter, nor do bad lines before it (each becomes an error line)."""
     path = Path(path)
     if path.suffix not in (".jsonl", ".ndjson", ".json") or not path.is_file():
         return False
     with path.open("rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    first = json.loads(line)
-                except ValueError:
-                    return False
-                return isinstance(first, dict) and "custom_id" in first and "body" in first
+        seen = 0
+        while seen < SNIFF_LINES and (line := f.readline(1 << 20)):
+            if not line.strip():
+                continue
+            seen += 1
+            try:
+                first = json.loads(line)
+            except (ValueError, RecursionError):
+                continue  # a bad line (or a piece of a long one): look at the next
+            if isinstance(first, dict):
+                if "custom_id" not in first:
+                    return False  # a plain row
+                if len(REQUEST_KEYS & first.keys()) >= 2:
+                    return True
+                # a request line missing fields (an error line): look at the next
     return False
 
 

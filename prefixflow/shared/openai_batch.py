@@ -35,6 +35,20 @@ def error_line(custom_id: str | None, message: str, code: str = "invalid_request
     }
 
 
+NOT_RUN = {
+    "batch_cancelled": "This request was not executed because the batch was cancelled.",
+    "batch_expired": "This request could not be executed before the completion window expired.",
+}
+"""OpenAI's codes (and words) for a request that never ran: its line has no response."""
+
+
+def not_run_line(custom_id: str | None, code: str, message: str = "") -> dict[str, Any]:
+    """An errors.jsonl line as OpenAI writes it for a request that never got a response
+    (`batch_cancelled`, `batch_expired`): `response: null`, `error: {code, message}`."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message or NOT_RUN.get(code, code)}}
+
+
 def response_body(kind: str, row: dict[str, Any], model: str, created: int) -> dict[str, Any]:
     """A ChatCompletion / Completion body from an output row."""
     texts = row.get("outputs") or [row.get("output") or ""]

@@ -152,3 +152,25 @@ def test_check_messages_and_content_format():
         check_messages(["hi"])
     assert content_format("{% for part in message['content'] %}{{ part['text'] }}{% endfor %}") == "openai"
     assert content_format("{{ message['content'] }}") == "string"
+
+
+def test_a_template_that_loops_for_minutes_is_an_error_row_within_its_limit(tiny_model):
+    """Issue 40: a job's template of nested `range(100000)` loops stalled the planning
+    thread every job shares. Each such row now ends at the time limit as an error row
+    naming it; after `STRIKES` overruns that job's template is refused at once; other
+    jobs' rows (the model's own template) render as before, in the same thread."""
+    import time
+
+    from prefixflow.services.ingestor.chat import STRIKES
+
+    model = load_model(str(tiny_model), 4096, 16, chat_template_timeout=0.5)
+    slow = m.JobSpec(job="j", out_dir="/tmp/x",
+                     chat_template="{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x")
+    start = time.monotonic()
+    _, errors = plan_rows(model, [{"id": i, "messages": CONVERSATIONS[0]} for i in range(STRIKES + 5)], slow)
+    took = time.monotonic() - start
+    assert len(errors) == STRIKES + 5 and all("ran past its time limit of 0.5 s" in e for e in errors.values())
+    assert sum("refused" in e for e in errors.values()) == 5, errors
+    assert took < STRIKES * 0.5 + 10, f"{took:.1f} s: the overrunning renders were not stopped"
+    tokens, errors = plan_rows(model, [{"id": "other", "messages": CONVERSATIONS[1]}])
+    assert set(tokens) == {"other"} and not errors

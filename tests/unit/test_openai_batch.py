@@ -120,3 +120,19 @@ def test_embeddings_requests_in_an_embed_job(tmp_path):
     ok, _ = output_lines(batch, rows, "tiny")
     emb = CreateEmbeddingResponse.model_validate(ok[0]["response"]["body"])
     assert emb.data[0].embedding == [0.5, -0.25] and emb.usage.prompt_tokens == 2
+
+
+def test_a_batch_file_with_an_extra_field_or_a_bad_first_line_is_still_a_batch_file(tmp_path):
+    """Issue 40: lines with a field OpenAI's format does not have, or a first line that is
+    not JSON, are still read as batch lines (the bad ones become error lines), never as a
+    plain file without a 'prompt' column."""
+    req = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "extra": {"x": 1},
+           "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+    for first in ("", "{not json\n", '{"custom_id": "only-id"}\n'):
+        path = tmp_path / "extra.jsonl"
+        path.write_text("\n" + first + json.dumps(req) + "\n")
+        assert is_batch_file(path), first
+        batch = read_batch(path)
+        assert [r["id"] for r in batch.rows] == ["a"] and len(batch.bad) == (1 if first else 0)
+    path.write_text(json.dumps({"prompt": "p", "custom_id": "x"}) + "\n")  # a plain file with an id-ish column
+    assert not is_batch_file(path)

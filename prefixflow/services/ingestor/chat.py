@@ -16,12 +16,16 @@ keep the ingestor's fast start.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from prefixflow.shared.process.deadline import TimeLimit, time_limit
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 """Roles a message may have (OpenAI's chat roles)."""
@@ -92,14 +96,29 @@ def load_template(value: str) -> str:
     return value
 
 
+TEMPLATE_TIMEOUT = 2.0
+"""Seconds one row's chat template may render (`--chat-template-timeout`)."""
+STRIKES = 3
+"""Times a job's own chat template may run past the limit before its further rows are
+refused at once (so a job's bad template costs other jobs at most this many limits)."""
+STRUCK_TEMPLATES = 1024
+"""Job templates whose overruns are remembered (the oldest forgotten first)."""
+
+
 class ChatRenderer:
     """Renders conversations with one model's chat template (thread-safe; the tokenizer
-    is loaded on first use)."""
+    is loaded on first use). Each render has a time limit (`timeout` seconds; the row
+    becomes an error row naming it), enforced in the calling thread
+    (`prefixflow/shared/process/deadline.py`): a template that loops for minutes costs the
+    planning thread, which every job shares, `timeout` per row, and a job's own template
+    (`chat_template`) that overran `STRIKES` times costs nothing more: its rows are
+    refused at once."""
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(self, model: str, timeout: float = TEMPLATE_TIMEOUT) -> None:
+        self.model, self.timeout = model, timeout
         self._tokenizer = None
         self._lock = threading.Lock()
+        self._strikes: OrderedDict[str, int] = OrderedDict()
 
     def tokenizer(self):
         with self._lock:
@@ -117,14 +136,40 @@ class ChatRenderer:
         template = chat_template or tok.chat_template
         if not template:
             raise ChatError(f"model {self.model!r} has no chat template (give the job a chat_template)")
-        return render_text(tok.apply_chat_template, normalize(messages, template), template, kwargs or {})
+        key = hashlib.blake2b(chat_template.encode(), digest_size=16).hexdigest() if chat_template else ""
+        if key and self._strikes.get(key, 0) >= STRIKES:
+            raise ChatError(f"{over_time(self.timeout)} {STRIKES} times: this job's rows that use it are refused")
+        try:
+            return render_text(tok.apply_chat_template, normalize(messages, template), template, kwargs or {},
+                               self.timeout)
+        except ChatOverTime:
+            if key:
+                with self._lock:
+                    self._strikes[key] = self._strikes.pop(key, 0) + 1
+                    while len(self._strikes) > STRUCK_TEMPLATES:
+                        self._strikes.popitem(last=False)
+            raise
 
 
-def render_text(apply: Callable[..., Any], conversation: list[dict[str, Any]], template: str, kwargs: dict[str, Any]) -> str:
+class ChatOverTime(ChatError):
+    """A chat template that ran past its time limit."""
+
+
+def over_time(seconds: float) -> str:
+    return f"chat template ran past its time limit of {seconds:g} s (--chat-template-timeout; docs/limits.md)"
+
+
+def render_text(apply: Callable[..., Any], conversation: list[dict[str, Any]], template: str, kwargs: dict[str, Any],
+                timeout: float = 0.0) -> str:
+    """The rendered text (`timeout`: seconds it may take, 0 for no limit); ChatError for
+    any failure, a render past its time limit included."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("tokenize", "return_dict", "chat_template", "conversation")}
     kwargs.setdefault("add_generation_prompt", True)
     try:
-        text = apply(conversation, chat_template=template, tokenize=False, **kwargs)
+        with time_limit(timeout):
+            text = apply(conversation, chat_template=template, tokenize=False, **kwargs)
+    except TimeLimit:
+        raise ChatOverTime(over_time(timeout)) from None
     except Exception as exc:  # noqa: BLE001 - any template error is this row's error
         raise ChatError(f"chat template failed to render: {exc}") from None
     if not isinstance(text, str) or not text:
@@ -133,5 +178,5 @@ def render_text(apply: Callable[..., Any], conversation: list[dict[str, Any]], t
 
 
 @lru_cache(maxsize=8)
-def renderer_for(model: str) -> ChatRenderer:
-    return ChatRenderer(model)
+def renderer_for(model: str, timeout: float = TEMPLATE_TIMEOUT) -> ChatRenderer:
+    return ChatRenderer(model, timeout)

@@ -66,7 +66,7 @@ def same_model(a: str, b: str) -> bool:
 class Ingestor:
     def __init__(self, cfg: IngestorConfig) -> None:
         self.cfg = cfg
-        self.model = load_model(cfg.model, cfg.max_model_len, cfg.hash_block_size)
+        self.model = load_model(cfg.model, cfg.max_model_len, cfg.hash_block_size, cfg.chat_template_timeout)
         self.bucketers: dict[str, float] = {}  # node -> last heartbeat (monotonic)
         self.sharder = Sharder(epsilon=cfg.shard_epsilon)
         self.mover = Mover(self.bucketers, cfg.bucketer_gone_after, BUCKETER_LIVE_FOR, cfg.hash_block_size)

@@ -102,6 +102,11 @@ class IngestorConfig(ModelConfig, kw_only=True):
         _d("seconds without a heartbeat after which a bucketer node is gone for good: the prompts left "
            "in its bucket stream are moved to live nodes (at least 2: heartbeats come every second)", ge=2),
     ] = 60.0
+    chat_template_timeout: Annotated[
+        float, _d("seconds one row's chat template may take to render (past it: an error row naming the limit; "
+                  "a job's own template that overruns 3 times has its further chat rows refused at once); 0: no "
+                  "limit", ge=0)
+    ] = 2.0
 
 
 class BucketerConfig(CommonConfig, kw_only=True):
@@ -338,8 +343,14 @@ class ApiConfig(CommonConfig, kw_only=True):
     out_prefix: Annotated[
         str, _d("batch outputs go to <sink out root>/<this>/<tenant>/<batch id> (relative to the sink's root)")
     ] = "batches"
-    max_requests: Annotated[int, _d("most requests in one batch file (OpenAI's limit: 50,000)", gt=0)] = 50_000
-    max_file_bytes: Annotated[int, _d("largest file upload in bytes (OpenAI's limit: 200 MB)", gt=0)] = 200 * 1024 * 1024
+    max_requests: Annotated[int, _d("most requests (lines) in one batch's input file, checked when the batch is "
+                                    "created (OpenAI's limit: 50,000)", gt=0)] = 50_000
+    max_batch_bytes: Annotated[int, _d("largest input file of a batch in bytes, checked when the batch is created "
+                                       "(OpenAI's limit: 200 MB)", gt=0)] = 200 * 1024 * 1024
+    max_file_bytes: Annotated[int, _d("largest file upload in bytes, refused (413) as soon as an upload passes it "
+                                      "(OpenAI's limit: 512 MB)", gt=0)] = 512 * 1024 * 1024
+    completion_windows: Annotated[str, _d("the completion_window values a batch may ask, comma separated (OpenAI "
+                                          "serves only 24h); a batch still running at its window's end expires")] = "24h"
 
 
 def gpu_ids(spec: str) -> list[int]:
