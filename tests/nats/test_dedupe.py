@@ -64,18 +64,11 @@ def deterministic(row: dict) -> bool:
     return (row.get("sampling") or {}).get("temperature") == 0
 
 
-def test_identical_rows_are_generated_once(clusters, tmp_path):
-    cluster = clusters.get(engine_args=SLOW_ECHO)
-    rows, original = dup_rows(400)
-    data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    on, off = tmp_path / "on", tmp_path / "off"
-    procs = [submit(cluster.url, data, on, "dedupe-on"), submit(cluster.url, data, off, "dedupe-off", "--no-dedupe")]
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=150)
-        assert p.returncode == 0, stdout + stderr
-
-    got = {r["id"]: r for r in pq.read_table(on).to_pylist()}
+def check_deduped(out, rows: list[dict], original: dict[int, int]) -> None:
+    """Every id once with its own input columns; each deterministic duplicate a copy of its
+    original's output (and only those copies); merged rows sampled, each with its own
+    completion; the summary's counts are the output column's."""
+    got = {r["id"]: r for r in pq.read_table(out).to_pylist()}
     assert sorted(got) == list(range(len(rows))), "every id once"
     assert all(r["error"] is None and r["output"] for r in got.values())
     assert all(r["tag"] == f"t{i}" for i, r in got.items()), "each id's own input columns"
@@ -96,10 +89,24 @@ def test_identical_rows_are_generated_once(clusters, tmp_path):
     for members in groups.values():
         leaders = {r["output"] for r in members if r["dedupe"] is None}
         assert all(r["output"] not in leaders for r in members if r["dedupe"] == "merged")
-    summary = json.loads((on / "_summary.json").read_text())
+    summary = json.loads((out / "_summary.json").read_text())
     assert (summary["rows"], summary["errors"]) == (len(rows), 0)
     assert (summary["deduplicated_rows"], summary["merged_rows"]) == (len(copies), len(merged))
 
+
+
+def test_identical_rows_are_generated_once(clusters, tmp_path):
+    cluster = clusters.get(engine_args=SLOW_ECHO)
+    rows, original = dup_rows(400)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    on, off = tmp_path / "on", tmp_path / "off"
+    procs = [submit(cluster.url, data, on, "dedupe-on"), submit(cluster.url, data, off, "dedupe-off", "--no-dedupe")]
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=150)
+        assert p.returncode == 0, stdout + stderr
+
+    check_deduped(on, rows, original)
     plain = pq.read_table(off)
     assert sorted(plain.column("id").to_pylist()) == list(range(len(rows)))
     assert plain.column("dedupe").null_count == plain.num_rows
@@ -135,3 +142,20 @@ def test_followers_survive_their_engine_worker_killed_mid_job(clusters, tmp_path
     got = {r["id"]: r for r in table.select(["id", "output"]).to_pylist()}
     by_id = {r["id"]: r for r in rows}
     assert all(got[i]["output"] == got[o]["output"] for i, o in original.items() if deterministic(by_id[i]))
+
+
+def test_a_batch_engine_dedupes_too(clusters, tmp_path):
+    """The instant echo engine completes whole work batches at once (`run_batch`)."""
+    cluster = clusters.get(replicas=1)
+    rows, original = dup_rows(300, seed=6)
+    job, out = "dedupe-batch", tmp_path / "out"
+
+    async def go() -> m.JobStatus:
+        async with Submitter(cluster.url) as client:
+            await client.create(m.JobSpec(job=job, out_dir=str(out), sampling=m.SamplingSpec(max_tokens=4)))
+            await client.publish_rows(job, rows)
+            await client.create(m.JobSpec(job=job, out_dir=str(out), sampling=m.SamplingSpec(max_tokens=4), total=len(rows)))
+            return await client.wait(job, len(rows), progress=False, timeout=120)
+
+    assert asyncio.run(go()).done
+    check_deduped(out, rows, original)
