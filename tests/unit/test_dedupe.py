@@ -204,3 +204,16 @@ def test_recent_completions_are_bounded_by_entries_and_bytes():
 def test_split_refuses_a_short_merge():
     with pytest.raises(ValueError):
         split_completion(engine("j", 0, 2), [1, 2])
+
+
+def test_the_echo_engine_gives_n_distinct_sampled_completions():
+    from prefixflow.services.engine_worker.engines.echo import echo_completion
+
+    sampled = echo_completion([5, 6, 7, 8], m.SamplingSpec(max_tokens=3, n=3))
+    assert len(set(sampled.outputs)) == 3 and sampled.output == sampled.outputs[0]
+    assert sampled.output_counts == [3, 3, 3] and sampled.output_tokens == 9 and len(sampled.finish_reasons) == 3
+    greedy = echo_completion([5, 6, 7, 8], m.SamplingSpec(max_tokens=3, n=3, temperature=0))
+    assert len(set(greedy.outputs)) == 1
+    rows = split_completion(sampled, [1, 2])
+    assert [r.output for r in rows] == sampled.outputs[:2] and rows[1].outputs == sampled.outputs[1:]
+    assert [r.output_tokens for r in rows] == [3, 6]

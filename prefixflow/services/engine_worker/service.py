@@ -432,9 +432,12 @@ class EngineWorker(Recovery, StatusReport, Fanout):
                               c.cached_tokens, c.output_tokens, self.cfg.replica, outputs=c.outputs, logprobs=c.logprobs,
                               embedding=c.embedding, bucket=bucket, started_at=started_at, finished_at=time.time(),
                               src=prompt.src, row=prompt.row, dedupe=dedupe)
-            self.cached_tokens += c.cached_tokens
-            self.done_prompt_tokens += c.prompt_tokens
-            self.output_tokens += c.output_tokens
+            # The engine's own work only: a copy ran nothing, a merged row's prompt was prefilled once.
+            if dedupe == Kind.OWN:
+                self.cached_tokens += c.cached_tokens
+                self.done_prompt_tokens += c.prompt_tokens
+            if dedupe != Kind.COPY:
+                self.output_tokens += c.output_tokens
         self.completed += 1
         self.done_work_tokens += prompt.load
         await self.outbox.add(prompt.job, result, lease)
