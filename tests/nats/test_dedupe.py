@@ -143,19 +143,3 @@ def test_followers_survive_their_engine_worker_killed_mid_job(clusters, tmp_path
     by_id = {r["id"]: r for r in rows}
     assert all(got[i]["output"] == got[o]["output"] for i, o in original.items() if deterministic(by_id[i]))
 
-
-def test_a_batch_engine_dedupes_too(clusters, tmp_path):
-    """The instant echo engine completes whole work batches at once (`run_batch`)."""
-    cluster = clusters.get(replicas=1)
-    rows, original = dup_rows(300, seed=6)
-    job, out = "dedupe-batch", tmp_path / "out"
-
-    async def go() -> m.JobStatus:
-        async with Submitter(cluster.url) as client:
-            await client.create(m.JobSpec(job=job, out_dir=str(out), sampling=m.SamplingSpec(max_tokens=4)))
-            await client.publish_rows(job, rows)
-            await client.create(m.JobSpec(job=job, out_dir=str(out), sampling=m.SamplingSpec(max_tokens=4), total=len(rows)))
-            return await client.wait(job, len(rows), progress=False, timeout=120)
-
-    assert asyncio.run(go()).done
-    check_deduped(out, rows, original)

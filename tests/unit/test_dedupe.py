@@ -217,3 +217,55 @@ def test_the_echo_engine_gives_n_distinct_sampled_completions():
     rows = split_completion(sampled, [1, 2])
     assert [r.output for r in rows] == sampled.outputs[:2] and rows[1].outputs == sampled.outputs[1:]
     assert [r.output_tokens for r in rows] == [3, 6]
+
+
+def test_a_batch_engine_worker_generates_each_request_once():
+    """The worker's batch path (`run_batch`, the instant echo engine) with dedupe: one
+    engine request per distinct request; copies and merged rows under their own leases."""
+    import asyncio
+
+    from prefixflow.services.engine_worker.engines.echo import InstantEchoEngine
+    from prefixflow.services.engine_worker.feeder import Held
+    from prefixflow.services.engine_worker.service import EngineWorker
+
+    class Worker(EngineWorker):
+        def __init__(self) -> None:  # no NATS: what run_batch and the fan-out read
+            self.engine = InstantEchoEngine()
+            self.generate_batch = self.engine.generate_batch
+            self.dedupe, self.leading, self.in_engine = Deduper(), {}, {}
+            self.deduplicated = self.merged = 0
+            self.rows: dict = {}
+            self.asked: list[int] = []
+
+        async def finish(self, lease, prompt, c=None, error=None, *, bucket="", started_at=0.0, dedupe=Kind.OWN):
+            assert prompt.id not in self.rows and lease == f"lease-{prompt.id}"
+            self.rows[prompt.id] = (c, error, dedupe)
+
+    worker = Worker()
+    real = worker.generate_batch
+
+    async def counted(prompts):
+        worker.asked += [s.n for _, s in prompts]
+        return await real(prompts)
+
+    worker.generate_batch = counted
+    spec = m.JobSpec(job="j", out_dir="o", sampling=m.SamplingSpec(max_tokens=3))
+    greedy = m.encode(m.SamplingSpec(max_tokens=3, temperature=0))
+    texts = [[1, 2, 3], [1, 2, 3], [4, 5, 6], [1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    prompts = [m.Prompt("j", i, tk.pack(t), sampling=greedy if i < 3 else b"") for i, t in enumerate(texts)]
+    held = [Held(f"lease-{p.id}", p, m.JobLookup(spec), "b") for p in prompts]
+    asyncio.run(worker.run_batch(asyncio.run(worker.admit(held, attach=False))))
+    assert sorted(worker.rows) == list(range(6)) and all(e is None for _, e, _ in worker.rows.values())
+    # greedy [1,2,3] x2 (one copy), greedy [4,5,6]; sampled [1,2,3] alone, [4,5,6] alone, [7,8,9] alone
+    assert [k for _, _, k in worker.rows.values()].count(Kind.COPY) == 1 and worker.deduplicated == 1
+    assert worker.rows[1][0].output == worker.rows[0][0].output
+    assert len(worker.asked) == 5
+
+    again = [Held(f"lease-{i}", m.Prompt("j", i, tk.pack(t)), m.JobLookup(spec), "b")
+             for i, t in [(14, [1, 2, 3]), (15, [4, 5, 6]), (20, [4, 5, 6]), (21, [4, 5, 6])]]
+    asyncio.run(worker.run_batch(asyncio.run(worker.admit(again, attach=False))))
+    # sampled [1,2,3] alone; sampled [4,5,6] x3 merged into one request of n=3
+    assert worker.asked[5:] == [1, 3] and worker.merged == 2
+    outs = {worker.rows[i][0].output for i in (15, 20, 21)}
+    assert len(outs) == 3, "each merged row has its own completion"
+
