@@ -143,6 +143,11 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
                    help="a row not finished this many seconds after an engine first took it becomes an error row "
                         "(time queued before that does not count); 0: no deadline (docs/limits.md) "
                         f"(default {ROW_TIMEOUT:g})")
+    p.add_argument("--no-dedupe", action="store_true",
+                   help="generate every row on its own; by default rows with the same prompt and sampling are "
+                        "generated once: deterministic ones (temperature 0, or the same seed) get a copy of the "
+                        "output, sampled ones one completion each of a request with n = their count "
+                        "(the summary's deduplicated_rows, merged_rows)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the job's summary as JSON instead of a table")
     p.add_argument("--no-report", action="store_true",
@@ -168,6 +173,10 @@ def print_summary(summary: dict[str, Any], as_json: bool = False) -> None:
     scopes = [("all", summary), *summary.get("replicas", {}).items()]
     for name, s in scopes:
         print(f"{name:8}" + "".join(f"{s.get(c, ''):>26}" for c in cols))
+    if summary.get("deduplicated_rows") or summary.get("merged_rows"):
+        print(f"generated once for several rows: {summary.get('deduplicated_rows', 0)} deduplicated rows (a copy of an "
+              f"identical row's output), {summary.get('merged_rows', 0)} merged rows (one completion each of a shared "
+              "request)")
     print(f"wall seconds: {summary.get('wall_seconds')}")
 
 
@@ -241,6 +250,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 priority=args.priority,
                 adopt=args.job is None,
                 row_timeout=args.row_timeout,
+                dedupe=not args.no_dedupe,
                 **chat_from(args),
             )
         )

@@ -446,6 +446,7 @@ async def submit(
     priority: int = 1,
     adopt: bool = False,
     row_timeout: float = ROW_TIMEOUT,
+    dedupe: bool = True,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
@@ -456,7 +457,8 @@ async def submit(
     published; `resume` (or a job the cluster knows) prints how many were skipped.
     `JobMismatch` when `job` was asked another input or spec; `adopt` (no job id given:
     `job` is a new one): the job bound to `out_dir` is run instead if it was asked the same
-    (see the module docstring)."""
+    (see the module docstring). `dedupe` False: every row generated on its own
+    (`JobSpec.dedupe`)."""
     if (why := subjects.job_id_error(job)) is not None:
         raise SystemExit(why)
     # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
@@ -467,7 +469,7 @@ async def submit(
     spec = m.JobSpec(job=job, out_dir=out_dir, sampling=sampling, model=model, created_at=now,
                      chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
                      overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver,
-                     priority=priority, row_timeout=row_timeout)
+                     priority=priority, row_timeout=row_timeout, dedupe=dedupe)
     spec.fingerprint = asked = of_job(input_path, spec)  # of the file as given (a batch file, not its rows)
     batch = None
     if openai_batch.is_batch_file(input_path):  # OpenAI Batch requests -> rows (prefixflow/client/openai_batch.py)

@@ -204,6 +204,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
                     expires_in=args.expires_in,
                     priority=args.priority,
                     row_timeout=args.row_timeout,
+                    dedupe=not getattr(args, "no_dedupe", False),
                     **chat,
                 ),
                 replicas_ready(submitted),

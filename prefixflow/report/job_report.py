@@ -460,6 +460,8 @@ def _html(job: JobRows, images: list[tuple[str, str]], groups: dict[Any, GroupSt
         ("wall seconds", f"{job.wall:.1f}"),
         ("prefix-cache hit rate", f"{s['prefix_cache_hit_rate']:.1%}" if "prefix_cache_hit_rate" in s else "-"),
         ("output tokens / s", s.get("output_tokens_per_second", "-")),
+        ("deduplicated rows (a copy of an identical row's output)", s.get("deduplicated_rows", "-")),
+        ("merged rows (one completion of a shared n request)", s.get("merged_rows", "-")),
     ]
     if groups:
         facts += [("prefix groups", len(groups)), ("groups split over replicas", sum(g.split for g in groups.values())),

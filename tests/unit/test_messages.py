@@ -248,9 +248,10 @@ def test_array_like_extra_trailing_field_is_ignored():
     assert m.route_request_decoder.decode(raw).parts[0].output == -1
 
     full = ["id7", b"c", "out", 1, 10, 5, 3, "r0", None, "b9", 1.0, 2.0]
-    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 4, 9, "res-1", "more"]]])
+    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 4, 9, "res-1", 1, "more"]]])  # a newer peer's field after Result.dedupe
     r = m.result_batch_decoder.decode(raw).results[0]
-    assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None, "b9", 1.0, 2.0, src=4, row=9, blob="res-1")
+    assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None, "b9", 1.0, 2.0, src=4, row=9, blob="res-1",
+                         dedupe=1)
     # ... and a result from before bucket / started_at / finished_at gets their defaults
     raw = msgspec.msgpack.encode(["job", [full[:9]]])
     assert m.result_batch_decoder.decode(raw).results[0] == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None)

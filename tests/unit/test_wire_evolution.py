@@ -63,7 +63,7 @@ def test_array_like_batches_decode_with_trailing_fields():
     assert m.work_batch_decoder.decode(msgspec.msgpack.encode(["b", [full], [7], [1], "new"])) == m.WorkBatch(
         "b", [m.Prompt("j", 1, t, max_tokens=4, src=2, row=5, cost=9, lora="a", admitted_at=12.5)], [7], [1]
     )
-    result = ["id", b"", "out", 0, 1, 0, 1, "r0", None, "b", 1.0, 2.0, ["out"], [], [], -1, -1, "", "new"]
+    result = ["id", b"", "out", 0, 1, 0, 1, "r0", None, "b", 1.0, 2.0, ["out"], [], [], -1, -1, "", 0, "new"]
     assert m.result_batch_decoder.decode(msgspec.msgpack.encode(["j", [result], "new"])).results[0].outputs == ["out"]
     events = m.CacheEvents("r0", "e1", 4, [(m.CacheOp.STORED, [1, 2])], ts=5.0)
     raw = msgspec.msgpack.encode(["r0", "e1", 4, [[0, [1, 2]]], 5.0, "new"])

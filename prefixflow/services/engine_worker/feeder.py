@@ -108,11 +108,22 @@ class Feeder:
 
     def hold(self, prompts: list[Held]) -> None:
         for held in prompts:
-            self.held_tokens += held.prompt.load
-            self.jobs[held.prompt.job] += 1
-            if held.prompt.lora:
-                self.loras[held.prompt.lora] += 1
+            self.attach(held)
             self.pending.append(held)
+        self.feed()
+
+    def attach(self, held: Held) -> None:
+        """Count `held` as held here without queueing it: a follower that waits for its
+        leader's completion (`dedupe.py`). It leaves by `finished(submitted=False)`, or
+        `requeue` when it has to run on its own after all."""
+        self.held_tokens += held.prompt.load
+        self.jobs[held.prompt.job] += 1
+        if held.prompt.lora:
+            self.loras[held.prompt.lora] += 1
+
+    def requeue(self, followers: list[Held]) -> None:
+        """Attached followers whose leader failed: they run on their own, first in line."""
+        self.pending.extendleft(reversed(followers))
         self.feed()
 
     def may_submit(self, held: Held) -> bool:

@@ -113,7 +113,8 @@ class Recovery:
         ack the batches whose every output is published. Returns whether the death counts
         against the rebuild budget (`isolate.charged`)."""
         died = list(self.in_engine.values())
-        untried, self.untried = self.untried, []
+        # NOTE: followers (`fanout.py`) never ran: untried, re-published with their work message.
+        untried, self.untried = self.untried + self.abandon_followers(), []
         self.in_engine.clear()
         charge = isolate.charged([h.suspect for h in died])
         alone = len(died) == 1

@@ -47,6 +47,8 @@ from nats.micro.service import Service
 
 from prefixflow.services.engine_worker.engines import Completion, EngineDead, RequestFailed, is_engine_death, make_engine
 from prefixflow.services.engine_worker.admission import KvAdmission
+from prefixflow.services.engine_worker.dedupe import Deduper, Kind
+from prefixflow.services.engine_worker.fanout import Fanout
 from prefixflow.services.engine_worker.feeder import Feeder, Held
 from prefixflow.services.engine_worker.kv_events import KeyTranslator
 from prefixflow.services.engine_worker.kv_subscriber import CacheEventForwarder, KvEventSubscriber, events_config, ipc_endpoint
@@ -85,7 +87,7 @@ def is_cancelled(lookup: m.JobLookup) -> bool:
     return lookup.spec is not None and bool(lookup.spec.ended_at(time.time()))
 
 
-class EngineWorker(Recovery, StatusReport):
+class EngineWorker(Recovery, StatusReport, Fanout):
     def __init__(self, cfg: EngineWorkerConfig) -> None:
         self.cfg = cfg
         self.engine = make_engine(cfg)
@@ -126,6 +128,11 @@ class EngineWorker(Recovery, StatusReport):
                              admission=KvAdmission(enabled=cfg.kv_admission, output_reserve=cfg.kv_output_reserve),
                              steps=lambda: self.engine.snapshot().steps, lora_slots=self.engine.lora_slots)
         """The prompts held here, submitted as the window allows."""
+        self.dedupe: Deduper[Held] = Deduper()
+        """Identical requests of a job run once (`dedupe.py`, `fanout.py`)."""
+        self.leading = {}
+        self.deduplicated = 0
+        self.merged = 0
         self.kv: CacheEventForwarder | None = None
         """Sends the engine's KV-cache events to the router (`--kv-events`)."""
         if cfg.kv_events and cfg.engine == "vllm":
@@ -296,9 +303,9 @@ class EngineWorker(Recovery, StatusReport):
             self.untried += held
             return
         if self.generate_batch is not None:
-            await self.run_batch(held)
+            await self.run_batch(await self.admit(held, attach=False))
             return
-        self.feeder.hold(held)
+        self.feeder.hold(await self.admit(held, attach=True))
 
     async def refuse_invalid_jobs(self, work: m.WorkBatch, lease: Lease) -> m.WorkBatch | None:
         """`work` without its prompts of invalid job ids, which are dead-lettered (as one
@@ -327,7 +334,7 @@ class EngineWorker(Recovery, StatusReport):
         for h in held:
             try:
                 if h.lookup.spec is not None:
-                    runnable.append((h, prompt_sampling(h.prompt, h.lookup.spec.sampling)))
+                    runnable.append((h, self.leader_sampling(h, prompt_sampling(h.prompt, h.lookup.spec.sampling))))
             except msgspec.DecodeError as exc:  # a sampling value this worker cannot take (unknown fields are ignored)
                 failed.append((h, f"bad sampling parameters: {exc}"))
         started = time.time()
@@ -353,9 +360,11 @@ class EngineWorker(Recovery, StatusReport):
             if h.lookup.spec is None:
                 await self.finish(h.lease, h.prompt, error=h.lookup.error or "unknown job", bucket=h.bucket)
             elif id(h) in errors:
+                await self.settle(h, None, errors[id(h)], started_at=started, fed=False)
                 await self.finish(h.lease, h.prompt, error=errors[id(h)], bucket=h.bucket)
             elif id(h) in done:
-                await self.finish(h.lease, h.prompt, done[id(h)], bucket=h.bucket, started_at=started)
+                own = await self.settle(h, done[id(h)], started_at=started, fed=False)
+                await self.finish(h.lease, h.prompt, own, bucket=h.bucket, started_at=started)
 
     async def run_prompt(self, held: Held) -> None:
         """One prompt through the engine. Its own failure (`RequestFailed`, a sampling
@@ -376,7 +385,8 @@ class EngineWorker(Recovery, StatusReport):
                 token_ids = tk.unpack(prompt.tokens)
                 deadline = None
                 try:
-                    sampling = prompt_sampling(prompt, spec.sampling)  # the row's own, else the job's
+                    # The row's own, else the job's; a merge's n if it leads identical sampled rows.
+                    sampling = self.leader_sampling(held, prompt_sampling(prompt, spec.sampling))
                     started = time.time()
                     # NOTE: set in place, so a re-publish after an engine death (`resplit`) carries it.
                     prompt.admitted_at = prompt.admitted_at or started
@@ -404,11 +414,12 @@ class EngineWorker(Recovery, StatusReport):
             self.feeder.feed()
             self.window_free.set()
         self.in_engine.pop(id(held), None)
+        completion = await self.settle(held, completion, error, started_at=started, fed=True)
         await self.finish(held.lease, prompt, completion, error, bucket=held.bucket, started_at=started)
 
     async def finish(
         self, lease: Lease, prompt: m.Prompt, c: Completion | None = None, error: str | None = None, *,
-        bucket: str = "", started_at: float = 0.0,
+        bucket: str = "", started_at: float = 0.0, dedupe: Kind = Kind.OWN,
     ) -> None:
         """Count a finished prompt and queue its result row (an error row if `error`).
         `bucket`, `started_at`: the prompt's bucket id and when it entered the engine
@@ -420,10 +431,13 @@ class EngineWorker(Recovery, StatusReport):
             result = m.Result(prompt.id, prompt.columns, c.output, c.finish_reason, c.prompt_tokens,
                               c.cached_tokens, c.output_tokens, self.cfg.replica, outputs=c.outputs, logprobs=c.logprobs,
                               embedding=c.embedding, bucket=bucket, started_at=started_at, finished_at=time.time(),
-                              src=prompt.src, row=prompt.row)
-            self.cached_tokens += c.cached_tokens
-            self.done_prompt_tokens += c.prompt_tokens
-            self.output_tokens += c.output_tokens
+                              src=prompt.src, row=prompt.row, dedupe=dedupe)
+            # The engine's own work only: a copy ran nothing, a merged row's prompt was prefilled once.
+            if dedupe == Kind.OWN:
+                self.cached_tokens += c.cached_tokens
+                self.done_prompt_tokens += c.prompt_tokens
+            if dedupe != Kind.COPY:
+                self.output_tokens += c.output_tokens
         self.completed += 1
         self.done_work_tokens += prompt.load
         await self.outbox.add(prompt.job, result, lease)

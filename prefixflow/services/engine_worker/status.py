@@ -61,6 +61,8 @@ class StatusReport:
             cached_tokens=self.cached_tokens,
             completed=self.completed,
             output_tokens=self.output_tokens,
+            deduplicated=self.deduplicated,
+            merged=self.merged,
             idle_seconds=self.idle_seconds + (time.monotonic() - self.idle_since if self.idle_since is not None else 0.0),
         )
 

@@ -56,6 +56,8 @@ def count_part(stats) -> None:
     if stats is None:
         return
     metrics.PROMPTS_OUT.labels("ok").inc(stats.ok)
+    metrics.SINK_DEDUPLICATED_ROWS.inc(stats.deduplicated)
+    metrics.SINK_MERGED_ROWS.inc(stats.merged)
     n_errors = sum(stats.errors.values())
     if n_errors:
         metrics.PROMPTS_OUT.labels("error").inc(n_errors)

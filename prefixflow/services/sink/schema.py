@@ -37,13 +37,20 @@ OUTPUT_TYPES = {
         ("token", pa.string()), ("logprob", pa.float64()),
         ("top", pa.list_(pa.struct([("token", pa.string()), ("logprob", pa.float64())]))),
     ])),
+    "dedupe": pa.string(),
 }
 """Generated columns. `outputs` lists every completion of a prompt sampled with n > 1
 (null otherwise; `output` is the first); `logprobs` holds per generated token of the first
 completion its logprob and the top alternatives (null unless asked for). `bucket` is the id of the bucket the prompt was released in;
 `started_at` / `finished_at` are Unix times the engine started and finished it
 (`finished_at` falls back to when the result reached the results stream; both null where
-unknown). `prefixflow report` plots the job over time from them."""
+unknown). `prefixflow report` plots the job over time from them. `dedupe` says how a row
+that was not generated on its own got its output (`prefixflow/services/engine_worker/dedupe.py`):
+`copy` (an identical deterministic row's output), `merged` (one completion of a request
+merged, `n`, with identical sampled rows); null: its own request."""
+
+DEDUPE_NAMES = {1: "copy", 2: "merged"}
+"""`Result.dedupe` -> the `dedupe` column's value."""
 
 
 def as_text(column: pa.ChunkedArray | pa.Array) -> pa.Array | pa.ChunkedArray:
@@ -84,6 +91,7 @@ def generated_columns(results: list[Result], finished: list[float | None], embed
         "finished_at": [r.finished_at or f for r, f in zip(results, finished)],
         "outputs": [r.outputs or None for r in results],
         "logprobs": [r.logprobs or None for r in results],
+        "dedupe": [DEDUPE_NAMES.get(r.dedupe) for r in results],
     }
     out = {name: pa.array(values, OUTPUT_TYPES[name]) for name, values in cols.items()}
     if embed_type is not None:

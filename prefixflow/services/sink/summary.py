@@ -22,7 +22,7 @@ from prefixflow.shared.wire.limits import TIMED_OUT
 from prefixflow.shared.wire.messages import JobSpec, Result
 
 TOKEN_COLUMNS = ("prompt_tokens", "cached_tokens", "output_tokens")
-TOTALS_COLUMNS = ("id", "error", *TOKEN_COLUMNS, "replica", "finished_at")
+TOTALS_COLUMNS = ("id", "error", *TOKEN_COLUMNS, "replica", "finished_at", "dedupe")
 """What a restart reads back from each file (those it has)."""
 
 
@@ -35,6 +35,10 @@ class PartStats:
     """Error text -> rows."""
     replicas: dict[str, list[int]] = field(default_factory=dict)
     """Replica -> [prompt, cached, output tokens] of its ok rows."""
+    deduplicated: int = 0
+    """Rows whose output is a copy of an identical deterministic row's (`Result.dedupe` 1)."""
+    merged: int = 0
+    """Rows that took a completion of a merged request (`Result.dedupe` 2)."""
 
     @classmethod
     def of(cls, results: list[Result]) -> PartStats:
@@ -44,6 +48,11 @@ class PartStats:
                 stats.errors[r.error] = stats.errors.get(r.error, 0) + 1
                 continue
             stats.ok += 1
+            if r.dedupe:
+                if r.dedupe == 1:
+                    stats.deduplicated += 1
+                else:
+                    stats.merged += 1
             acc = stats.replicas.get(r.replica)
             if acc is None:
                 acc = stats.replicas[r.replica] = [0, 0, 0]
@@ -61,6 +70,10 @@ class Totals:
         self.overall = [0, 0, 0, 0, 0]
         self.timed_out = 0
         """Error rows of rows past their deadline (`limits.TIMED_OUT`)."""
+        self.deduplicated = 0
+        """Rows written whose output is a copy of an identical deterministic row's."""
+        self.merged = 0
+        """Rows written that took a completion of a request merged with identical sampled rows."""
         self.replicas: dict[str, list[int]] = {}
         # Per part with a finish time: its number, earliest and latest `finished_at`
         # (24 bytes a part; a restart keeps one entry per file).
@@ -74,6 +87,8 @@ class Totals:
         self.overall[0] += len(results)
         self.timed_out += sum(1 for r in results if r.error is not None and r.error.startswith(TIMED_OUT))
         self.overall[1] += len(results) - stats.ok
+        self.deduplicated += stats.deduplicated
+        self.merged += stats.merged
         for acc in stats.replicas.values():
             for i in range(3):
                 self.overall[2 + i] += acc[i]
@@ -109,6 +124,10 @@ class Totals:
         self.overall[1] += errors
         if errors:
             self.timed_out += int(pc.sum(pc.starts_with(t.column("error"), TIMED_OUT)).as_py() or 0)
+        if "dedupe" in t.column_names:  # parts written before dedupe have no such column
+            kinds = t.column("dedupe")
+            self.deduplicated += int(pc.sum(pc.equal(kinds, "copy")).as_py() or 0)
+            self.merged += int(pc.sum(pc.equal(kinds, "merged")).as_py() or 0)
         for row in sums.to_pylist():
             tokens = [int(row[f"{name}_sum"] or 0) for name in TOKEN_COLUMNS]
             for i in range(3):
@@ -169,6 +188,8 @@ class Totals:
 
         summary = dict(job=spec.job, **totals(self.overall), wall_seconds=round(wall, 3) if wall else None)
         summary["timed_out_rows"] = self.timed_out
+        summary["deduplicated_rows"] = self.deduplicated
+        summary["merged_rows"] = self.merged
         summary["created_at"] = spec.created_at or None
         if spec.created_at:
             first_finished = self.first_finished(spec.created_at, read_times)

@@ -117,6 +117,12 @@ ERROR_ROWS = _counter("pfx_error_rows", "Error rows written, by reason (see erro
 SINK_DUPLICATES = _counter("pfx_sink_duplicates", "Result rows dropped as duplicates (redelivered work)")
 SINK_PROMPT_TOKENS = _counter("pfx_sink_prompt_tokens", "Prompt tokens of the ok rows written, by replica", ["replica"])
 SINK_CACHED_TOKENS = _counter("pfx_sink_cached_tokens", "Prefix-cache hit tokens (vLLM num_cached_tokens) of the ok rows written, by replica", ["replica"])
+SINK_DEDUPLICATED_ROWS = _counter(
+    "pfx_deduplicated_rows", "Rows written whose output is a copy of an identical deterministic row's (generated once)"
+)
+SINK_MERGED_ROWS = _counter(
+    "pfx_merged_rows", "Rows written whose completion came from a request merged (n) with identical sampled rows"
+)
 SINK_OUTPUT_TOKENS = _counter("pfx_sink_output_tokens", "Generated tokens of the ok rows written, by replica", ["replica"])
 SINK_PENDING_ROWS = _gauge("pfx_sink_pending_rows", "Rows queued for the next Parquet part")
 SINK_OPEN_JOBS = _gauge("pfx_sink_open_jobs", "Jobs with an open output")
@@ -137,6 +143,10 @@ ENGINE_COUNTERS: dict[str, tuple[str, Callable[[Any], float]]] = {
     "pfx_engine_cached_tokens": ("Prefix-cache hit tokens of finished prompts (num_cached_tokens)", lambda s: s.cached_tokens),
     "pfx_engine_output_tokens": ("Generated tokens of finished prompts", lambda s: getattr(s, "output_tokens", 0)),
     "pfx_engine_idle_seconds": ("Seconds with no prompt in the engine", lambda s: s.idle_seconds),
+    "pfx_engine_deduplicated_rows": ("Rows given a copy of an identical deterministic request's completion (not generated again)",
+                                     lambda s: getattr(s, "deduplicated", 0)),
+    "pfx_engine_merged_rows": ("Rows that took one completion of an identical sampled request merged with theirs (n)",
+                               lambda s: getattr(s, "merged", 0)),
 }
 ENGINE_REBUILDS = "pfx_engine_rebuilds"
 
@@ -175,6 +185,7 @@ SERVICE_METRICS: dict[str, list] = {
     "engine-worker": [],  # EngineCollector, plus vLLM's own
     "sink": [
         PROMPTS_OUT, ERROR_ROWS, SINK_DUPLICATES, SINK_PROMPT_TOKENS, SINK_CACHED_TOKENS, SINK_OUTPUT_TOKENS,
+        SINK_DEDUPLICATED_ROWS, SINK_MERGED_ROWS,
         SINK_PENDING_ROWS, SINK_OPEN_JOBS, SINK_JOBS_DONE, SINK_PART_SECONDS,
     ],
 }

@@ -179,6 +179,11 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     until it is finished (`--row-timeout`; 0: no deadline): the engine-worker then aborts
     it and writes its error row (`limits.timeout_error`). Time queued before an engine
     takes the row does not count."""
+    dedupe: bool = True
+    """Generate identical requests once (`--no-dedupe`: False): rows of the job with the
+    same model input and sampling share one request in an engine-worker
+    (`prefixflow/services/engine_worker/dedupe.py`): deterministic ones get a copy of its
+    completion, sampled ones one completion each of a request with `n` = their count."""
 
     def ended_at(self, now: float) -> float:
         """When the cluster stopped feeding this job: `cancelled_at`, or `expires_at` once
@@ -447,6 +452,10 @@ class Result(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     blob (`prefixflow/shared/bus/blobs.py`) holding the whole `Result`, msgpack (the engine-worker's
     outbox writes it, the sink reads it back: `prefixflow/services/sink/large.py`). Empty: this is
     the result."""
+    dedupe: int = 0
+    """How the row got its completion (`prefixflow/services/engine_worker/dedupe.py`'s
+    `Kind`): 0 its own request; 1 a copy of an identical deterministic row's; 2 its own
+    completion of a request merged (`n`) with identical sampled rows."""
 
 
 def error_result(
@@ -537,6 +546,12 @@ class EngineStatus(msgspec.Struct, omit_defaults=True):
     oldest: list[InEngine] = []
     """Per job with rows in the engine: its rows that have been there longest (what
     `prefixflow status` names when a job waits on its last rows)."""
+    deduplicated: int = 0
+    """Cumulative rows given a copy of an identical deterministic request's completion
+    (`prefixflow/services/engine_worker/dedupe.py`): generated once, not again."""
+    merged: int = 0
+    """Cumulative rows that took their completion from an identical sampled request
+    merged into one with `n` completions (its leader not counted)."""
 
 
 class BucketerHeartbeat(msgspec.Struct, omit_defaults=True):

@@ -31,6 +31,10 @@ class Completion(msgspec.Struct):
     """Per generated token of the first completion (`Result.logprobs`)."""
     embedding: list[float] = msgspec.field(default_factory=list)
     """Embed task: the pooled vector."""
+    output_counts: list[int] = msgspec.field(default_factory=list)
+    """When n > 1: the generated tokens of each completion (`output_tokens` is their sum)."""
+    finish_reasons: list[FinishReason] = msgspec.field(default_factory=list)
+    """When n > 1: why each completion ended (`finish_reason` is the first's)."""
 
 
 class RequestFailed(Exception):

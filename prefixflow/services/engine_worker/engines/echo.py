@@ -14,7 +14,7 @@ row deadline's test: `--row-timeout`, docs/limits.md).
 Outputs have the sizes and the fields the vLLM engine gives (`engines/vllm.py`), so
 message sizes are real without a model: `max(min_tokens, min(prompt, max_tokens))`
 tokens (the prompt's last ones, repeated as needed), `n` completions in `outputs` when
-n > 1, with `logprobs: k` one entry per token of the first completion holding the token
+n > 1 (with temperature > 0 each distinct: the echo rotated by its index), with `logprobs: k` one entry per token of the first completion holding the token
 and k + 1 alternatives (vLLM's most: the top k and the sampled one), and in the embed
 task (`PFX_TASK=embed`) an embedding of `PFX_ECHO_EMBED_DIM` floats (default 256, the
 local model's hidden size) instead of text. They have no model, so no LoRA adapters:
@@ -55,8 +55,14 @@ def echo_completion(tokens: list[int], sampling: SamplingSpec, task: str = "gene
              "top": [{"token": str(t + j), "logprob": -0.125 - j / 8} for j in range(alternatives)]}
             for i, t in enumerate(out)
         ]
-    return Completion(text, FinishReason.LENGTH, len(tokens), 0, k * sampling.n,
-                      outputs=[text] * sampling.n if sampling.n > 1 else [], logprobs=logprobs)
+    if sampling.n == 1:
+        return Completion(text, FinishReason.LENGTH, len(tokens), 0, k, logprobs=logprobs)
+    # n completions: distinct when sampled (as vLLM's would be; a merged request's rows
+    # each get their own), the same when greedy. The i-th: the echo rotated by i tokens.
+    texts = [text if not sampling.temperature or not out else " ".join(map(str, out[i % k:] + out[:i % k]))
+             for i in range(sampling.n)]
+    return Completion(text, FinishReason.LENGTH, len(tokens), 0, k * sampling.n, outputs=texts, logprobs=logprobs,
+                      output_counts=[k] * sampling.n, finish_reasons=[FinishReason.LENGTH] * sampling.n)
 
 
 class EchoEngine:

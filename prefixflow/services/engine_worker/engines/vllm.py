@@ -181,6 +181,9 @@ class VllmEngine:
             final.num_cached_tokens or 0,
             sum(len(c.token_ids) for c in final.outputs),
             outputs=[c.text for c in final.outputs] if sampling.n > 1 else [],
+            output_counts=[len(c.token_ids) for c in final.outputs] if sampling.n > 1 else [],
+            finish_reasons=[_FINISH.get(c.finish_reason or "", FinishReason.ERROR) for c in final.outputs]
+            if sampling.n > 1 else [],
             logprobs=token_logprobs(choice.token_ids, choice.logprobs) if sampling.logprobs is not None else [],
         )
 
