@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixflow.client.sources import Shard
 from prefixflow.shared.openai_batch import EMBED_URL, URLS, error_line, result_line
 from prefixflow.shared.wire.messages import LORA_FIELD
 
@@ -60,19 +62,31 @@ class BatchInput:
     """Error lines of the requests that never ran."""
 
 
-def is_batch_file(path: str | Path) -> bool:
+def _lines(source: str | Path | Shard) -> Iterator[bytes]:
+    """The lines of a local file or of an input's file (`Shard`: local or in a bucket)."""
+    if isinstance(source, Shard):
+        from prefixflow.client.readers import lines
+
+        yield from lines(source)
+        return
+    with Path(source).open("rb") as f:
+        yield from f
+
+
+def is_batch_file(source: str | Path | Shard) -> bool:
     """A JSONL file whose first request line has `custom_id` and `body`."""
-    path = Path(path)
-    if path.suffix not in (".jsonl", ".ndjson", ".json") or not path.is_file():
+    if isinstance(source, Shard):
+        if source.format != "jsonl":
+            return False
+    elif Path(source).suffix not in (".jsonl", ".ndjson", ".json") or not Path(source).is_file():
         return False
-    with path.open("rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    first = json.loads(line)
-                except ValueError:
-                    return False
-                return isinstance(first, dict) and "custom_id" in first and "body" in first
+    for line in _lines(source):
+        if line.strip():
+            try:
+                first = json.loads(line)
+            except ValueError:
+                return False
+            return isinstance(first, dict) and "custom_id" in first and "body" in first
     return False
 
 
@@ -174,20 +188,19 @@ def parse_line(n: int, line: bytes | str, seen: set[str], task: str = "generate"
     return custom_id, url, str(body.get("model") or ""), request_row(custom_id, url, body)
 
 
-def read_batch(path: str | Path, task: str = "generate") -> BatchInput:
+def read_batch(source: str | Path | Shard, task: str = "generate") -> BatchInput:
     out = BatchInput()
     seen: set[str] = set()
-    with Path(path).open("rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                custom_id, url, model, row = parse_line(n, line, seen, task)
-            except BadLine as exc:
-                out.bad.append(error_line(_custom_id_of(line), f"line {n}: {exc}"))
-                continue
-            out.requests[custom_id] = (n, url, model)
-            out.rows.append(row)
+    for n, line in enumerate(_lines(source), 1):
+        if not line.strip():
+            continue
+        try:
+            custom_id, url, model, row = parse_line(n, line, seen, task)
+        except BadLine as exc:
+            out.bad.append(error_line(_custom_id_of(line), f"line {n}: {exc}"))
+            continue
+        out.requests[custom_id] = (n, url, model)
+        out.rows.append(row)
     return out
 
 
