@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
@@ -163,15 +164,22 @@ def _csv_reader(shard: Shard, convert: pacsv.ConvertOptions | None = None) -> pa
 
 def text_kind(arr: pa.Array) -> Kind:
     """The kind of a CSV column's text values (nulls: empty or a null marker): int64 if
-    every value is an integer, float64 if a number, else string."""
+    every value is an integer, float64 if a number (string if an integer among them is
+    past +-2^53: `widening.SAFE_INT`), else string."""
     if arr.null_count == len(arr):
         return NULL
-    for t in (pa.int64(), pa.float64()):
-        try:
-            return kind_of_array(arr.cast(t))
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            continue
-    return STRING
+    ints = arr.filter(pc.match_substring_regex(arr, r"^[+-]?[0-9]+$"))
+    try:
+        int_kind = kind_of_array(ints.cast(pa.int64())) if len(ints) else NULL
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return STRING  # past int64: its text
+    if len(ints) == len(arr) - arr.null_count:
+        return int_kind
+    try:
+        arr.cast(pa.float64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return STRING
+    return join(int_kind, Kind(pa.float64()))
 
 
 def csv_schema(shard: Shard) -> pa.Schema:
