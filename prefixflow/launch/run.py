@@ -238,6 +238,8 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         status = asyncio.run(run_job())
     except JobFailed as exc:
         error, code = str(exc), 1
+    except InputError as exc:  # a file of the input found bad while reading it
+        error, code = f"error: {exc}", 1
     except JobPaused as exc:  # its output lacks a resource: the same command resumes it once that is fixed
         error, code = f"error: {exc}\nonce {exc.path} takes writes again, run the same command to resume it", EX_TEMPFAIL
     except (DirTaken, JobMismatch) as exc:  # a --workdir whose cluster bound OUT (or the id) to another job
