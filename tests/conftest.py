@@ -91,6 +91,17 @@ def sink_out_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 API server (moto's server mode) on a loopback port, with a bucket and one
+    access key (`tests/s3server.py`); authentication on."""
+    from tests.s3server import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.getbasetemp() / "prefixflow-tiny-llama")
 

@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -121,7 +120,16 @@ def row_timeout(text: str) -> float:
 
 
 def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
-    p.add_argument("input", help="Parquet or JSONL file with a 'prompt' column (and optionally 'id')")
+    p.add_argument("input", help="the prompts: a Parquet, JSONL or CSV file with a 'prompt' (or 'messages') column "
+                   "and optionally 'id'; a directory or a glob of such files (rows numbered across them in name "
+                   "order); or a URI: s3://bucket/prefix/, gs://..., hf://..., file://... (docs/inputs.md)")
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an argument of the input's file system (pyarrow.fs.S3FileSystem / GcsFileSystem), e.g. "
+                        "region=eu-west-1 or anonymous=true; repeatable. Credentials otherwise come from the "
+                        "environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws, GCS application-default). Used on "
+                        "this machine only, never sent to the cluster")
+    p.add_argument("--endpoint-url", default=None, metavar="URL",
+                   help="an S3-compatible server for s3:// inputs (MinIO, Ceph...; as AWS_ENDPOINT_URL)")
     p.add_argument("--out", required=True, help="output directory (part-*.parquet, _summary.json, _job.json); "
                    "bound to one job, and to the input and spec it was asked: another job or another input or "
                    "spec into it fails (exit code 2, naming the difference) unless --overwrite")
@@ -158,7 +166,9 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def default_job_id(input_path: str) -> str:
-    stem = "".join(c if c.isalnum() or c in "-_" else "-" for c in Path(input_path).stem)[:40]
+    from prefixflow.client.sources import stem_of
+
+    stem = "".join(c if c.isalnum() or c in "-_" else "-" for c in stem_of(input_path))[:40]
     return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -225,12 +235,26 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> None:
     from prefixflow.launch.run import run_local
 
-    run_local(args, sampling=sampling_from(args), chat=chat_from(args),
+    run_local(args, sampling=sampling_from(args), chat=chat_from(args), storage_options=storage_options(args),
               print_summary=functools.partial(print_summary, as_json=args.json),
               new_job=default_job_id(args.input))
 
 
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`--storage-option KEY=VALUE` and `--endpoint-url` as the input file system's arguments."""
+    from prefixflow.client.sources import InputError, parse_options
+
+    try:
+        options = parse_options(args.storage_option)
+    except InputError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if args.endpoint_url:
+        options["endpoint_override"] = args.endpoint_url
+    return options
+
+
 def cmd_submit(args: argparse.Namespace) -> None:
+    from prefixflow.client.sources import InputError
     from prefixflow.client.submit import EX_TEMPFAIL, AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
 
     job = args.job or subjects.qualify(default_job_id(args.input), getattr(args, "tenant", ""))
@@ -251,9 +275,12 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 adopt=args.job is None,
                 row_timeout=args.row_timeout,
                 dedupe=not args.no_dedupe,
+                storage_options=storage_options(args),
                 **chat_from(args),
             )
         )
+    except InputError as exc:  # before anything was created
+        raise SystemExit(f"error: {exc}") from None
     except JobFailed as exc:
         raise SystemExit(str(exc)) from None  # "job X failed: <reason>", exit code 1
     except JobPaused as exc:  # its output lacks a resource: the job waits on the cluster

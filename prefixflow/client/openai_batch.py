@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixflow.client.sources import Shard
 from prefixflow.shared.openai_batch import EMBED_URL, URLS, error_line, result_line
 from prefixflow.shared.wire.messages import LORA_FIELD
 
@@ -62,34 +64,53 @@ class BatchInput:
 
 SNIFF_LINES = 16
 """Non-blank lines `is_batch_file` looks at."""
+SNIFF_BYTES = 1 << 20
+"""A local line is read in pieces of at most this much (a piece of a longer line is no
+JSON object: the next line is looked at)."""
 REQUEST_KEYS = frozenset({"custom_id", "method", "url", "body"})
 
 
-def is_batch_file(path: str | Path) -> bool:
+def _lines(source: str | Path | Shard) -> Iterator[bytes]:
+    """The lines of a local file (in pieces of at most `SNIFF_BYTES`) or of an input's
+    file (`Shard`: local or in a bucket)."""
+    if isinstance(source, Shard):
+        from prefixflow.client.readers import lines
+
+        yield from lines(source)
+        return
+    with Path(source).open("rb") as f:
+        while line := f.readline(SNIFF_BYTES):
+            yield line
+
+
+def is_batch_file(source: str | Path | Shard) -> bool:
     """A JSONL file of OpenAI Batch request lines: among its first `SNIFF_LINES`
     non-blank lines, JSON objects with `custom_id`, one of which has one more of a
     request line's keys (`method`, `url`, `body`); an object without `custom_id` first
     makes it a plain file. Other keys beside them (an unknown extra field) do not
     matter, nor do bad lines before it (each becomes an error line)."""
-    path = Path(path)
-    if path.suffix not in (".jsonl", ".ndjson", ".json") or not path.is_file():
+    if isinstance(source, Shard):
+        if source.format != "jsonl":
+            return False
+    elif Path(source).suffix not in (".jsonl", ".ndjson", ".json") or not Path(source).is_file():
         return False
-    with path.open("rb") as f:
-        seen = 0
-        while seen < SNIFF_LINES and (line := f.readline(1 << 20)):
-            if not line.strip():
-                continue
-            seen += 1
-            try:
-                first = json.loads(line)
-            except (ValueError, RecursionError):
-                continue  # a bad line (or a piece of a long one): look at the next
-            if isinstance(first, dict):
-                if "custom_id" not in first:
-                    return False  # a plain row
-                if len(REQUEST_KEYS & first.keys()) >= 2:
-                    return True
-                # a request line missing fields (an error line): look at the next
+    seen = 0
+    for line in _lines(source):
+        if not line.strip():
+            continue
+        seen += 1
+        if seen > SNIFF_LINES:
+            break
+        try:
+            first = json.loads(line)
+        except (ValueError, RecursionError):
+            continue  # a bad line (or a piece of a long one): look at the next
+        if isinstance(first, dict):
+            if "custom_id" not in first:
+                return False  # a plain row
+            if len(REQUEST_KEYS & first.keys()) >= 2:
+                return True
+            # a request line missing fields (an error line): look at the next
     return False
 
 
@@ -191,20 +212,19 @@ def parse_line(n: int, line: bytes | str, seen: set[str], task: str = "generate"
     return custom_id, url, str(body.get("model") or ""), request_row(custom_id, url, body)
 
 
-def read_batch(path: str | Path, task: str = "generate") -> BatchInput:
+def read_batch(source: str | Path | Shard, task: str = "generate") -> BatchInput:
     out = BatchInput()
     seen: set[str] = set()
-    with Path(path).open("rb") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                custom_id, url, model, row = parse_line(n, line, seen, task)
-            except BadLine as exc:
-                out.bad.append(error_line(_custom_id_of(line), f"line {n}: {exc}"))
-                continue
-            out.requests[custom_id] = (n, url, model)
-            out.rows.append(row)
+    for n, line in enumerate(_lines(source), 1):
+        if not line.strip():
+            continue
+        try:
+            custom_id, url, model, row = parse_line(n, line, seen, task)
+        except BadLine as exc:
+            out.bad.append(error_line(_custom_id_of(line), f"line {n}: {exc}"))
+            continue
+        out.requests[custom_id] = (n, url, model)
+        out.rows.append(row)
     return out
 
 

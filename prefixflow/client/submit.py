@@ -1,7 +1,8 @@
 """Submitting a job and following it: what `prefixflow submit` and `prefixflow run` do.
 
 1. Create the job spec in the jobs KV bucket (validated sampling parameters).
-2. Stream the input file (Parquet or JSONL with a `prompt` column) in chunks
+2. Stream the input (a file, a directory, a glob or a URI of Parquet, JSONL or CSV files
+   with a `prompt` column: `prefixflow/client/sources.py`) in chunks
    (`prefixflow/client/columns.py`), never further ahead of the sink than the in-flight window
    (`prefixflow/client/window.py`): each chunk's input columns are stored once in the blob store,
    and its model inputs go to `pfx.ingest.<job>` as msgpack arrays of rows, each with a
@@ -36,12 +37,12 @@ from typing import Any
 
 import msgspec
 import nats.errors
-import pyarrow.parquet as pq
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from tqdm import tqdm
 
-from prefixflow.client import columns
+from prefixflow.client import columns, readers
 from prefixflow.client.fingerprint import of_job
+from prefixflow.client.sources import InputError, Source, resolve
 from prefixflow.client.progress import FleetProgress, engines_note, progress_note
 from prefixflow.shared.bus.jobs import follow_cancel, seal
 from prefixflow.client.window import IN_FLIGHT_ROWS, Window
@@ -212,11 +213,25 @@ class DoneQueries:
         return reply.done
 
 
-def count_rows(path: str | Path) -> int | None:
-    path = Path(path)
-    if path.suffix in (".parquet", ".pq"):
-        return pq.ParquetFile(path).metadata.num_rows
-    return None
+def count_rows(source: str | Path | Source, options: dict[str, Any] | None = None) -> int | None:
+    """The input's row count when its files say it cheaply (every one Parquet: their
+    footers), else None. Checks the Parquet files' schemas on the way (`InputError`: one
+    with no model input column, or an `id` column in some files only), so such an input
+    fails before a job is created."""
+    source = source if isinstance(source, Source) else resolve(source, options)
+    parquet = [s for s in source.shards if s.format == "parquet"]
+    total, has_id = 0, {}
+    for shard in parquet:
+        rows, schema = readers.parquet_rows(shard)
+        total += rows
+        if not set(columns.INPUT_COLUMNS) & set(schema.names):
+            raise InputError(f"{shard.path}: no 'prompt', 'messages' or 'prompt_token_ids' column "
+                             f"(columns: {schema.names})")
+        has_id.setdefault("id" in schema.names, shard.name)
+    if len(has_id) > 1:
+        raise InputError(f"{source.given}: {has_id[True]} has an 'id' column and {has_id[False]} has none: every "
+                         "file of an input has one, or none (then a row's id is its number across the files)")
+    return total if len(parquet) == len(source.shards) else None
 
 
 class Submitter:
@@ -447,8 +462,13 @@ async def submit(
     adopt: bool = False,
     row_timeout: float = ROW_TIMEOUT,
     dedupe: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
+
+    `input_path`: a file, a directory, a glob or a URI (`prefixflow/client/sources.py`;
+    `storage_options`: its file system's arguments, kept on this machine); `InputError`
+    when it cannot be read, before anything is created.
 
     Raises `DirTaken` when `out_dir` belongs to another job (unless `overwrite`: the sink
     then replaces that job's output), `AlreadyDone` when the job has every row already,
@@ -470,14 +490,15 @@ async def submit(
                      chat_template=chat_template, chat_template_kwargs=chat_template_kwargs or {}, task=task,
                      overwrite=overwrite, expires_at=now + expires_in if expires_in else 0.0, deliver=deliver,
                      priority=priority, row_timeout=row_timeout, dedupe=dedupe)
-    spec.fingerprint = asked = of_job(input_path, spec)  # of the file as given (a batch file, not its rows)
+    source = input_path if isinstance(input_path, Source) else resolve(input_path, storage_options)
+    spec.fingerprint = asked = of_job(source, spec)  # of the input as given (a batch file, not its rows)
     batch = None
-    if openai_batch.is_batch_file(input_path):  # OpenAI Batch requests -> rows (prefixflow/client/openai_batch.py)
+    if source.single and openai_batch.is_batch_file(source.shards[0]):  # OpenAI Batch requests -> rows (prefixflow/client/openai_batch.py)
         import tempfile
 
-        batch = openai_batch.read_batch(input_path, task)
-        input_path = openai_batch.write_rows(batch, Path(tempfile.mkdtemp(prefix="pfx-batch-")) / "rows.jsonl")
-    expected = count_rows(input_path)
+        batch = openai_batch.read_batch(source.shards[0], task)
+        source = resolve(openai_batch.write_rows(batch, Path(tempfile.mkdtemp(prefix="pfx-batch-")) / "rows.jsonl"))
+    expected = count_rows(source)
     async with Submitter(nats_url) as client:
         if adopt and (owner := await client.dir_job(out_dir, job, asked, overwrite)) != job:
             job = spec.job = owner  # OUT's job, asked the same: resumed, or reported done
@@ -515,7 +536,7 @@ async def submit(
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
         skipped = 0
         ended = False  # cancelled or past its deadline: stop publishing; `wait` reports it
-        for chunk in columns.chunks(input_path):
+        for chunk in columns.chunks(source):
             if ended or client.ended(spec):
                 ended = True
                 break

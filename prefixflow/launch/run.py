@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+from prefixflow.client.sources import InputError, Source, resolve
 from prefixflow.shared.process import config as cfgmod
 from prefixflow.shared.wire import fingerprint
 from prefixflow.shared.wire import messages as m
@@ -76,8 +77,8 @@ def model_of(model: str) -> str:
     return str(path.resolve()) if path.exists() or model == cfgmod.DEFAULT_MODEL else model
 
 
-def plan(out: str | Path, input_path: str | Path, job: str | None, new_job: str, *, overwrite: bool = False,
-         asked: Fingerprint | None = None) -> Plan:
+def plan(out: str | Path, input_path: str | Path | Source | None, job: str | None, new_job: str, *,
+         overwrite: bool = False, asked: Fingerprint | None = None) -> Plan:
     """The job `run` runs into `out` (a local directory): the one its manifest
     (`_job.json`, written by the sink) names, if it was asked the same input and spec
     (`asked`), resumed, or reported if `_summary.json` shows it has every row (against
@@ -110,23 +111,32 @@ def plan(out: str | Path, input_path: str | Path, job: str | None, new_job: str,
         sys.exit(2)
     summary = read_json(out / "_summary.json")
     if summary is not None and summary.get("job") == owner:
-        expected = count_rows(input_path) if Path(input_path).exists() else None
+        expected = None
+        if isinstance(input_path, Source) or (input_path is not None and Path(input_path).exists()):
+            expected = count_rows(input_path)
         if expected is None or int(summary.get("rows") or 0) >= expected:
             return Plan(owner, False, summary)
     return Plan(owner, True)
 
 
 def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[str, Any],
-              print_summary: Callable[[dict[str, Any]], None], new_job: str) -> None:
+              print_summary: Callable[[dict[str, Any]], None], new_job: str,
+              storage_options: dict[str, Any] | None = None) -> None:
     """`prefixflow run`: start the local cluster, submit INPUT while the engines load,
     supervise, print the summary and write the report, stop; exit codes as the README says.
     OUT holding this job's finished output: print its summary, start nothing."""
     from prefixflow.client.fingerprint import of_job
+    from prefixflow.client.submit import count_rows
 
     model = model_of(args.model)
-    asked = of_job(args.input, m.JobSpec(job=new_job, out_dir="", sampling=sampling, model=model, **chat)) \
-        if Path(args.input).is_file() else None  # a missing input: the submit says so
-    todo = plan(args.out, args.input, args.job, new_job, overwrite=args.overwrite, asked=asked)
+    try:  # the input is read before a cluster starts: a bad one fails at once, nothing written
+        source = resolve(args.input, storage_options)
+        asked = of_job(source, m.JobSpec(job=new_job, out_dir="", sampling=sampling, model=model, **chat))
+        count_rows(source)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    todo = plan(args.out, source, args.job, new_job, overwrite=args.overwrite, asked=asked)
     if todo.done is not None:
         print(f"job {todo.job} is already done: {todo.done.get('rows')} rows ({todo.done.get('errors')} errors) "
               f"in {args.out}; nothing to run (another --out runs it again)", flush=True)
@@ -190,7 +200,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         return await cluster.supervised(
             alongside(
                 submit(
-                    args.input,
+                    source,
                     nats_url=cluster.url,
                     job=job,
                     out_dir=args.out,
@@ -229,6 +239,8 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         status = asyncio.run(run_job())
     except JobFailed as exc:
         error, code = str(exc), 1
+    except InputError as exc:  # a file of the input found bad while reading it
+        error, code = f"error: {exc}", 1
     except JobPaused as exc:  # its output lacks a resource: the same command resumes it once that is fixed
         error, code = f"error: {exc}\nonce {exc.path} takes writes again, run the same command to resume it", EX_TEMPFAIL
     except (DirTaken, JobMismatch) as exc:  # a --workdir whose cluster bound OUT (or the id) to another job

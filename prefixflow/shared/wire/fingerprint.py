@@ -39,7 +39,8 @@ class Fingerprint(msgspec.Struct, omit_defaults=True):
     """What a job was asked to do: its input and its spec (see the module docstring)."""
 
     input: dict[str, Any] = msgspec.field(default_factory=dict)
-    """{"kind": parquet|jsonl|csv|file, "scheme": n, "size": bytes, "digest": hex}."""
+    """{"kind": parquet|jsonl|csv|file|dataset, "scheme": n, "size": bytes, "digest": hex}
+    (a dataset: also "files", how many)."""
     spec: dict[str, str] = msgspec.field(default_factory=dict)
     """Spec field (`sampling.max_tokens`, `model`, ...) -> its canonical text or digest."""
 
@@ -87,13 +88,19 @@ def decode(value: Any) -> Fingerprint | None:
         return None
 
 
+def _input_kind(fp: dict[str, Any]) -> str:
+    if fp.get("kind") == "dataset":
+        return f"a dataset of {fp.get('files')} files"
+    return f"a {fp.get('kind')} file"
+
+
 def _input_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     if not old or not new or old.get("scheme") != new.get("scheme"):
         return None  # unknown (or computed another way): not a difference
     if (old.get("kind"), old.get("size"), old.get("digest")) == (new.get("kind"), new.get("size"), new.get("digest")):
         return None
-    if old.get("kind") != new.get("kind"):
-        what = f"a {new.get('kind')} file, not a {old.get('kind')} file"
+    if (old.get("kind"), old.get("files")) != (new.get("kind"), new.get("files")):
+        what = f"{_input_kind(new)}, not {_input_kind(old)}"
     elif old.get("size") != new.get("size"):
         what = f"{new.get('size')} bytes, not {old.get('size')}"
     else:

@@ -1,0 +1,216 @@
+"""Each data file of an input as Arrow record batches, in bounded memory, by its format.
+
+- Parquet: row groups read by range as they come (`iter_batches`, no pre-buffering);
+- JSON lines: one Arrow schema for the whole file (a first pass), then tables of that
+  schema, each with its rows as parsed (the model inputs as JSON gave them);
+- CSV: one schema for the whole file (a first pass reads every column as text and types
+  each batch's values: int64, float64 or text; the batches' types joined by the job's
+  widening rules, `prefixflow/shared/widening.py`), then pyarrow's streaming reader with
+  those types. pyarrow alone types a CSV by its first block and fails on a later one.
+
+Each pass streams the file (`Shard.open_file`/`open_stream`): memory is one batch, not
+the file, wherever it lives. Pure apart from reading the shard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from prefixflow.client.sources import InputError, Shard
+from prefixflow.shared.widening import NULL, STRING, Kind, join, kind_of_array
+
+CHUNK_ROWS = 4096
+"""Input rows per read batch (and per stored blob)."""
+LINE_BLOCK = 1 << 20
+"""Bytes read at a time when splitting a stream into lines."""
+
+Pair = tuple[pa.RecordBatch | pa.Table, list[dict[str, Any]] | None]
+"""A batch and, for JSON lines, its rows as parsed."""
+
+
+def batches(shard: Shard) -> Iterator[Pair]:
+    """The shard's rows as batches of up to `CHUNK_ROWS`."""
+    if shard.format == "parquet":
+        return parquet_batches(shard)
+    if shard.format == "csv":
+        return csv_batches(shard)
+    return jsonl_batches(shard)
+
+
+def parquet_batches(shard: Shard) -> Iterator[Pair]:
+    # NOTE: pre_buffer off: with it, pyarrow keeps every row group's buffered column
+    # chunks for the file's lifetime (RSS grew ~230 MB per million 128-token rows;
+    # `prefixflow bench soak` at 10M rows: 2.3 GB), without it memory is one batch.
+    try:
+        pf = pq.ParquetFile(shard.open_file(), pre_buffer=False)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"{shard.path}: not a Parquet file: {exc}") from None
+    return ((b, None) for b in pf.iter_batches(batch_size=CHUNK_ROWS))
+
+
+def parquet_rows(shard: Shard) -> tuple[int, pa.Schema]:
+    """A Parquet shard's row count and schema (its footer only)."""
+    try:
+        with shard.open_file() as f:
+            meta = pq.ParquetFile(f).metadata
+            return meta.num_rows, meta.schema.to_arrow_schema()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"{shard.path}: not a Parquet file: {exc}") from None
+
+
+# --- JSON lines --------------------------------------------------------------------------
+
+
+def lines(shard: Shard) -> Iterator[bytes]:
+    """The shard's lines (a stream read `LINE_BLOCK` bytes at a time)."""
+    with shard.open_stream() as f:
+        rest = b""
+        while block := f.read(LINE_BLOCK):
+            parts = (rest + block).split(b"\n")
+            rest = parts.pop()
+            yield from parts
+        if rest:
+            yield rest
+
+
+def json_rows(shard: Shard) -> Iterator[list[dict[str, Any]]]:
+    rows: list[dict[str, Any]] = []
+    for n, line in enumerate(lines(shard), 1):
+        if not line.strip():
+            continue
+        try:
+            row = msgspec.json.decode(line)
+        except msgspec.DecodeError as exc:
+            raise InputError(f"{shard.path}:{n}: not JSON: {exc}") from None
+        if not isinstance(row, dict):
+            raise InputError(f"{shard.path}:{n}: want a JSON object per line")
+        rows.append(row)
+        if len(rows) >= CHUNK_ROWS:
+            yield rows
+            rows = []
+    if rows:
+        yield rows
+
+
+def _as_json_text(values: list[Any]) -> pa.Array:
+    return pa.array([None if v is None else v if isinstance(v, str) else json.dumps(v) for v in values], pa.string())
+
+
+def table_of(rows: list[dict[str, Any]], schema: pa.Schema | None = None) -> pa.Table:
+    """Rows as a table: with `schema`, every column of it (missing ones null, a string
+    column takes any value as JSON text); without, types inferred per column, and a column
+    whose values Arrow cannot hold as one type (a chat `messages` whose content is a
+    string in one row, a list in another) as JSON text."""
+    names = list(schema.names) if schema is not None else list(dict.fromkeys(k for r in rows for k in r))
+    arrays = []
+    for name in names:
+        values = [r.get(name) for r in rows]
+        want = schema.field(name).type if schema is not None else None
+        if want is not None and pa.types.is_string(want):
+            arrays.append(_as_json_text(values))
+            continue
+        try:
+            arrays.append(pa.array(values, type=want))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            arrays.append(_as_json_text(values))
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def jsonl_schema(shard: Shard) -> pa.Schema:
+    """One schema for every line of a JSONL file (first pass): each batch's inferred
+    types, unified with Arrow's permissive promotion; a column whose types cannot be
+    unified (a number here, a string there) is text."""
+    fields: dict[str, pa.DataType] = {}
+    for rows in json_rows(shard):
+        for f in table_of(rows).schema:
+            have = fields.get(f.name)
+            if have is None or pa.types.is_null(have):
+                fields[f.name] = f.type
+            elif have != f.type and not pa.types.is_null(f.type):
+                try:
+                    fields[f.name] = pa.unify_schemas(
+                        [pa.schema([(f.name, have)]), pa.schema([(f.name, f.type)])], promote_options="permissive"
+                    ).field(f.name).type
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                    fields[f.name] = pa.string()
+    return pa.schema([(n, pa.string() if pa.types.is_null(t) else t) for n, t in fields.items()])
+
+
+def jsonl_batches(shard: Shard) -> Iterator[Pair]:
+    """A JSONL file as tables of one schema, each with its rows as parsed (two passes;
+    memory bounded by a batch)."""
+    schema = jsonl_schema(shard)
+    for rows in json_rows(shard):
+        yield table_of(rows, schema), rows
+
+
+# --- CSV ---------------------------------------------------------------------------------
+
+
+def _csv_reader(shard: Shard, convert: pacsv.ConvertOptions | None = None) -> pacsv.CSVStreamingReader:
+    try:
+        return pacsv.open_csv(shard.open_stream(), convert_options=convert)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"{shard.path}: not a CSV file: {exc}") from None
+
+
+def text_kind(arr: pa.Array) -> Kind:
+    """The kind of a CSV column's text values (nulls: empty or a null marker): int64 if
+    every value is an integer, float64 if a number (string if an integer among them is
+    past +-2^53: `widening.SAFE_INT`), else string."""
+    if arr.null_count == len(arr):
+        return NULL
+    ints = arr.filter(pc.match_substring_regex(arr, r"^[+-]?[0-9]+$"))
+    try:
+        int_kind = kind_of_array(ints.cast(pa.int64())) if len(ints) else NULL
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return STRING  # past int64: its text
+    if len(ints) == len(arr) - arr.null_count:
+        return int_kind
+    try:
+        arr.cast(pa.float64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return STRING
+    return join(int_kind, Kind(pa.float64()))
+
+
+def csv_schema(shard: Shard) -> pa.Schema:
+    """One schema for a whole CSV file (see the module docstring)."""
+    names = _csv_reader(shard).schema.names
+    as_text = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, strings_can_be_null=True)
+    kinds = dict.fromkeys(names, NULL)
+    try:
+        for batch in _csv_reader(shard, as_text):
+            for name, col in zip(batch.schema.names, batch.columns):
+                kinds[name] = join(kinds[name], text_kind(col))
+    except pa.ArrowInvalid as exc:
+        raise InputError(f"{shard.path}: bad CSV: {exc}") from None
+    return pa.schema([(n, pa.string() if pa.types.is_null(k.type) else k.type) for n, k in kinds.items()])
+
+
+def csv_batches(shard: Shard) -> Iterator[Pair]:
+    schema = csv_schema(shard)
+    reader = _csv_reader(shard, pacsv.ConvertOptions(column_types=schema))
+    pending: list[pa.RecordBatch] = []
+    rows = 0
+    try:
+        for batch in reader:  # pyarrow's blocks: cut (or gathered) to CHUNK_ROWS
+            pending.append(batch)
+            rows += batch.num_rows
+            while rows >= CHUNK_ROWS:
+                table = pa.Table.from_batches(pending, reader.schema)
+                yield table.slice(0, CHUNK_ROWS), None
+                rest = table.slice(CHUNK_ROWS)
+                pending, rows = rest.to_batches(), rest.num_rows
+    except pa.ArrowInvalid as exc:
+        raise InputError(f"{shard.path}: bad CSV: {exc}") from None
+    if rows:
+        yield pa.Table.from_batches(pending, reader.schema), None
