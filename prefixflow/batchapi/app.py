@@ -28,7 +28,7 @@ from prefixflow.batchapi import batches as b
 from prefixflow.batchapi import lifecycle, upload
 from prefixflow.batchapi.runner import Runner
 from prefixflow.batchapi.store import BatchRec, Store, new_id, now
-from prefixflow.batchapi.tenants import tenant_of
+from prefixflow.shared.api_keys import tenant_of
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 
 

@@ -13,7 +13,7 @@ import uvicorn
 from prefixflow.batchapi.app import make_app
 from prefixflow.batchapi.runner import Runner
 from prefixflow.batchapi.store import Store
-from prefixflow.batchapi.tenants import load_keys
+from prefixflow.shared.api_keys import load_keys
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
 

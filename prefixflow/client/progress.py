@@ -61,7 +61,7 @@ def engines_note(fleet: FleetProgress) -> str:
 def progress_note(st: m.JobStatus | None, fleet: FleetProgress | None = None, job: str = "") -> str:
     """The progress bar's tail: prompts under way and the fleet's tokens/s (before and
     between written rows), then the sink's rate, hit rate so far, ETA and errors."""
-    from prefixflow.client.status import fmt_duration
+    from prefixflow.client.fmt import fmt_duration
 
     parts = []
     if fleet is not None and fleet.latest:

@@ -32,6 +32,7 @@ import msgspec
 import nats.errors
 from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
+from prefixflow.client.fmt import fmt_duration
 from prefixflow.client.waiting import Waiting, engine_statuses, waiting_on
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.wire import messages as m
@@ -46,16 +47,6 @@ RATE_SPAN = 5.0
 
 IN_PROGRESS = ("queued", "running", "cancelling")
 """Job states that still wait on rows."""
-
-
-def fmt_duration(seconds: float | None) -> str:
-    """H:MM:SS (or M:SS under an hour); '?' when unknown."""
-    if seconds is None or seconds != seconds or seconds == float("inf"):
-        return "?"
-    s = int(round(seconds))
-    h, rest = divmod(s, 3600)
-    mi, sec = divmod(rest, 60)
-    return f"{h}:{mi:02d}:{sec:02d}" if h else f"{mi}:{sec:02d}"
 
 
 @dataclass
@@ -194,7 +185,7 @@ def cmd_status(args) -> None:
                 statuses, now = await engine_statuses(nc), time.time()
                 for v in views:
                     if v.state in IN_PROGRESS:
-                        v.waiting = waiting_on(v, statuses, now)
+                        v.waiting = waiting_on(v.job, v.rows, v.total, statuses, now)
             return views
         except nats.errors.Error as exc:
             raise SystemExit(f"cannot read the job buckets: {exc!r} (with NATS users, pass a JOB id or use a user that may list jobs)") from None

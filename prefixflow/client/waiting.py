@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
+from prefixflow.client.fmt import fmt_duration
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
-
-if TYPE_CHECKING:
-    from prefixflow.client.status import JobView
 
 STATUS_LISTEN = 1.0
 """Seconds `status` listens to the engines' statuses for a job in progress (several each)."""
@@ -23,13 +20,6 @@ TAIL_ROWS = 16
 """A job in progress with at most this many rows left is in its tail: `status` names them."""
 STUCK_SECONDS = 60.0
 """A row this long in an engine is named by `status` whatever the job's rows left."""
-
-
-def fmt_ago(seconds: float | None) -> str:
-    """H:MM:SS (or M:SS under an hour), as `status` prints durations."""
-    from prefixflow.client.status import fmt_duration
-
-    return fmt_duration(seconds)
 
 
 @dataclass
@@ -57,17 +47,18 @@ class Waiting:
             return f"{job}: waiting on {left} rows, none in an engine (still being ingested, bucketed or routed)"
         shown = ", ".join(map(repr, self.ids)) + (", ..." if self.in_engines > len(self.ids) else "")
         text = (f"{job}: waiting on {left} rows: {self.in_engines} in engines (ids {shown}), the oldest admitted "
-                f"{fmt_ago(self.oldest_seconds)} ago on replica {self.replica}")
+                f"{fmt_duration(self.oldest_seconds)} ago on replica {self.replica}")
         if self.rows is not None and self.rows > self.in_engines:
             text += f"; {self.rows - self.in_engines} not in an engine yet"
         return text
 
 
-def waiting_on(view: JobView, statuses: list[m.EngineStatus], now: float) -> Waiting:
-    """What `view`'s job waits on, from the latest status of each live replica."""
-    left = None if view.total is None else max(view.total - view.rows, 0)
+def waiting_on(job: str, rows: int, total: int | None, statuses: list[m.EngineStatus], now: float) -> Waiting:
+    """What `job` (`rows` written of `total`; None: not sealed) waits on, from the latest
+    status of each live replica."""
+    left = None if total is None else max(total - rows, 0)
     waiting = Waiting(left)
-    found = sorted(((row.admitted_at, st.replica, row) for st in statuses for row in st.oldest if row.job == view.job),
+    found = sorted(((row.admitted_at, st.replica, row) for st in statuses for row in st.oldest if row.job == job),
                    key=lambda found: found[0])
     for admitted, replica, row in found:
         waiting.in_engines += row.count

@@ -40,15 +40,13 @@ import json
 import os
 import secrets
 import shlex
-from dataclasses import dataclass
 from pathlib import Path
 
 import bcrypt
 
-from prefixflow.batchapi.tenants import key_problem, render_keys_file
+from prefixflow.shared.api_keys import key_problem, render_keys_file
 from prefixflow.launch import fleet_pki
-from prefixflow.launch.fleet_nats import HEADER, render_permissions, render_server, render_users, tls_paths
-from prefixflow.shared.wire.permissions import user_name
+from prefixflow.launch.fleet_nats import HEADER, Node, User, render_permissions, render_server, render_users, tls_paths
 from prefixflow.shared.wire.subjects import tenant_problem
 
 DEFAULTS = {
@@ -67,40 +65,7 @@ CLIENT_ROLES = ("admin", "submitter")
 BCRYPT_ROUNDS = 10
 """Cost of the servers' password check (once per connection)."""
 API_KEYS_FILE = "api-keys"
-"""The batch API's keys file on the head node (`prefixflow/batchapi/tenants.py`)."""
-
-
-@dataclass(frozen=True)
-class Node:
-    name: str
-    host: str
-    """Address (or DNS name) clients and the other servers use to reach this node."""
-    client_port: int
-    cluster_port: int
-    monitor_port: int
-    """0: no monitoring endpoint."""
-
-
-@dataclass(frozen=True)
-class User:
-    """One NATS user: a process of `role` (`name`: its node or replica, for the roles
-    whose processes each have their own), or a client role."""
-
-    role: str
-    name: str = ""
-
-    @property
-    def user(self) -> str:
-        return user_name(self.role, self.name)
-
-    @property
-    def env_file(self) -> str:
-        """Its env file in the node's (or the clients') directory."""
-        if self.role == "tenant":
-            return f"tenant-{self.name}.env"
-        if self.role == "engine-worker":
-            return f"engine-worker-{self.name.rsplit('-gpu', 1)[1]}.env"
-        return f"{self.role}.env"
+"""The batch API's keys file on the head node (`prefixflow/shared/api_keys.py`)."""
 
 
 def engine_instances(spec: str) -> list[str]:
@@ -208,7 +173,7 @@ def render_user_env(u: User, password: str, node: Node | None, args: argparse.Na
     if keys_file:
         # NOTE: keys travel in a file of their own, never in an env file: env file parsers
         # differ on `#`, quotes and backslashes (honcho, systemd), a key may hold any of them.
-        lines += ["# The tenants' API keys: TENANT KEY lines (prefixflow/batchapi/tenants.py).",
+        lines += ["# The tenants' API keys: TENANT KEY lines (prefixflow/shared/api_keys.py).",
                   f"PFX_API_KEYS_FILE={keys_file}"]
     return "\n".join(lines) + "\n"
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion
 
 from prefixflow.batchapi import batches as b
-from prefixflow.batchapi.tenants import OPEN_TENANT, load_keys, parse_keys, parse_keys_file, render_keys_file, tenant_of
+from prefixflow.shared.api_keys import OPEN_TENANT, load_keys, parse_keys, parse_keys_file, render_keys_file, tenant_of
 from prefixflow.services.sink.export import write_lines
 
 pytestmark = pytest.mark.unit

@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixflow.cli.main import parse_args, sampling_from
-from prefixflow.client.status import JobView
 from prefixflow.client.waiting import waiting_on
 from prefixflow.services.engine_worker.engines.echo import STALL, EchoEngine
 from prefixflow.services.sink.writer import JobOutput
@@ -134,17 +133,16 @@ def test_a_late_result_never_replaces_the_timed_out_row_and_is_counted(tmp_path)
 
 
 def test_status_names_the_rows_a_job_waits_on():
-    view = JobView("j", "running", rows=28, total=30)
     statuses = [
         m.EngineStatus("r0", 0.0, oldest=[m.InEngine("j", 1, [13], 100.0), m.InEngine("other", 4, [1, 2], 50.0)]),
         m.EngineStatus("r1", 0.0, oldest=[m.InEngine("j", 1, ["x"], 90.0)]),
     ]
-    waiting = waiting_on(view, statuses, now=112.0)
+    waiting = waiting_on("j", 28, 30, statuses, now=112.0)
     assert (waiting.rows, waiting.in_engines, waiting.ids, waiting.replica) == (2, 2, ["x", 13], "r1")
     assert waiting.oldest_seconds == 22.0 and waiting.stuck()
     assert waiting.line("j") == "j: waiting on 2 rows: 2 in engines (ids 'x', 13), the oldest admitted 0:22 ago on replica r1"
-    none = waiting_on(JobView("k", "running", rows=0, total=1000), statuses, now=112.0)
+    none = waiting_on("k", 0, 1000, statuses, now=112.0)
     assert none.in_engines == 0 and not none.stuck()
     assert "none in an engine" in none.line("k")
-    far = waiting_on(JobView("other", "running", rows=0, total=1000), statuses, now=112.0)
+    far = waiting_on("other", 0, 1000, statuses, now=112.0)
     assert far.stuck() and far.line("other").endswith("; 996 not in an engine yet")  # 62 s in an engine

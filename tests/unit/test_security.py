@@ -358,7 +358,7 @@ def test_cluster_config_writes_each_node_only_its_own_secrets(tmp_path, capsys):
 
 
 def test_cluster_config_gives_each_tenant_an_api_key_in_the_heads_keys_file(tmp_path, monkeypatch):
-    from prefixflow.batchapi.tenants import load_keys
+    from prefixflow.shared.api_keys import load_keys
     from prefixflow.launch import fleet_config
 
     monkeypatch.setattr(fleet_config, "BCRYPT_ROUNDS", 4)  # the cheapest hash: not what is tested here

@@ -20,12 +20,9 @@ Pure: no I/O (the sink compares too, so this lives in `shared`).
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
-
-if TYPE_CHECKING:
-    from prefixflow.shared.wire.messages import JobSpec
 
 SPEC_FIELDS = ("model", "task", "chat_template", "chat_template_kwargs")
 """The `JobSpec` fields (besides `sampling`, which is taken field by field) that change a
@@ -69,8 +66,9 @@ def not_default(struct: msgspec.Struct) -> dict[str, Any]:
     return out
 
 
-def spec_fields(spec: JobSpec) -> dict[str, str]:
-    """The spec part of a job's fingerprint: each field that changes its outputs and is
+def spec_fields(spec: Any) -> dict[str, str]:
+    """The spec part of a job's fingerprint (`spec`: a `messages.JobSpec`, which holds a
+    `Fingerprint`, so it is not imported here): each field that changes its outputs and is
     not at its default."""
     doc = not_default(spec)
     out = {name: canonical(doc[name]) for name in SPEC_FIELDS if name in doc}
