@@ -174,7 +174,7 @@ class Torture:
         if isinstance(result, Outcome):
             return result
         code, stderr = result
-        if plan.entry == "run":
+        if plan.entry == "run" or job is None:  # `run` stopped its cluster; no --job: the id is the CLI's
             return entries.outcome_of_run(code, stderr, out)
         return entries.outcome_of(code, stderr, await entries.status_of(self.cluster.url, job or plan.job))
 
