@@ -27,13 +27,16 @@ def entry_list(text: str) -> str:
     return text
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("torture", help="seeded torture rounds on real processes, checked against the contract",
+def add_parser(sub, *, minutes: float | None = None) -> None:
+    """`prefixflow torture` (and, with `minutes`, `prefixflow bench torture`: the long run)."""
+    p = sub.add_parser("torture", help="seeded torture rounds on real processes, checked against the contract"
+                       + (f" (the long run: {minutes:g} minutes by default)" if minutes else ""),
                        description=DESCRIPTION)
     p.add_argument("--seed", type=int, default=0, help="the seed every round draws from (default 0)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds to play (default: 10, or as many as --minutes allows)")
-    p.add_argument("--minutes", type=float, default=None, help="play rounds until this many minutes have passed")
+    p.add_argument("--minutes", type=float, default=minutes,
+                   help=f"play rounds until this many minutes have passed (default {minutes or 'none'})")
     p.add_argument("--round", type=int, default=0, metavar="R",
                    help="the first round's number (a replay: --seed S --round R --rounds 1) (default 0)")
     p.add_argument("--entries", type=entry_list, default=",".join(ENTRIES),

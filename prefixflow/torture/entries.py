@@ -69,6 +69,15 @@ async def command(argv: list[str], log_path: Path, env: dict[str, str], timeout:
     return code, log_path.with_suffix(".err").read_text(errors="replace")
 
 
+def run_submitted(log_path: Path) -> bool:
+    """Whether `prefixflow run` (its stdout in `log_path`) has submitted its job: from
+    then on it restarts a process that dies (before, a death fails its start-up)."""
+    try:
+        return b"submitting job" in log_path.read_bytes()
+    except OSError:
+        return False
+
+
 def pids_of_run(workdir: Path) -> dict[str, int]:
     """The pids `prefixflow run --workdir` lists now (empty before it has started)."""
     try:

@@ -17,6 +17,7 @@ import asyncio
 import hashlib
 import json
 import random
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -160,8 +161,8 @@ class Torture:
             pids = self.cluster_pids if plan.entry == "submit" else lambda: entries.pids_of_run(workdir)
         task = asyncio.ensure_future(work)
         if plan_faults:
-            if plan.entry == "run":  # faults from when `run` has its cluster up (before: a start-up failure)
-                while not task.done() and not entries.pids_of_run(workdir):
+            if plan.entry == "run":  # faults once `run` supervises (before: a start-up failure, by design)
+                while not task.done() and not entries.run_submitted(rdir / f"{name}.log"):
                     await asyncio.sleep(0.1)
             injecting = asyncio.ensure_future(inj.run(plan_faults, pids, mount))
             await asyncio.wait({task}, return_when=asyncio.ALL_COMPLETED)
@@ -315,6 +316,10 @@ def main(args) -> None:
     torture = Torture(args.seed, workdir, rounds=rounds, minutes=args.minutes, first_round=args.round,
                       entry_points=entry_points, model=model, say=lambda text: print(text, flush=True),
                       max_rows=args.max_rows)
+    def interrupted(signum, frame):  # SIGTERM as Ctrl-C: rounds cancelled, subprocesses killed, cluster stopped
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
     summary = asyncio.run(torture.main())
     text = json.dumps(summary, indent=1)
     (workdir / "torture.json").write_text(text)
