@@ -13,6 +13,7 @@ def add_parsers(sub) -> None:
     from prefixflow.bench.pipeline import add_pipeline_parser
     from prefixflow.bench.router import add_router_parser
     from prefixflow.bench.soak import add_soak_parser
+    from prefixflow.torture.commands import add_parser as add_torture_parser
 
     add_methods_parser(sub)
     add_pipeline_parser(sub)
@@ -23,3 +24,4 @@ def add_parsers(sub) -> None:
     add_fairness_parser(sub)
     add_lora_parser(sub)
     add_batch_limits_parser(sub)
+    add_torture_parser(sub, minutes=60.0)  # the long torture run (docs/torture.md)

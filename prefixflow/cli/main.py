@@ -12,6 +12,7 @@
     prefixflow status [JOB] [--nats URL]            jobs: rows, errors, rate, hit rate, ETA
     prefixflow top [--nats URL]                     live view of replicas, bucketers, jobs
     prefixflow report OUTDIR                        plots of a job (OUTDIR/_report/)
+    prefixflow torture --seed N [--minutes M]       seeded torture rounds, checked (docs/torture.md)
 """
 
 from __future__ import annotations
@@ -378,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parsers(p.add_subparsers(dest="bench", required=True))
 
     from prefixflow.sim.commands import add_parser as add_simulate_parser
+    from prefixflow.torture.commands import add_parser as add_torture_parser
+
+    add_torture_parser(sub)  # prefixflow torture (docs/torture.md)
 
     add_simulate_parser(sub)  # prefixflow simulate (docs/simulator.md)
 

@@ -127,8 +127,9 @@ def test_invalid_utf8_in_msgpack_string():
 
 @pytest.mark.parametrize("prompt", ["", " ", "\n\t  ", "\u3000"])
 def test_empty_prompt(prompt):
-    r = parse(json.dumps({"id": 1, "prompt": prompt}).encode())
-    assert r == Rejected(1, "empty prompt")
+    r = parse(json.dumps({"id": 1, "prompt": prompt, "tag": 7}).encode())
+    assert (r.id, r.error) == (1, "empty prompt")
+    assert msgspec.msgpack.decode(r.columns) == {"prompt": prompt, "tag": 7}  # its error row keeps its fields
 
 
 @pytest.mark.parametrize("body", [{"id": 1}, {"id": 1, "prompt": None}, {"id": 1, "prompt": 5}, {"id": 1, "prompt": ["a"]}])

@@ -125,7 +125,7 @@ def plan_batch(
                 if parsed.id is None:
                     plan.dead[i] = parsed.error
                 else:
-                    plan.errors[job].append(m.error_result(parsed.id, parsed.error, src=parsed.src, row=parsed.row))
+                    plan.errors[job].append(m.error_result(parsed.id, parsed.error, **ref(job, parsed)))
                 continue
             try:  # chat rendering and the row's own sampling (`row.py`)
                 parsed, sampling, row_spec, lora = prepare_row(parsed, lookup.spec, model.render_chat, model.names)

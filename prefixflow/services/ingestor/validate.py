@@ -55,6 +55,9 @@ class Rejected(msgspec.Struct):
     src: int = -1
     """Where the row's input columns are kept, when it said (its error row gets them)."""
     row: int = -1
+    columns: bytes = b""
+    """A raw row's own fields (msgpack map, as `Record.columns`) when its body was read:
+    its error row keeps them, as a good row would."""
 
 
 def header_id(headers: dict[str, str] | None) -> PromptId | None:
@@ -114,6 +117,8 @@ def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
         body = {k: v for k, v in body.items() if k in PLAN_FIELDS}
     ref = {"src": src, "row": row}
     token_ids = body.pop("prompt_token_ids", None)
+    if src < 0:  # a raw row: its fields are its input columns, kept on its error row too
+        ref["columns"] = _columns_encoder.encode(body)
     given = [k for k, v in (("prompt", body.get("prompt")), ("messages", body.get("messages")), ("prompt_token_ids", token_ids))
              if v is not None]
     if len(given) > 1:
@@ -124,15 +129,15 @@ def _record(body: dict[str, Any], hid: PromptId | None) -> Record | Rejected:
             return Rejected(rid, **ref, error="invalid 'prompt_token_ids' (want a list of token ids)")
         if not packed:
             return Rejected(rid, **ref, error="empty prompt")
-        return Record(rid, "", _columns_encoder.encode(body), packed, **ref)
+        return Record(rid, "", _columns_encoder.encode(body), packed, src=src, row=row)
     prompt = body.get("prompt")
     if prompt is None and body.get("messages") is not None:
-        return Record(rid, "", _columns_encoder.encode(body), messages=body["messages"], **ref)
+        return Record(rid, "", _columns_encoder.encode(body), messages=body["messages"], src=src, row=row)
     if not isinstance(prompt, str):
         return Rejected(rid, **ref, error="missing 'prompt' (want a string, 'messages' or 'prompt_token_ids')")
     if not prompt.strip():
         return Rejected(rid, **ref, error="empty prompt")
-    return Record(rid, prompt, _columns_encoder.encode(body), **ref)
+    return Record(rid, prompt, _columns_encoder.encode(body), src=src, row=row)
 
 
 def _bad_utf8(data: bytes) -> bool:

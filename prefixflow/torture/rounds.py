@@ -1,0 +1,93 @@
+"""A torture round's plan, drawn from (seed, round) alone, so that `--seed S --round R
+--rounds 1` replays it (the draws; the processes' timing is the machine's), and its
+result. Pure: no I/O."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from prefixflow.torture import datasets, faults
+from prefixflow.torture.checkers import Violation
+from prefixflow.torture.known import known_for
+
+CLUSTER_PROCESSES = ("nats", "ingestor", "bucketer", "router", "engine0", "sink")
+"""What faults may hit: every process of a one-replica local cluster."""
+
+
+@dataclass
+class RoundPlan:
+    seed: int
+    round: int
+    entry: str
+    dataset: datasets.Dataset
+    faults: list[faults.Fault]
+    second: str | None
+    """After a first job done: `refuse` (another input into its --out: exit 2, output
+    untouched) or `overwrite` (that, then the same with --overwrite: the new job's rows)."""
+    second_dataset: datasets.Dataset | None
+    rng: random.Random
+    """What is left of the round's stream (publish order...)."""
+
+    @property
+    def job(self) -> str:
+        return f"t{self.seed}-r{self.round}"
+
+    def describe(self) -> str:
+        what = ", ".join(self.dataset.features) or "plain"
+        extra = f", then {self.second}" if self.second else ""
+        return (f"{self.entry} {self.dataset.kind} {len(self.dataset.ids())} ids ({what}){extra}; faults: "
+                + ("; ".join(map(str, self.faults)) or "none"))
+
+
+def rng_for(seed: int, round_: int) -> random.Random:
+    return random.Random(f"prefixflow-torture:{seed}:{round_}")
+
+
+def plan_round(seed: int, round_: int, entries: tuple[str, ...], *, disk: bool, max_rows: int = 200) -> RoundPlan:
+    rng = rng_for(seed, round_)
+    entry = rng.choice(entries)
+    kind = "raw" if entry == "raw" else rng.choice(("parquet", "jsonl"))
+    ds = datasets.draw(rng, kind, max_rows=max_rows)
+    plan = faults.plan(rng, list(CLUSTER_PROCESSES), disk=disk)
+    second = rng.choice((None, None, "refuse", "overwrite")) if entry != "raw" else None
+    ds2 = datasets.draw(rng, kind, max_rows=max_rows) if second else None
+    return RoundPlan(seed, round_, entry, ds, plan, second, ds2, rng)
+
+
+def replay_command(seed: int, round_: int, entries: tuple[str, ...]) -> str:
+    extra = "" if set(entries) == {"run", "submit", "raw"} else f" --entries {','.join(entries)}"
+    return f"prefixflow torture --seed {seed} --round {round_} --rounds 1{extra}"
+
+
+@dataclass
+class RoundResult:
+    seed: int
+    round: int
+    entry: str
+    description: str
+    faults_done: list[str] = field(default_factory=list)
+    checks: dict[str, int] = field(default_factory=dict)
+    """Invariant checks passed, by invariant."""
+    violations: list[Violation] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def passed(self, invariant: str) -> None:
+        self.checks[invariant] = self.checks.get(invariant, 0) + 1
+
+    def record(self, invariant: str, found: list[Violation]) -> None:
+        """One invariant's check: passed, or its violations kept."""
+        if found:
+            self.violations.extend(found)
+        else:
+            self.passed(invariant)
+
+    @property
+    def unknown(self) -> list[Violation]:
+        return [v for v in self.violations if known_for(str(v)) is None]
+
+    @property
+    def verdict(self) -> str:
+        if not self.violations:
+            return "ok"
+        return "FAILED" if self.unknown else "known"

@@ -1,0 +1,335 @@
+"""`prefixflow torture`: seeded rounds on real processes, each checked against the
+contract (docs/torture.md). The round's plan is `rounds.plan_round`; this carries it out:
+
+1. write the input (or keep the rows to publish), mount a small tmpfs for `--out` if the
+   plan has a full disk;
+2. run the entry point while the injector carries out the faults (on the harness's
+   long-lived cluster, which it supervises itself, or on `prefixflow run`'s own);
+3. a paused job (exit 75) is run again by the same command once the space is back;
+4. check: exit code and status, ids, columns, summary;
+5. another input into the same --out (exit 2, output untouched; then --overwrite);
+6. the cluster: every process alive and ready, and a clean job through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from prefixflow.torture import checkers, entries, faults
+from prefixflow.torture.checkers import Outcome, Violation
+from prefixflow.torture.datasets import Dataset, write
+from prefixflow.torture.known import known_for
+from prefixflow.torture.rounds import CLUSTER_PROCESSES, RoundPlan, RoundResult, plan_round, replay_command
+
+log = structlog.get_logger()
+
+ALIVE_WAIT = 90.0
+"""Seconds the cluster has after a round to have every process running and ready."""
+CLEAN_ROWS = 8
+ECHO_ENV = {"PFX_ECHO_DELAY": "0.1", "PFX_WINDOW": "4"}
+"""Echo engines at ~40 prompts/s: a round's job lasts seconds, long enough for its faults."""
+
+
+def tree_digest(out: Path) -> str:
+    """A digest of every file under `out` (names and bytes): "the output is untouched"."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(out)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+class Torture:
+    def __init__(self, seed: int, workdir: Path, *, rounds: int | None = None, minutes: float | None = None,
+                 first_round: int = 0, entry_points: tuple[str, ...] = entries.ENTRIES, cluster=None,
+                 model: str = "", say: Callable[[str], None] = print, max_rows: int = 200) -> None:
+        self.seed, self.workdir = seed, workdir
+        self.rounds, self.minutes, self.first_round = rounds, minutes, first_round
+        self.entry_points, self.say, self.max_rows = entry_points, say, max_rows
+        self.model = model
+        self.cluster = cluster
+        self.own_cluster = cluster is None
+        self.broken: Exception | None = None
+        self.fault_counts: Counter = Counter()
+        self.results: list[RoundResult] = []
+        self.disk = faults.can_mount()
+        self.env = {**ECHO_ENV, **({"PFX_MODEL": model} if model else {})}
+
+    # -- the long-lived cluster ---------------------------------------------------------------
+
+    async def ensure_cluster(self):
+        from prefixflow.launch.local_cluster import LocalCluster, processes
+
+        if self.cluster is None:
+            self.cluster = LocalCluster(processes(1, engine="echo"), workdir=self.workdir / "cluster",
+                                        env={**self.env, "PFX_OUT_ROOT": str(self.workdir)},
+                                        on_event=lambda text: self.say(f"  cluster: {text}"))
+            self.cluster.start()
+            await self.cluster.wait_ready(["r0"], 120)
+            self.own_cluster = True
+        return self.cluster
+
+    async def supervise(self) -> None:
+        from prefixflow.launch.local_cluster import ClusterFailed
+
+        while True:
+            if self.cluster is not None:
+                try:
+                    self.cluster.supervise()
+                except ClusterFailed as exc:
+                    self.broken = exc
+                except Exception as exc:  # noqa: BLE001 - this loop must not die silently: the round reports it
+                    self.broken = exc
+                    log.exception("supervising failed")
+            await asyncio.sleep(0.25)
+
+    def cluster_pids(self) -> dict[str, int]:
+        running = self.cluster.running if self.cluster is not None else {}
+        return {name: proc.pid for name, proc in running.items() if proc.poll() is None}
+
+    async def check_alive(self, result: RoundResult) -> None:
+        """Every process running and ready again (the supervisor restarted what a fault
+        killed), then a clean job through the cluster."""
+        from prefixflow.launch.local_cluster import wait_replicas_ready
+
+        c = self.cluster
+        deadline = time.monotonic() + ALIVE_WAIT
+        while time.monotonic() < deadline and self.broken is None:
+            if all(n in c.ready_now and n not in c.due and c.running[n].poll() is None for n in CLUSTER_PROCESSES):
+                break
+            await asyncio.sleep(0.25)
+        else:
+            down = [n for n in CLUSTER_PROCESSES if n not in c.ready_now or c.running[n].poll() is not None]
+            why = f"the supervisor gave up: {self.broken}" if self.broken else f"not back in {ALIVE_WAIT:.0f} s: {down}"
+            result.record("alive", [Violation("alive", why)])
+            await self.restart_cluster()
+            return
+        try:
+            await wait_replicas_ready(c.url, ["r0"], ALIVE_WAIT)
+        except TimeoutError as exc:
+            result.record("alive", [Violation("alive", str(exc))])
+            await self.restart_cluster()
+            return
+        result.passed("alive")
+        clean = Dataset("raw", [{"id": i, "prompt": f"clean row {i}"} for i in range(CLEAN_ROWS)])
+        out = self.workdir / "rounds" / f"r{result.round}" / "clean"
+        outcome = await entries.publish_raw(c.url, f"clean-{self.seed}-{result.round}", out, clean,
+                                            random.Random(0), 60.0)
+        found = checkers.check_exit(outcome, CLEAN_ROWS)
+        if outcome.code == 0:
+            found += checkers.check_ids(clean, checkers.read_output(out))
+        result.record("clean-job", [Violation("clean-job", str(v)) for v in found])
+
+    async def restart_cluster(self) -> None:
+        if self.cluster is not None and self.own_cluster:
+            self.cluster.stop()
+            self.cluster = None
+            self.broken = None
+            await self.ensure_cluster()
+
+    # -- a round --------------------------------------------------------------------------------
+
+    async def job(self, plan: RoundPlan, ds: Dataset, out: Path, *, job: str | None, overwrite: bool,
+                  name: str, mount: Path | None = None) -> Outcome:
+        """One job of the round through its entry point, with the plan's faults (only
+        for the round's first job: `name == "job"`)."""
+        rdir = out.parent if mount is None else mount.parent
+        inj = faults.Injector(self.fault_counts)
+        plan_faults = plan.faults if name == "job" else []
+        if plan.entry == "raw":
+            work = entries.publish_raw(self.cluster.url, plan.job, out, ds, plan.rng, entries.JOB_TIMEOUT)
+            pids = self.cluster_pids
+        else:
+            input_path = rdir / f"{name}{ds.suffix()}"
+            write(ds, input_path)
+            workdir = rdir / f"{name}-cluster"
+            argv = entries.job_argv(plan.entry, input_path, out, job, url=self.cluster.url if self.cluster else "",
+                                    workdir=workdir, overwrite=overwrite)
+            env = {**self.env, "PFX_OUT_ROOT": str(self.workdir)} if plan.entry == "run" else self.env
+            (rdir / f"{name}.cmd").write_text("prefixflow " + " ".join(argv) + "\n")
+            work = entries.command(argv, rdir / f"{name}.log", env, entries.JOB_TIMEOUT + 30)
+            pids = self.cluster_pids if plan.entry == "submit" else lambda: entries.pids_of_run(workdir)
+        task = asyncio.ensure_future(work)
+        if plan_faults:
+            if plan.entry == "run":  # faults once `run` supervises (before: a start-up failure, by design)
+                while not task.done() and not entries.run_submitted(rdir / f"{name}.log"):
+                    await asyncio.sleep(0.1)
+            injecting = asyncio.ensure_future(inj.run(plan_faults, pids, mount))
+            await asyncio.wait({task}, return_when=asyncio.ALL_COMPLETED)
+            injecting.cancel()
+            await asyncio.gather(injecting, return_exceptions=True)
+            if mount is not None:
+                faults.grow(mount)  # the space comes back in any case before the rerun
+        self.last_faults = inj.done
+        result = await task
+        if isinstance(result, Outcome):
+            return result
+        code, stderr = result
+        if plan.entry == "run" or job is None:  # `run` stopped its cluster; no --job: the id is the CLI's
+            return entries.outcome_of_run(code, stderr, out)
+        return entries.outcome_of(code, stderr, await entries.status_of(self.cluster.url, job or plan.job))
+
+    async def play(self, plan: RoundPlan) -> RoundResult:
+        result = RoundResult(plan.seed, plan.round, plan.entry, plan.describe())
+        rdir = self.workdir / "rounds" / f"r{plan.round}"
+        rdir.mkdir(parents=True, exist_ok=True)
+        if plan.entry != "run":
+            await self.ensure_cluster()
+        mount = None
+        if any(f.kind == "disk_full" for f in plan.faults):
+            mount = rdir / "disk"
+            if (why := faults.mount_small(mount)) is not None:
+                self.say(f"note: no full-disk fault this round (cannot mount a tmpfs: {why})")
+                mount = None
+            else:
+                self.fault_counts["disk_full"] += 1
+        out = (mount or rdir) / "out"
+        try:
+            outcome = await self.job(plan, plan.dataset, out, job=plan.job, overwrite=False, name="job", mount=mount)
+            result.faults_done = self.last_faults
+            if outcome.code == 75 and mount is not None:  # paused for its disk: space is back, the same again
+                result.record("exit", checkers.check_exit(outcome, len(plan.dataset.ids())))
+                outcome = await self.job(plan, plan.dataset, out, job=plan.job, overwrite=False, name="again")
+            self.check_output(result, plan.dataset, out, outcome)
+            if plan.second and outcome.code == 0:
+                await self.second_input(plan, result, out)
+        finally:
+            if mount is not None:
+                faults.unmount(mount)
+        if plan.entry != "run":
+            await self.check_alive(result)
+        return result
+
+    def check_output(self, result: RoundResult, ds: Dataset, out: Path, outcome: Outcome) -> None:
+        expected = len(ds.ids())
+        result.record("exit", checkers.check_exit(outcome, expected))
+        if outcome.code != 0:
+            return
+        found = checkers.read_output(out)
+        result.record("ids", checkers.check_ids(ds, found))
+        result.record("columns", checkers.check_columns(ds, found))
+        result.record("summary", checkers.check_summary(out, found))
+
+    async def second_input(self, plan: RoundPlan, result: RoundResult, out: Path) -> None:
+        """Another input into the finished job's --out: refused (exit 2), the output
+        untouched; with --overwrite (plan `overwrite`) the new job's rows."""
+        assert plan.second_dataset is not None
+        before = tree_digest(out)
+        refused = await self.job(plan, plan.second_dataset, out, job=None, overwrite=False, name="second")
+        found = checkers.check_exit(refused, 0, refused=True)
+        if tree_digest(out) != before:
+            found.append(Violation("refusal", "the refused input changed the first job's output"))
+        result.record("refusal", found)
+        if plan.second == "overwrite":
+            again = await self.job(plan, plan.second_dataset, out, job=None, overwrite=True, name="overwrite")
+            self.check_output(result, plan.second_dataset, out, again)
+
+    # -- the whole run ---------------------------------------------------------------------------
+
+    async def main(self) -> dict[str, Any]:
+        watcher = asyncio.ensure_future(self.supervise())
+        t0 = time.monotonic()
+        r = self.first_round
+        try:
+            while True:
+                if self.rounds is not None and r - self.first_round >= self.rounds:
+                    break
+                if self.minutes is not None and time.monotonic() - t0 > self.minutes * 60:
+                    break
+                plan = plan_round(self.seed, r, self.entry_points, disk=self.disk, max_rows=self.max_rows)
+                self.say(f"round {r}: {plan.describe()}")
+                started = time.monotonic()
+                try:
+                    result = await self.play(plan)
+                except Exception as exc:  # noqa: BLE001 - the harness's own failure is a round's failure, reported
+                    result = RoundResult(plan.seed, plan.round, plan.entry, plan.describe())
+                    result.violations.append(Violation("crash", f"{type(exc).__name__}: {exc}"))
+                    log.exception("round crashed", round=r)
+                result.seconds = time.monotonic() - started
+                self.results.append(result)
+                self.report_round(result)
+                r += 1
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            if self.cluster is not None and self.own_cluster:
+                self.cluster.stop()
+        return self.summary(time.monotonic() - t0)
+
+    def report_round(self, result: RoundResult) -> None:
+        checks = sum(result.checks.values())
+        self.say(f"round {result.round}: {result.verdict} ({checks} checks passed, {result.seconds:.1f} s)"
+                 + "".join(f"\n  fault: {f}" for f in result.faults_done))
+        for v in result.violations:
+            k = known_for(str(v))
+            self.say(f"  {'known' if k else 'VIOLATION'} {v}" + (f" (belongs to {k.belongs_to})" if k else ""))
+        if result.violations:
+            self.say(f"  replay: {replay_command(result.seed, result.round, self.entry_points)}")
+
+    def summary(self, seconds: float) -> dict[str, Any]:
+        checks: Counter = Counter()
+        for res in self.results:
+            checks.update(res.checks)
+        failures = [{"seed": res.seed, "round": res.round, "entry": res.entry, "verdict": res.verdict,
+                     "plan": res.description, "faults": res.faults_done,
+                     "violations": [str(v) for v in res.violations],
+                     "replay": replay_command(res.seed, res.round, self.entry_points)}
+                    for res in self.results if res.violations]
+        return {"seed": self.seed, "rounds": len(self.results), "seconds": round(seconds, 1),
+                "entries": dict(Counter(res.entry for res in self.results)),
+                "faults": dict(self.fault_counts), "disk_faults": self.disk,
+                "checks_passed": dict(checks), "checks_passed_total": sum(checks.values()),
+                "ok": sum(res.verdict == "ok" for res in self.results),
+                "known": sum(res.verdict == "known" for res in self.results),
+                "failed": sum(res.verdict == "FAILED" for res in self.results), "failures": failures}
+
+
+def main(args) -> None:
+    """`prefixflow torture` (arguments: `prefixflow/torture/commands.py`)."""
+    import tempfile
+
+    from prefixflow.datagen.make_model import make_model
+    from prefixflow.shared.process import config as cfgmod
+
+    model = str(Path(args.model).resolve()) if args.model else ""
+    if not model:
+        model = str(Path(make_model(cfgmod.DEFAULT_MODEL)).resolve())
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="prefixflow-torture-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    entry_points = tuple(e for e in args.entries.split(",") if e)
+    rounds = args.rounds if args.rounds is not None else (None if args.minutes else 10)
+    print(f"torture: seed {args.seed}, rounds from {args.round}"
+          + (f", at most {rounds}" if rounds is not None else "") + (f", {args.minutes:g} minutes" if args.minutes else "")
+          + f", entries {','.join(entry_points)}; workdir {workdir}", flush=True)
+    if not faults.can_mount():
+        print("note: not root: the full-disk fault (a small tmpfs) is skipped", flush=True)
+    torture = Torture(args.seed, workdir, rounds=rounds, minutes=args.minutes, first_round=args.round,
+                      entry_points=entry_points, model=model, say=lambda text: print(text, flush=True),
+                      max_rows=args.max_rows)
+    def interrupted(signum, frame):  # SIGTERM as Ctrl-C: rounds cancelled, subprocesses killed, cluster stopped
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    summary = asyncio.run(torture.main())
+    text = json.dumps(summary, indent=1)
+    (workdir / "torture.json").write_text(text)
+    if args.json:
+        print(text)
+    print(f"torture: {summary['rounds']} rounds in {summary['seconds']:.0f} s: {summary['ok']} ok, "
+          f"{summary['known']} known, {summary['failed']} failed; faults {summary['faults']}; "
+          f"{summary['checks_passed_total']} checks passed; report {workdir / 'torture.json'}", flush=True)
+    for f in summary["failures"]:
+        if f["verdict"] == "FAILED":
+            print(f"FAILED seed {f['seed']} round {f['round']}: {f['violations'][0]}\n  replay: {f['replay']}", flush=True)
+    if summary["failed"]:
+        raise SystemExit(1)
