@@ -99,8 +99,9 @@ LAYERS: dict[str, set[str]] = {
     "batchapi": {"shared", "client"},
     "launch": {"shared", "services", "client", "datagen", "report"},
     "sim": {"shared", "services", "datagen"},
-    "bench": {"shared", "services", "client", "launch", "datagen", "report"},
-    "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench", "batchapi"},
+    "torture": {"shared", "services", "client", "launch", "datagen"},
+    "bench": {"shared", "services", "client", "launch", "datagen", "report", "torture"},
+    "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench", "batchapi", "torture"},
 }
 """Each package (under prefixflow/) and the packages it may import (function-level imports included): the
 layers of docs/architecture.md's map. Nothing imports upward, and `tests` is imported by
