@@ -102,7 +102,7 @@ def test_cancel_stops_a_job_and_keeps_its_rows(cluster, tiny_model, tmp_path):
     again = run_cli("cancel", "big", "--nats", url)
     assert again.returncode == 0 and "already cancelled" in again.stdout, again.stdout
     unknown = run_cli("cancel", "no-such-job", "--nats", url)
-    assert unknown.returncode == 2 and "no job 'no-such-job'" in unknown.stdout, unknown.stdout
+    assert unknown.returncode == 2 and "no job 'no-such-job'" in unknown.stderr, unknown.stdout + unknown.stderr
     resubmit = run_cli("submit", str(big), "--out", str(out), "--nats", url, "--job", "big", "--no-progress", timeout=60)
     assert resubmit.returncode == 1 and "submit under a new --job id" in resubmit.stderr, resubmit.stderr
 
