@@ -28,6 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from nats.js.errors import APIError
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixflow.batchapi import batches as b
 from prefixflow.batchapi import lifecycle, upload
@@ -77,6 +78,14 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # No such path (404) or method (405): OpenAI's shape, not Starlette's {"detail": ...}
+        status = HTTPStatus(exc.status_code)
+        if status not in API_ERRORS:  # none that routing raises today
+            status = HTTPStatus.BAD_REQUEST
+        return ApiError(status, f"{exc.detail}").response()
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -130,6 +130,7 @@ API_ERRORS: dict[HTTPStatus, str] = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
     HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "invalid_request_error",
+    HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
     HTTPStatus.INTERNAL_SERVER_ERROR: "server_error",
     HTTPStatus.INSUFFICIENT_STORAGE: "server_error",
