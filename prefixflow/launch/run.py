@@ -269,7 +269,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     restarts = {name: n for name, n in cluster.restart_counts().items() if n}
     print("restarts: " + (", ".join(f"{name} {n}" for name, n in restarts.items()) if restarts else "none"), flush=True)
     if error is not None:
-        print(error, file=sys.stderr, flush=True)
+        print(error if error.startswith("error: ") else f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(code)
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     # The summary on disk has the per-replica totals (the status keeps only the overall ones).
