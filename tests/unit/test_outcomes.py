@@ -327,7 +327,7 @@ def test_the_documented_codes_come_out_of_the_cli(tmp_path):
         (["cancel", "bad:id", "--nats", "nats://127.0.0.1:1"], Exit.USAGE, "invalid job id 'bad:id'"),
         (["status", "bad:id", "--nats", "nats://127.0.0.1:1"], Exit.USAGE, "invalid job id 'bad:id'"),
         (["run", str(tmp_path / "missing.parquet"), "--out", out, "--engine", "echo"], Exit.USAGE, "no such file"),
-        (["run", str(tmp_path / "in.txt"), "--out", out, "--engine", "echo"], Exit.USAGE, "want a .parquet or .jsonl"),
+        (["run", str(tmp_path / "in.txt"), "--out", out, "--engine", "echo"], Exit.USAGE, "want a Parquet (.parquet), JSON lines (.jsonl) or CSV"),
         (["submit", str(tmp_path / "missing.jsonl"), "--out", out, "--job", "j", "--nats", "nats://127.0.0.1:1"],
          Exit.USAGE, "no such file"),
         (["submit", str(good), "--out", out, "--job", "j", "--chat-template-kwargs", "[1]"], Exit.USAGE,
