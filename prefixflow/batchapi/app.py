@@ -5,7 +5,10 @@ vLLM (no new dependency). An upload is parsed as it streams (`prefixflow/batchap
 refused as soon as it passes the limit, spooled to a temporary file past 1 MiB, so a
 large file never sits in memory; from there it goes to the object store in chunks (a full
 store: 507). A malformed id is a 404 like any unknown one. Errors have OpenAI's shape (`{"error": {"message", "type",
-"param", "code"}}`), so the `openai` client raises its own exception types.
+"param", "code"}}`), so the `openai` client raises its own exception types; their
+statuses are `prefixflow.shared.outcomes.API_ERRORS` (docs/outcomes.md), FastAPI's own
+replies (422 for a body that does not validate, 404/405 of routing) and an unexpected
+error included.
 
 Every request names its tenant by its API key (`Authorization: Bearer`); records are
 keyed by tenant (`prefixflow/batchapi/store.py`), so another tenant's id is a 404.
@@ -16,13 +19,16 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from nats.js.errors import APIError
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixflow.batchapi import batches as b
 from prefixflow.batchapi import lifecycle, upload
@@ -30,13 +36,20 @@ from prefixflow.batchapi.runner import Runner
 from prefixflow.batchapi.store import BatchRec, Store, new_id, now
 from prefixflow.shared.api_keys import tenant_of
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
+from prefixflow.shared.outcomes import API_ERRORS
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, type_: str = "invalid_request_error",
-                 param: str | None = None) -> None:
+    """An error reply in OpenAI's shape; its status is one of `API_ERRORS` (docs/outcomes.md),
+    which also gives its `type`."""
+
+    def __init__(self, status: HTTPStatus, message: str, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.code, self.type, self.param = status, message, code, type_, param
+        self.status, self.message, self.code, self.type, self.param = status, message, code, API_ERRORS[status], param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
 
 
 ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -64,26 +77,46 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}},
-                            status_code=exc.status)
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # No such path (404) or method (405): OpenAI's shape, not Starlette's {"detail": ...}
+        status = HTTPStatus(exc.status_code)
+        if status not in API_ERRORS:  # none that routing raises today
+            status = HTTPStatus.BAD_REQUEST
+        return ApiError(status, f"{exc.detail}").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422 {"detail": ...} would not be OpenAI's shape: a 400, as OpenAI answers
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
+        return ApiError(HTTPStatus.BAD_REQUEST, f"invalid request: {problems}").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        # NOTE: Starlette re-raises it after this reply, so the server's log has the traceback;
+        # the client gets OpenAI's shape and no internals
+        return ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error ({type(exc).__name__}): the service's log "
+                        "has the details", "internal_error").response()
 
     async def tenant(authorization: str | None = Header(default=None)) -> str:
         who = tenant_of(keys, authorization)
         if who is None:
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)", "invalid_api_key",
-                           "authentication_error")
+            raise ApiError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key (Authorization: Bearer <key>)",
+                           "invalid_api_key")
         return who
 
     async def own_file(tenant: str, fid: str):
         rec = await store.file(tenant, fid) if well_formed(fid) else None
         if rec is None:
-            raise ApiError(404, f"no file {fid!r}", "not_found")
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no file {fid!r}", "not_found")
         return rec
 
     async def own_batch(tenant: str, bid: str) -> BatchRec:
         rec = await store.batch(tenant, bid) if well_formed(bid) else None
         if rec is None:
-            raise ApiError(404, f"no batch {bid!r}", "not_found")
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no batch {bid!r}", "not_found")
         return rec
 
     # --- files -------------------------------------------------------------------------
@@ -93,18 +126,19 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
         try:
             up = await upload.receive(request, cfg.max_file_bytes)
         except upload.TooLarge as exc:
-            raise ApiError(413, f"file over the limit of {exc.limit} bytes (refused after {exc.seen} bytes)",
-                           "file_too_large", param="file") from None
+            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"file over the limit of {exc.limit} bytes (refused "
+                           f"after {exc.seen} bytes)", "file_too_large", param="file") from None
         except upload.BadForm as exc:
-            raise ApiError(400, str(exc)) from None
+            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         try:
             if up.purpose not in ("batch", "batch_output", "user_data"):
-                raise ApiError(400, f"purpose {up.purpose!r}: this service keeps 'batch' files", param="purpose")
+                raise ApiError(HTTPStatus.BAD_REQUEST, f"purpose {up.purpose!r}: this service keeps 'batch' files",
+                               param="purpose")
             rec = await store.put_file(who, up.filename, up.purpose, up.file, up.lines)
         except APIError as exc:
             if upload.store_full(exc):
-                raise ApiError(507, f"the files store is full ({exc.description}): delete files or try later",
-                               "storage_full", "server_error") from None
+                raise ApiError(HTTPStatus.INSUFFICIENT_STORAGE, f"the files store is full ({exc.description}): "
+                               "delete files or try later", "storage_full") from None
             raise
         finally:
             up.file.close()
@@ -147,7 +181,7 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
             b.priority(body.metadata)
             b.check_input(await own_file(who, body.input_file_id), cfg.max_batch_bytes, cfg.max_requests)
         except b.Invalid as exc:
-            raise ApiError(400, str(exc), exc.code, param=exc.param) from None
+            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), exc.code, param=exc.param) from None
         bid, created = new_id("batch"), now()
         batch = {
             "id": bid, "object": "batch", "endpoint": body.endpoint, "input_file_id": body.input_file_id,
@@ -182,7 +216,7 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
         # A compare-and-set: a runner's write cannot undo it, nor it a runner's step.
         rec = await store.update_batch(who, bid, lifecycle.cancel(now())) if well_formed(bid) else None
         if rec is None:
-            raise ApiError(404, f"no batch {bid!r}", "not_found")
+            raise ApiError(HTTPStatus.NOT_FOUND, f"no batch {bid!r}", "not_found")
         if rec.batch["status"] != "cancelling":
             return public(rec)  # finalizing or final already: nothing to cancel
         try:

@@ -20,10 +20,12 @@ from typing import Any
 
 from prefixflow.client.openai_batch import BadLine, parse_line
 from prefixflow.shared.openai_batch import EMBED_URL, URLS, error_line, not_run_line
+from prefixflow.shared.outcomes import BatchState
 from prefixflow.shared.wire.limits import MAX_SCHEMA_DEPTH, json_depth
 from prefixflow.shared.wire.messages import LORA_FIELD
 
-TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+TERMINAL = frozenset({BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED})
+"""A batch's final states (every state: `prefixflow.shared.outcomes.BatchState`, docs/outcomes.md)."""
 MAX_LISTED_ERRORS = 100
 """Bad lines named in a failed batch's `errors`."""
 

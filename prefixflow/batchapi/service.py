@@ -16,6 +16,7 @@ from prefixflow.batchapi.store import Store
 from prefixflow.shared.api_keys import load_keys
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
+from prefixflow.shared.outcomes import usage_error
 
 log = structlog.get_logger()
 
@@ -26,7 +27,7 @@ class Api:
         try:
             self.keys = load_keys(cfg.api_keys, cfg.api_keys_file)
         except (ValueError, OSError) as exc:  # the reason, without a traceback (never a key)
-            raise SystemExit(f"prefixflow serve api: API keys: {exc}") from None
+            raise usage_error(f"prefixflow serve api: API keys: {exc}") from None
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, "api")

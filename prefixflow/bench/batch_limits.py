@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prefixflow.shared.outcomes import CommandError, Exit
+
 RSS_TARGET_MIB = 300
 
 
@@ -127,7 +129,7 @@ def cmd_batch_limits(args) -> None:
         deadline = time.monotonic() + 60
         while '"api ready"' not in (work / "api.log").read_text():
             if api.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the API did not start: {(work / 'api.log').read_text()[-2000:]}")
+                raise CommandError(f"the API did not start: {(work / 'api.log').read_text()[-2000:]}", Exit.FAILED)
             time.sleep(0.2)
         result = run_against(f"http://127.0.0.1:{api_port}/v1", path, args.lines)
         result["api_peak_rss_mib"] = round(peak_rss_mib(api.pid) or 0.0, 1)

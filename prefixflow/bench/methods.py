@@ -43,6 +43,7 @@ import msgspec
 
 from prefixflow.bench.common import machine_info, write_report
 from prefixflow.report.analysis import group_stats
+from prefixflow.shared.outcomes import usage_error
 from prefixflow.shared.process import config as cfgmod
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
@@ -412,7 +413,7 @@ def cmd_methods(args) -> None:
     args.methods = [s.strip() for s in args.methods.split(",")]
     unknown = set(args.methods) - set(METHODS) - set(EXTRA_METHODS)
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
+        raise usage_error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS + EXTRA_METHODS)}")
     report = asyncio.run(bench_methods_async(args))
     print_methods_table(report)
     write_report(report, args.json, args.plot, plot_methods)

@@ -53,6 +53,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from prefixflow.shared.outcomes import usage_error
 from prefixflow.shared.process import config as cfgmod
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,7 +272,7 @@ def prepare_inputs(dataset: Path, work: Path, default_max: int, default_min: int
     table = pq.read_table(dataset)
     names = set(table.column_names)
     if "prompt" not in names:
-        raise SystemExit(f"{dataset}: no 'prompt' column")
+        raise usage_error(f"{dataset}: no 'prompt' column")
     ids = table.column("id") if "id" in names else pa.array(range(table.num_rows), pa.int64())
     wanted = [c for c in ("sampling", "max_tokens", "min_tokens", "output_len") if c in names]
     hi, lo = row_lengths({c: table.column(c).to_pylist() for c in wanted} or {"id": ids.to_pylist()}, default_max, default_min)
@@ -482,11 +483,11 @@ def cmd_peers(args: argparse.Namespace) -> None:
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(args.methods) - set(METHODS)
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
+        raise usage_error(f"unknown methods {sorted(unknown)}; choose from {', '.join(METHODS)}")
     if any(m in PEER_METHODS for m in args.methods) and not Path(args.peers_python).exists():
-        raise SystemExit(f"{args.peers_python} not found: install the peers with `make bench-peers`")
+        raise usage_error(f"{args.peers_python} not found: install the peers with `make bench-peers`")
     if args.rounds < 1:
-        raise SystemExit("--rounds must be at least 1")
+        raise usage_error("--rounds must be at least 1")
     args.model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     report = bench(args)
     print()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixflow.bench.pipeline import peak_rss_mib
+from prefixflow.shared.outcomes import CommandError, Exit
 
 MIB = 2**20
 PART_BYTES = 128 * MIB
@@ -318,7 +319,7 @@ async def watch(args, n: int, input_path: Path, base: Path) -> dict[str, Any]:
     wall = time.monotonic() - t0
     if proc.returncode != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-        raise SystemExit(f"prefixflow run exited with {proc.returncode} (log {log_path}):\n{tail}")
+        raise CommandError(f"prefixflow run exited with {proc.returncode} (log {log_path}):\n{tail}", Exit.FAILED)
     st = progress.status
     job_seconds = None  # submit (the spec's created_at) to done (the sink's last status update)
     if st.get("done") and st.get("created_at") and st.get("updated_at"):

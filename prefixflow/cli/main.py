@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 
 from prefixflow.client.window import IN_FLIGHT_ROWS
+from prefixflow.shared.outcomes import CommandError, Exit, reported, usage_error
 from prefixflow.shared.process import config as cfgmod
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.limits import ROW_TIMEOUT
@@ -75,7 +76,7 @@ def sampling_from(args: argparse.Namespace) -> SamplingSpec:
         compile_structured(spec.structured)  # as vLLM would: refused now, not in an engine
         return spec
     except (msgspec.ValidationError, ValueError, OSError) as exc:
-        raise SystemExit(f"bad sampling parameters: {exc}") from None
+        raise usage_error(f"bad sampling parameters: {exc}") from None
 
 
 def chat_from(args: argparse.Namespace) -> dict[str, Any]:
@@ -85,9 +86,9 @@ def chat_from(args: argparse.Namespace) -> dict[str, Any]:
     try:
         kwargs = json.loads(args.chat_template_kwargs) if args.chat_template_kwargs else {}
     except ValueError as exc:
-        raise SystemExit(f"--chat-template-kwargs is not JSON: {exc}") from None
+        raise usage_error(f"--chat-template-kwargs is not JSON: {exc}") from None
     if not isinstance(kwargs, dict):
-        raise SystemExit("--chat-template-kwargs wants a JSON object")
+        raise usage_error("--chat-template-kwargs wants a JSON object")
     return {"chat_template": load_template(args.chat_template), "chat_template_kwargs": kwargs, "task": args.task}
 
 
@@ -248,7 +249,7 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     try:
         options = parse_options(args.storage_option)
     except InputError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        raise usage_error(str(exc)) from None
     if args.endpoint_url:
         options["endpoint_override"] = args.endpoint_url
     return options
@@ -256,7 +257,8 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_submit(args: argparse.Namespace) -> None:
     from prefixflow.client.sources import InputError
-    from prefixflow.client.submit import EX_TEMPFAIL, AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
+    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
+    from prefixflow.shared.bus.connection import NatsRefused
 
     job = args.job or subjects.qualify(default_job_id(args.input), getattr(args, "tenant", ""))
     try:
@@ -280,17 +282,17 @@ def cmd_submit(args: argparse.Namespace) -> None:
                 **chat_from(args),
             )
         )
-    except InputError as exc:  # before anything was created
-        raise SystemExit(f"error: {exc}") from None
-    except JobFailed as exc:
-        raise SystemExit(str(exc)) from None  # "job X failed: <reason>", exit code 1
+    except InputError as exc:  # before anything was created: missing, no data files, no access, not its format
+        raise usage_error(str(exc)) from None
+    except JobFailed as exc:  # "job X failed: <reason>" (or cancelled, expired; or its input found bad while read)
+        raise CommandError(str(exc), Exit.FAILED) from None
     except JobPaused as exc:  # its output lacks a resource: the job waits on the cluster
-        print(f"error: {exc}\nthe job waits on the cluster and resumes by itself once {exc.path} takes writes "
-              "again; run the same command again to follow it to the end", file=sys.stderr)
-        sys.exit(EX_TEMPFAIL)
+        raise CommandError(f"{exc}\nthe job waits on the cluster and resumes by itself once {exc.path} takes "
+                           "writes again; run the same command again to follow it to the end", Exit.PAUSED) from None
     except (DirTaken, JobMismatch) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        raise usage_error(str(exc)) from None
+    except (TimeoutError, NatsRefused) as exc:  # --timeout passed; no NATS (or it refused us)
+        raise CommandError(str(exc) or f"cannot reach NATS at {args.nats}", Exit.FAILED) from None
     except AlreadyDone as done:
         print(f"{done} in {args.out}: nothing to send")
         if done.status.summary:
@@ -306,7 +308,15 @@ def cmd_submit(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefixflow", description="Distributed batch LLM inference with prefix bucketing.")
+    parser = argparse.ArgumentParser(
+        prog="prefixflow", description="Distributed batch LLM inference with prefix bucketing.",
+        epilog=f"Exit codes: {Exit.OK} done; {Exit.FAILED} failed (the job failed, was cancelled or expired; a "
+               f"timeout; NATS or the cluster unreachable or gave up); {Exit.USAGE} refused before anything ran (a "
+               "bad flag or input, an invalid or unknown job id, an output directory bound to another job or "
+               f"input); {Exit.PAUSED} the job is paused (its output lacks a resource: run the same command again "
+               f"once that is fixed); {Exit.INTERRUPTED}+N a signal N stopped it. Every command's codes and every "
+               "job state: docs/outcomes.md.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("make-model", help="build the local random-weight model (deterministic, seconds)")
@@ -416,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
             args.tenant = tenant  # a tenant's credentials (`cluster config --tenant`): its jobs are TENANT.JOB
             if getattr(args, "job", None):
                 args.job = subjects.qualify(args.job, tenant)
-    args.fn(args)
+    reported(lambda: args.fn(args))  # a CommandError: `error: <message>`, its exit code (docs/outcomes.md)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import getpass
+import sys
 import time
 
 from nats.js.errors import KeyNotFoundError
 
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
+from prefixflow.shared.outcomes import Exit
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
@@ -60,13 +62,17 @@ async def wait_cancelled(status_kv, job: str, timeout: float = CANCEL_WAIT) -> m
 
 
 def cmd_cancel(args) -> None:
-    from prefixflow.shared.bus.connection import close, connect
+    from prefixflow.shared.bus.connection import NatsRefused, close, connect
 
-    async def main() -> int:
+    async def main() -> Exit:
         if (why := subjects.job_id_error(args.job)) is not None:
-            print(f"error: {why}")
-            return 2
-        nc = await connect(args.nats, "prefixflow-cancel")
+            print(f"error: {why}", file=sys.stderr)
+            return Exit.USAGE
+        try:
+            nc = await connect(args.nats, "prefixflow-cancel", wait=args.connect_timeout)
+        except (TimeoutError, NatsRefused) as exc:
+            print(f"error: cannot reach NATS at {args.nats}: {exc}", file=sys.stderr)
+            return Exit.FAILED
         try:
             js = nc.jetstream()
             status_kv = await js.key_value(subjects.JOB_STATUS_KV)
@@ -76,26 +82,26 @@ def cmd_cancel(args) -> None:
                 before = None
             if before is not None and before.done:
                 print(f"job {args.job} is already {'cancelled' if before.cancelled else 'done'}: {before.rows} rows")
-                return 0
+                return Exit.OK
             if before is not None and before.failed:  # nothing runs for it: nothing to cancel
                 print(f"job {args.job} already failed: {before.error or 'no reason given'}")
-                return 0
+                return Exit.OK
             try:
                 _, fresh = await cancel_job(js, nc, args.job, by=canceller())
             except UnknownJob:
-                print(f"error: no job {args.job!r} in the cluster (never submitted, or expired)")
-                return 2
+                print(f"error: no job {args.job!r} in the cluster (never submitted, or expired)", file=sys.stderr)
+                return Exit.USAGE
             print(f"job {args.job}: {'cancelling' if fresh else 'already cancelling'}", flush=True)
             if args.no_wait:
-                return 0
+                return Exit.OK
             st = await wait_cancelled(status_kv, args.job, args.timeout)
             if st is None:
                 print(f"job {args.job}: not settled after {args.timeout:.0f} s (prompts still in engines?); "
-                      "it completes as cancelled once they land")
-                return 1
+                      "it completes as cancelled once they land", file=sys.stderr)
+                return Exit.FAILED
             state = "cancelled" if st.cancelled else "failed" if st.failed else "done"
             print(f"job {args.job} {state}: {st.rows} rows written ({st.errors} errors)")
-            return 0
+            return Exit.OK
         finally:
             await close(nc)
 
@@ -109,6 +115,7 @@ def add_parsers(sub, default_nats: str) -> None:
     p.add_argument("job", help="job id")
     p.add_argument("--nats", default=default_nats, help="NATS URL (env PFX_NATS_URL)")
     p.add_argument("--no-wait", action="store_true", help="return once the cancel is recorded")
+    p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for NATS (default 5)")
     p.add_argument("--timeout", type=float, default=CANCEL_WAIT,
                    help=f"seconds to wait for the job to settle as cancelled (default {CANCEL_WAIT:.0f})")
     p.set_defaults(fn=cmd_cancel)

@@ -35,6 +35,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from prefixflow.client.fmt import fmt_duration
 from prefixflow.client.waiting import Waiting, engine_statuses, waiting_on
 from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.outcomes import FINAL, CommandError, Exit, JobState, usage_error
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
@@ -45,8 +46,9 @@ RATE_SPAN = 5.0
 """Seconds over which top measures tokens per second."""
 
 
-IN_PROGRESS = ("queued", "running", "cancelling")
-"""Job states that still wait on rows."""
+IN_PROGRESS = (JobState.QUEUED, JobState.RUNNING, JobState.CANCELLING)
+"""Job states that wait on rows in the pipeline (`status` says which; a paused job's wait
+for its disk)."""
 
 
 @dataclass
@@ -54,11 +56,10 @@ class JobView:
     """One job as `status` shows it."""
 
     job: str
-    state: str
-    """queued (created, nothing written yet), running, paused (its output lacks a resource:
-    disk full, quota, read-only, no permission; `error` says which, `path` where: it
-    resumes by itself once the sink can write), done, failed, cancelling (cancelled,
-    prompts still landing), cancelled (rows written so far are final)."""
+    state: JobState
+    """`prefixflow.shared.outcomes.JobState` (docs/outcomes.md): queued, running, paused
+    (`error` says which resource, `path` where), cancelling, done, failed, cancelled,
+    expired."""
     rows: int = 0
     total: int | None = None
     errors: int = 0
@@ -80,31 +81,38 @@ class JobView:
     def of(cls, job: str, status: m.JobStatus | None, spec: m.JobSpec | None) -> JobView:
         view = cls._of(job, status, spec)
         view.created_at = (status.created_at if status is not None else 0.0) or (spec.created_at if spec else 0.0)
-        if spec is not None and spec.cancelled_at and view.state in ("queued", "running", "paused"):
-            view.state = "cancelling"
+        if spec is not None and spec.cancelled_at and view.state in (JobState.QUEUED, JobState.RUNNING, JobState.PAUSED):
+            view.state = JobState.CANCELLING
         return view
 
     @classmethod
     def _of(cls, job: str, status: m.JobStatus | None, spec: m.JobSpec | None) -> JobView:
         if status is None:
-            return cls(job, "queued", total=spec.total if spec else None, updated_at=spec.created_at if spec else 0.0)
+            return cls(job, JobState.QUEUED, total=spec.total if spec else None, updated_at=spec.created_at if spec else 0.0)
         if status.failed:
-            return cls(job, "failed", status.rows, status.total, status.errors, updated_at=status.updated_at,
+            return cls(job, JobState.FAILED, status.rows, status.total, status.errors, updated_at=status.updated_at,
                        error=status.error, expires_at=status.expires_at)
         rate = status.rate
         if status.done and status.summary and status.summary.get("wall_seconds"):
             rate = status.rows / status.summary["wall_seconds"]
         hit = status.hit_rate if status.prompt_tokens else (status.summary or {}).get("prefix_cache_hit_rate")
         if not status.done and status.paused:
-            return cls(job, "paused", status.rows, status.total, status.errors, 0.0, hit, None, status.updated_at,
+            return cls(job, JobState.PAUSED, status.rows, status.total, status.errors, 0.0, hit, None, status.updated_at,
                        error=f"paused: {status.paused}", expires_at=status.expires_at, path=status.paused_path)
         return cls(
-            job, ("cancelled" if status.cancelled else "done") if status.done else "running", status.rows, status.total, status.errors, rate,
+            job, ended_state(status) if status.done else JobState.RUNNING, status.rows, status.total, status.errors, rate,
             hit, status.eta_seconds(), status.updated_at, expires_at=status.expires_at,
         )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def ended_state(status: m.JobStatus) -> JobState:
+    """A done job's state: done (every row), cancelled, or expired (ended at its deadline)."""
+    if not status.cancelled:
+        return JobState.DONE
+    return JobState.EXPIRED if (status.summary or {}).get("expired") else JobState.CANCELLED
 
 
 async def _all_keys(kv) -> list[str]:
@@ -152,8 +160,9 @@ def status_table(views: list[JobView]):
                           ("updated", "right"), ("expires", "right")):
         t.add_column(name, justify=justify)
     now = time.time()
-    colors = {"done": "green", "running": "cyan", "paused": "red", "failed": "red", "queued": "yellow", "cancelling": "magenta",
-              "cancelled": "magenta"}
+    colors = {JobState.DONE: "green", JobState.RUNNING: "cyan", JobState.PAUSED: "red", JobState.FAILED: "red",
+              JobState.QUEUED: "yellow", JobState.CANCELLING: "magenta", JobState.CANCELLED: "magenta",
+              JobState.EXPIRED: "magenta"}
     for v in views:
         t.add_row(
             v.job,
@@ -163,7 +172,7 @@ def status_table(views: list[JobView]):
             str(v.errors),
             f"{v.rate:.1f}" if v.rate else "-",
             "-" if v.hit_rate is None else f"{v.hit_rate:.1%}",
-            "-" if v.state in ("done", "failed", "cancelled") else fmt_duration(v.eta),
+            "-" if v.state in FINAL else fmt_duration(v.eta),
             fmt_duration(now - v.created_at) if v.created_at else "-",
             f"{fmt_duration(now - v.updated_at)} ago" if v.updated_at else "-",
             f"in {fmt_duration(max(v.expires_at - now, 0))}" if v.expires_at else "-",
@@ -174,11 +183,14 @@ def status_table(views: list[JobView]):
 def cmd_status(args) -> None:
     from rich.console import Console
 
+    if args.job and (why := subjects.job_id_error(args.job)) is not None:
+        raise usage_error(why)  # before connecting, as every command
+
     async def main() -> list[JobView]:
         try:
             nc = await connect(args.nats, "prefixflow-status", wait=args.connect_timeout)
         except Exception as exc:  # noqa: BLE001 - say why, do not trace back
-            raise SystemExit(f"cannot reach NATS at {args.nats}: {exc}") from None
+            raise CommandError(f"cannot reach NATS at {args.nats}: {exc}", Exit.FAILED) from None
         try:
             views = await read_jobs(nc, args.job)
             if any(v.state in IN_PROGRESS for v in views):  # what do they wait on?
@@ -188,13 +200,14 @@ def cmd_status(args) -> None:
                         v.waiting = waiting_on(v.job, v.rows, v.total, statuses, now)
             return views
         except nats.errors.Error as exc:
-            raise SystemExit(f"cannot read the job buckets: {exc!r} (with NATS users, pass a JOB id or use a user that may list jobs)") from None
+            raise CommandError(f"cannot read the job buckets: {exc!r} (with NATS users, pass a JOB id or use a user that may "
+                               "list jobs)", Exit.FAILED) from None
         finally:
             await close(nc)
 
     views = asyncio.run(main())
     if args.job and not views:
-        raise SystemExit(f"no job {args.job!r}")
+        raise usage_error(f"no job {args.job!r} in the cluster (never submitted, or expired)")
     if args.limit:
         views = views[: args.limit]
     if args.json:
@@ -415,7 +428,7 @@ def cmd_top(args) -> None:
         try:
             nc = await connect(args.nats, "prefixflow-top", wait=args.connect_timeout)
         except Exception as exc:  # noqa: BLE001
-            raise SystemExit(f"cannot reach NATS at {args.nats}: {exc}") from None
+            raise CommandError(f"cannot reach NATS at {args.nats}: {exc}", Exit.FAILED) from None
         top = Top(args.nats, args.job)
         stops = await top.follow(nc)
         try:
@@ -448,8 +461,8 @@ def add_parsers(sub, default_nats: str) -> None:
     p.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for NATS (default 5)")
     p.set_defaults(fn=cmd_status)
 
-    p = sub.add_parser("jobs", help="list the jobs with their state (queued, running, paused, done, failed, "
-                                    "cancelling, cancelled), rows, errors, age (from NATS)")
+    p = sub.add_parser("jobs", help=f"list the jobs with their state ({', '.join(JobState)}), rows, errors, age "
+                                    "(from NATS; docs/outcomes.md)")
     p.add_argument("--nats", default=default_nats, help="NATS URL (env PFX_NATS_URL)")
     p.add_argument("--limit", type=int, default=50, help="show at most this many jobs (0: all; default 50)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from prefixflow.shared.wire.ids import IdSet
 from prefixflow.shared.wire.limits import ROW_TIMEOUT
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
+from prefixflow.shared.outcomes import usage_error
 from prefixflow.shared.bus.publish import message_limit, publish
 
 READ_BATCH = 4096
@@ -87,9 +88,6 @@ class JobCancelled(JobFailed):
         self.job, self.reason, self.status = job, "cancelled", status
 
 
-EX_TEMPFAIL = 75
-"""Exit code of `run` and `submit` for a paused job (sysexits.h's EX_TEMPFAIL: try again
-later): its output lacks a resource; it resumes once that is fixed."""
 PAUSED_GRACE = 5.0
 """Seconds a job stays paused before the client gives up waiting (`JobPaused`): a pause
 the sink resolves at its next probe does not end the command."""
@@ -98,7 +96,8 @@ the sink resolves at its next probe does not end the command."""
 class JobPaused(Exception):
     """The job is paused: its output lacks a resource (disk full, quota, read-only file
     system, no permission). Not failed: its results wait in the cluster and it resumes by
-    itself once the sink can write; the same command then completes it. Exit code 75."""
+    itself once the sink can write; the same command then completes it. Exit code 75
+    (`Exit.PAUSED`)."""
 
     def __init__(self, job: str, status: m.JobStatus) -> None:
         super().__init__(f"job {job} paused: {status.paused} ({status.rows} rows written)")
@@ -438,6 +437,16 @@ class Submitter:
                 pass
 
 
+def read_chunks(job: str, source: Source) -> Iterator[columns.Chunk]:
+    """The input's chunks; a file of it found bad while it is read (the job was created,
+    rows may be out): `JobFailed` naming the file and the reason (exit code 1, not the 2
+    of an input refused before anything was created)."""
+    try:
+        yield from columns.chunks(source)
+    except InputError as exc:
+        raise JobFailed(job, f"its input: {exc}") from None
+
+
 async def submit(
     input_path: str | Path,
     *,
@@ -480,7 +489,7 @@ async def submit(
     (see the module docstring). `dedupe` False: every row generated on its own
     (`JobSpec.dedupe`)."""
     if (why := subjects.job_id_error(job)) is not None:
-        raise SystemExit(why)
+        raise usage_error(why)
     # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
     out_dir = str(Path(out_dir).resolve()) if resolve_out else str(out_dir)
     from prefixflow.client import openai_batch
@@ -536,7 +545,7 @@ async def submit(
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
         skipped = 0
         ended = False  # cancelled or past its deadline: stop publishing; `wait` reports it
-        for chunk in columns.chunks(source):
+        for chunk in read_chunks(job, source):
             if ended or client.ended(spec):
                 ended = True
                 break

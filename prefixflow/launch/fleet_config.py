@@ -47,6 +47,7 @@ import bcrypt
 from prefixflow.shared.api_keys import key_problem, render_keys_file
 from prefixflow.launch import fleet_pki
 from prefixflow.launch.fleet_nats import HEADER, Node, User, render_permissions, render_server, render_users, tls_paths
+from prefixflow.shared.outcomes import usage_error
 from prefixflow.shared.wire.subjects import tenant_problem
 
 DEFAULTS = {
@@ -72,7 +73,7 @@ def engine_instances(spec: str) -> list[str]:
     """`--engines`: the engine units' instances on every node (`0,1,2,3`, `0-3,4-7`)."""
     out = [part.strip() for part in spec.split(",") if part.strip()]
     if not out or len(set(out)) != len(out) or any(not all(c.isdigit() or c == "-" for c in p) for p in out):
-        raise SystemExit(f"--engines {spec!r}: want GPU indices or ranges, comma separated (0,1 or 0-3,4-7)")
+        raise usage_error(f"--engines {spec!r}: want GPU indices or ranges, comma separated (0,1 or 0-3,4-7)")
     return out
 
 
@@ -92,12 +93,12 @@ def all_users(nodes: list[Node], head: str, engines: list[str], tenants: list[st
 def parse_nodes(hosts: list[str], names: list[str] | None, args: argparse.Namespace) -> list[Node]:
     """`HOST` or `HOST:CLIENT_PORT:CLUSTER_PORT[:MONITOR_PORT]` per node."""
     if names and len(names) != len(hosts):
-        raise SystemExit(f"--names lists {len(names)} names for {len(hosts)} hosts")
+        raise usage_error(f"--names lists {len(names)} names for {len(hosts)} hosts")
     nodes = []
     for i, spec in enumerate(hosts):
         host, *ports = spec.split(":")
         if ports and len(ports) not in (2, 3):
-            raise SystemExit(f"{spec!r}: want HOST or HOST:CLIENT_PORT:CLUSTER_PORT[:MONITOR_PORT]")
+            raise usage_error(f"{spec!r}: want HOST or HOST:CLIENT_PORT:CLUSTER_PORT[:MONITOR_PORT]")
         try:
             client, cluster, monitor = (
                 [int(p) for p in ports] + ([args.monitor_port] if len(ports) == 2 else [])
@@ -105,11 +106,11 @@ def parse_nodes(hosts: list[str], names: list[str] | None, args: argparse.Namesp
                 else [args.client_port, args.cluster_port, args.monitor_port]
             )
         except ValueError:
-            raise SystemExit(f"{spec!r}: ports must be numbers") from None
+            raise usage_error(f"{spec!r}: ports must be numbers") from None
         name = names[i] if names else f"nats-{i + 1}"
         nodes.append(Node(name, host, client, cluster, monitor))
     if len({n.name for n in nodes}) != len(nodes):
-        raise SystemExit("node names must be unique")
+        raise usage_error("node names must be unique")
     return nodes
 
 
@@ -193,7 +194,7 @@ def load_secrets(path: Path, users: list[User]) -> dict:
         if u.role == "tenant":
             api_keys.setdefault(u.name, "pfx-" + secrets.token_urlsafe(32))
             if (problem := key_problem(api_keys[u.name])) is not None:
-                raise SystemExit(f"{path}: api_keys of {u.name!r}: {problem}")
+                raise usage_error(f"{path}: api_keys of {u.name!r}: {problem}")
     return {"users": passwords, "route": data.get("route") or secrets.token_urlsafe(24), "api_keys": api_keys}
 
 
@@ -210,19 +211,19 @@ def write(path: Path, text: str | bytes, secret: bool = False) -> None:
 def generate(args: argparse.Namespace) -> list[Path]:
     """Write every node's directory under `args.out`; returns the node directories."""
     if args.no_tls and args.tls_cert:
-        raise SystemExit("--no-tls and --tls-cert contradict each other")
+        raise usage_error("--no-tls and --tls-cert contradict each other")
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_cert and not args.tls_ca):
-        raise SystemExit("TLS needs --tls-cert, --tls-key and --tls-ca together")
+        raise usage_error("TLS needs --tls-cert, --tls-key and --tls-ca together")
     hosts = args.hosts.split(",") if args.hosts else [f"nats-{i + 1}" for i in range(args.nodes)]
     nodes = parse_nodes([h.strip() for h in hosts if h.strip()], args.names.split(",") if args.names else None, args)
     head = args.head or nodes[0].name
     if head not in {n.name for n in nodes}:
-        raise SystemExit(f"--head {head!r} is none of the nodes ({', '.join(n.name for n in nodes)})")
+        raise usage_error(f"--head {head!r} is none of the nodes ({', '.join(n.name for n in nodes)})")
     engines = engine_instances(args.engines)
     tenants = list(dict.fromkeys(args.tenant or []))
     for t in tenants:
         if (problem := tenant_problem(t)) is not None:
-            raise SystemExit(f"--tenant {t!r}: {problem}")
+            raise usage_error(f"--tenant {t!r}: {problem}")
     users = all_users(nodes, head, engines, tenants)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

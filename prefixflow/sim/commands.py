@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from prefixflow.shared.outcomes import usage_error
+
 SHAPES = ("seed", "zipf", "hierarchical", "prefix-repetition")
 KNOBS = {
     "buffer-prompts": ("bucketer", "buffer_prompts", int),
@@ -128,9 +130,9 @@ def options(args):
         try:
             lo, hi = (float(x) for x in args.stagger.split(","))
         except ValueError:
-            raise SystemExit(f"--stagger {args.stagger!r}: want LO,HI seconds, e.g. 30,120") from None
+            raise usage_error(f"--stagger {args.stagger!r}: want LO,HI seconds, e.g. 30,120") from None
         if not 0 <= lo <= hi:
-            raise SystemExit(f"--stagger {args.stagger!r}: want 0 <= LO <= HI")
+            raise usage_error(f"--stagger {args.stagger!r}: want 0 <= LO <= HI")
         stagger = (lo, hi)
     return Options(bucketer=b, router=r, worker=w, nodes=nodes, window_probe=args.window_probe, stagger=stagger,
                    max_loras=args.max_loras)
@@ -171,7 +173,7 @@ def cmd_simulate(args: argparse.Namespace) -> None:
         from prefixflow.sim.calibrate import with_output_lengths
 
         if not args.input or not args.output_lens:
-            raise SystemExit("--write-input needs --input and --output-lens")
+            raise usage_error("--write-input needs --input and --output-lens")
         lens = [int(x) for x in args.output_lens.split(",") if x.strip()]
         counts = with_output_lengths(args.input, args.write_input, lens, args.seed)
         print(f"wrote {args.write_input}: " + ", ".join(f"{n} rows of {k} output tokens" for k, n in counts.items()))
@@ -256,7 +258,7 @@ def with_knob(opts, knob: str, value: str):
     import msgspec
 
     if knob not in KNOBS:
-        raise SystemExit(f"unknown knob {knob!r}: one of {', '.join(KNOBS)}")
+        raise usage_error(f"unknown knob {knob!r}: one of {', '.join(KNOBS)}")
     part, name, kind = KNOBS[knob]
     if not part:
         return dataclasses.replace(opts, **{name: kind(value)})
@@ -313,7 +315,7 @@ def run_spec(spec: str, default_kv: int) -> tuple[str, int]:
     if sep and kv.isdigit():
         return out, int(kv)
     if not default_kv:
-        raise SystemExit(f"{spec}: give its KV blocks (OUT_DIR:KV) or --kv-blocks")
+        raise usage_error(f"{spec}: give its KV blocks (OUT_DIR:KV) or --kv-blocks")
     return spec, default_kv
 
 

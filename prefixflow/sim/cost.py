@@ -28,6 +28,8 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from prefixflow.shared.outcomes import usage_error
+
 
 @dataclass
 class Profile:
@@ -143,5 +145,5 @@ def load_profile(spec: str) -> Profile:
         return p
     path = Path(spec)
     if not path.exists():
-        raise SystemExit(f"unknown profile {spec!r}: one of {', '.join(PROFILES)} or a JSON file")
+        raise usage_error(f"unknown profile {spec!r}: one of {', '.join(PROFILES)} or a JSON file")
     return Profile.from_dict(json.loads(path.read_text()))

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from prefixflow.services.engine_worker.grouping import GroupPriorities
+from prefixflow.shared.outcomes import usage_error
 from prefixflow.shared.process.config import EngineWorkerConfig
 from prefixflow.sim.cost import Profile
 from prefixflow.sim.engine import Engine, EngineConfig, Req
@@ -97,11 +98,11 @@ def read_run(out_dir: str | Path, model: str | None = None) -> Run:
     summary = json.loads((out / "_summary.json").read_text())
     parts = sorted(out.glob("part-*.parquet"))
     if not parts:
-        raise SystemExit(f"{out}: no part-*.parquet")
+        raise usage_error(f"{out}: no part-*.parquet")
     cols = ["id", "prompt", "prompt_tokens", "cached_tokens", "output_tokens", "replica", "started_at", "finished_at", "error"]
     t = pa.concat_tables([pq.read_table(p, columns=cols) for p in parts]).to_pydict()
     if any(s is None for s in t["started_at"]):
-        raise SystemExit(f"{out}: rows without started_at (a run from before per-row timelines)")
+        raise usage_error(f"{out}: rows without started_at (a run from before per-row timelines)")
     keep = [k for k, e in enumerate(t["error"]) if e is None]
     keep.sort(key=lambda k: t["id"][k])
     col = {c: [t[c][k] for k in keep] for c in cols}
@@ -115,7 +116,7 @@ def read_run(out_dir: str | Path, model: str | None = None) -> Run:
     got = np.array([wl.prompt_len(k) for k in range(len(wl))])
     want = np.asarray(col["prompt_tokens"])
     if not np.array_equal(got, want):
-        raise SystemExit(f"{out}: re-tokenized prompts differ from the run's prompt_tokens ({int(np.sum(got != want))} rows): wrong --model?")
+        raise usage_error(f"{out}: re-tokenized prompts differ from the run's prompt_tokens ({int(np.sum(got != want))} rows): wrong --model?")
     created = summary["created_at"]
     other = None
     if (out / "_cpu.json").exists():

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixflow.shared.outcomes import usage_error
 from prefixflow.sim.engine import HASH_MASK
 
 VOCAB = 151_000
@@ -191,7 +192,7 @@ def from_file(path: str | Path, *, model: str | None = None, output_len: int = 1
         tok = load_tokenizer(model)
         ids = [e.ids for e in tok.encode_batch(table.column("prompt").to_pylist())]
     else:
-        raise SystemExit(f"{path}: needs a prompt_token_ids or prompt column")
+        raise usage_error(f"{path}: needs a prompt_token_ids or prompt column")
     tokens = []
     for row in ids:
         a = array.array("I", row)

@@ -102,8 +102,9 @@ def test_cancel_stops_a_job_and_keeps_its_rows(cluster, tiny_model, tmp_path):
     again = run_cli("cancel", "big", "--nats", url)
     assert again.returncode == 0 and "already cancelled" in again.stdout, again.stdout
     unknown = run_cli("cancel", "no-such-job", "--nats", url)
-    assert unknown.returncode == 2 and "no job 'no-such-job'" in unknown.stdout, unknown.stdout
-    resubmit = run_cli("submit", str(big), "--out", str(out), "--nats", url, "--job", "big", "--no-progress", timeout=60)
+    assert unknown.returncode == 2 and "no job 'no-such-job'" in unknown.stderr, unknown.stdout + unknown.stderr
+    resubmit = run_cli("submit", str(big), "--out", str(out), "--nats", url, "--job", "big", "--no-progress",
+                       "--max-tokens", "4", timeout=60)  # the same job (another spec would be exit code 2)
     assert resubmit.returncode == 1 and "submit under a new --job id" in resubmit.stderr, resubmit.stderr
 
 

@@ -20,6 +20,7 @@ import nats
 import pytest
 from nats.js.errors import KeyNotFoundError
 
+from prefixflow.shared.outcomes import Exit
 from prefixflow.shared.widening import SchemaGrowth
 from prefixflow.shared.wire import subjects
 from tests.conftest import REPO, VENV_BIN
@@ -187,13 +188,13 @@ def test_bad_inputs_are_clear_errors_and_write_nothing(clusters, s3_server, tmp_
     for job, (data, _, why) in cases.items():
         code, text = results[job]
         print(f"{job}: {text.strip().splitlines()[-1]}")
-        assert code == 1 and "error: " in text and data in text and why in text, f"{job}: {text}"
+        assert code == Exit.USAGE and "error: " in text and data in text and why in text, f"{job}: {text}"
         assert "Traceback" not in text, text
         assert not (tmp_path / f"out-{job}").exists(), "nothing written"
     assert not asyncio.run(known_jobs(cluster.url, list(cases))), "no job was created"
     for job in runs:
         code, text = results[f"run-{job}"]
-        assert code == 1 and cases[job][2] in text and "Traceback" not in text, text
+        assert code == Exit.USAGE and cases[job][2] in text and "Traceback" not in text, text
         assert "starting local cluster" not in text
         assert not (tmp_path / f"run-{job}").exists() and not (tmp_path / f"run-{job}-work").exists()
 

@@ -119,14 +119,15 @@ def test_invalid_values_exit(cls, argv, env, capsys):
     with pytest.raises(SystemExit) as exc:
         parse(cls, argv, env)
     assert exc.value.code != 0
-    message = str(exc.value.code) + capsys.readouterr().err
+    message = str(exc.value) + capsys.readouterr().err
     assert message.strip()
 
 
 def test_validation_message_names_field():
     with pytest.raises(SystemExit) as exc:
         parse(EngineWorkerConfig, [], {"PFX_WINDOW": "-1"})
-    assert "window" in str(exc.value.code) and "invalid configuration" in str(exc.value.code)
+    assert "window" in str(exc.value) and "invalid configuration" in str(exc.value)
+    assert exc.value.code == 2, "a bad configuration is a usage error (docs/outcomes.md)"
 
 
 def test_valid_names_accepted():

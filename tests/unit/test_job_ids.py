@@ -72,7 +72,7 @@ def test_the_cli_refuses_with_the_same_words(capsys):
     with pytest.raises(SystemExit) as exc:  # before connecting to anything
         cmd_cancel(SimpleNamespace(job=BAD, nats="nats://127.0.0.1:1", no_wait=False, timeout=1.0))
     assert exc.value.code == 2
-    assert capsys.readouterr().out.strip() == f"error: {WHY}"
+    assert capsys.readouterr().err.strip() == f"error: {WHY}"
 
 
 # --- the ingestor ---------------------------------------------------------------------

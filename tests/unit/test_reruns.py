@@ -52,13 +52,13 @@ def test_plan_reports_a_finished_job_and_resumes_an_unfinished_one(tmp_path):
     assert plan(tmp_path / "out", data, None, "new") == Plan("j", True)
 
 
-def test_plan_refuses_another_job_unless_overwrite(tmp_path, capsys):
+def test_plan_refuses_another_job_unless_overwrite(tmp_path):
     data = _input(tmp_path)
     out = _out(tmp_path, "j", rows=10)
     with pytest.raises(SystemExit) as exc:
         plan(out, data, "other", "new")
     assert exc.value.code == 2
-    assert "holds the output of job j" in capsys.readouterr().err
+    assert "holds the output of job j" in str(exc.value)
     assert plan(out, data, "other", "new", overwrite=True) == Plan("other", False)
 
 
@@ -68,7 +68,7 @@ def _asked(data, max_tokens: int = 4):
     return of_job(data, m.JobSpec(job="x", out_dir="", sampling=m.SamplingSpec(max_tokens=max_tokens)))
 
 
-def test_plan_refuses_the_same_directory_asked_another_input_or_spec(tmp_path, capsys):
+def test_plan_refuses_the_same_directory_asked_another_input_or_spec(tmp_path):
     data = _input(tmp_path, 10)
     out = _out(tmp_path, "j", rows=10)
     doc = json.loads((out / "_job.json").read_text())
@@ -80,10 +80,10 @@ def test_plan_refuses_the_same_directory_asked_another_input_or_spec(tmp_path, c
         with pytest.raises(SystemExit) as exc:
             plan(out, other, job, "new", asked=_asked(other))
         assert exc.value.code == 2
-        assert "holds the output of job j, which was asked something else (input: another input" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+        assert "holds the output of job j, which was asked something else (input: another input" in str(exc.value)
+    with pytest.raises(SystemExit) as exc:
         plan(out, data, None, "new", asked=_asked(data, max_tokens=8))
-    assert "spec: sampling.max_tokens 4 -> 8" in capsys.readouterr().err
+    assert "spec: sampling.max_tokens 4 -> 8" in str(exc.value)
     assert plan(out, other, None, "new", overwrite=True, asked=_asked(other)) == Plan("new", False)
     assert plan(out, other, "j", "new", overwrite=True, asked=_asked(other)) == Plan("j", False), "the sink replaces"
 

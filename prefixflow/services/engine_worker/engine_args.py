@@ -22,6 +22,8 @@ import shlex
 import sys
 from typing import Any
 
+from prefixflow.shared.outcomes import Exit
+
 
 def visible_gpus(environ: dict[str, str]) -> int | None:
     """GPUs `CUDA_VISIBLE_DEVICES` gives this process; None when it is not set (then ask
@@ -100,4 +102,4 @@ class HelpWithEngineArgs(argparse.Action):
               "after `--`, or in --engine-args; they override prefixflow's engine defaults), and vLLM's\n"
               "`--lora-modules NAME=PATH ...` (LoRA adapters rows may name in their `lora` column):\n")
         print(vllm_parser(prog=parser.prog).format_help())
-        sys.exit(0)
+        sys.exit(Exit.OK)

@@ -17,6 +17,8 @@ import signal
 import time
 from pathlib import Path
 
+from prefixflow.shared.outcomes import Exit
+
 PROC = Path("/proc")
 
 
@@ -75,4 +77,4 @@ def start_guard(interval: float = 1.0) -> int | None:
             signal.signal(sig, signal.SIG_IGN)
         _watch(worker, interval)
     finally:
-        os._exit(0)
+        os._exit(Exit.OK)

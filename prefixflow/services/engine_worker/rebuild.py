@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 
-GAVE_UP_EXIT_CODE = 3
+from prefixflow.shared.outcomes import Exit
+
+GAVE_UP_EXIT_CODE = Exit.ENGINE_GAVE_UP
 """Exit code when the engine cannot be rebuilt (the supervisor restarts the process)."""
 
 

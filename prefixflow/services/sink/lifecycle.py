@@ -34,6 +34,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from prefixflow.services.sink.binding import fsync_dir
 from prefixflow.services.sink.writer import OUTPUT_TYPES
+from prefixflow.shared.outcomes import Exit
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
@@ -47,8 +48,9 @@ RECONCILE_PER_ROUND = 32
 sink that starts beside thousands of old jobs keeps writing parts meanwhile."""
 EXIT_MARKER = ".pfx-exit-before-done"
 """`--exit-before-done` (a test hook) exits once per output root: it leaves this file there."""
-EXIT_BEFORE_DONE_CODE = 75
-"""Exit code of the `--exit-before-done` hook (non-zero: the supervisor restarts the sink)."""
+EXIT_BEFORE_DONE_CODE = Exit.CRASH_HOOK
+"""Exit code of the `--exit-before-done` hook (non-zero: the supervisor restarts the sink;
+not 75, which says paused)."""
 
 
 class Reconciler:

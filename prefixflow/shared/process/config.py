@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from prefixflow.shared.outcomes import usage_error
 from prefixflow.shared.prefix.block_keys import HASH_BLOCK_SIZE
 
 ENV_PREFIX = "PFX_"
@@ -421,4 +422,4 @@ def load(cls: type[C], args: argparse.Namespace | None = None, environ: dict[str
             cfg.check_connection()
         return cfg
     except (msgspec.ValidationError, ValueError) as exc:
-        raise SystemExit(f"invalid configuration: {exc}") from None
+        raise usage_error(f"invalid configuration: {exc}") from None

@@ -18,9 +18,11 @@ from collections.abc import Awaitable, Callable
 import structlog
 import uvloop
 
+from prefixflow.shared.outcomes import Exit
+
 log = structlog.get_logger()
 
-EXIT_FAILED = 1
+EXIT_FAILED = Exit.FAILED
 """Exit code of a service that stopped on an unexpected error."""
 
 
