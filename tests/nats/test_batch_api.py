@@ -297,7 +297,11 @@ def test_a_cancel_right_after_create_is_never_undone(api, tmp_path):
         assert now.status == "cancelled", (when, now)
         out, errors = lines_of(alice, now.output_file_id), lines_of(alice, now.error_file_id)
         total = n if when == "at once" else 2000
-        assert len(out) < total and {x["response"] is None and x["error"]["code"] for x in errors} == {"batch_cancelled"}
+        codes = {x["response"] is None and x["error"]["code"] for x in errors}
+        if when == "at once":  # cancelled while its input was still read: most requests never ran
+            assert len(out) < total and codes == {"batch_cancelled"}, when
+        else:  # the job may have run every row before the cancel reached it: no cancelled line then
+            assert codes <= {"batch_cancelled"}, when
         ids = [x["custom_id"] for x in out + errors]
         assert len(ids) == len(set(ids)) == total, "every request once: a result or a batch_cancelled line"
         assert (now.request_counts.completed, now.request_counts.failed) == (len(out), len(errors)), when
@@ -318,7 +322,7 @@ def test_a_cancel_that_found_no_job_cancels_the_job_once_it_is_created(cluster, 
         try:
             js = nc.jetstream()
             await provision(js)
-            store = await Store(js).open()
+            store = await Store(nc).open()
             cfg = SimpleNamespace(model="m", served_names="", lora_adapters="")  # what `follow` reads of the config
             runner = await Runner(store, cluster.url, cfg, js, nc).open()
             bid = new_id("batch")
