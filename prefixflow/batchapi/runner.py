@@ -45,6 +45,7 @@ from prefixflow.client.submit import AlreadyDone, JobCancelled, JobFailed, submi
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 from prefixflow.shared.bus.publish import message_limit
 from prefixflow.shared.openai_batch import object_names
+from prefixflow.shared.outcomes import CommandError
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
@@ -127,9 +128,12 @@ class Runner:
                 rec = await self.step(rec, work)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the batch fails with the reason; the service goes on
+        except (Exception, CommandError) as exc:  # noqa: BLE001 - the batch fails with the reason; the service goes on
+            # NOTE: a CommandError (what the client code raises to end a command, a SystemExit)
+            # must fail this batch, never end the API.
             log.exception("batch failed", batch=bid)
-            await self.change(tenant, bid, lifecycle.failed(f"{type(exc).__name__}: {exc}"))
+            reason = exc.message if isinstance(exc, CommandError) else str(exc)
+            await self.change(tenant, bid, lifecycle.failed(f"{type(exc).__name__}: {reason}"))
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
