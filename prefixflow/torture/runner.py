@@ -26,6 +26,7 @@ from typing import Any
 
 import structlog
 
+from prefixflow.shared.outcomes import Exit
 from prefixflow.torture import checkers, entries, faults
 from prefixflow.torture.checkers import Outcome, Violation
 from prefixflow.torture.datasets import Dataset, write
@@ -332,4 +333,4 @@ def main(args) -> None:
         if f["verdict"] == "FAILED":
             print(f"FAILED seed {f['seed']} round {f['round']}: {f['violations'][0]}\n  replay: {f['replay']}", flush=True)
     if summary["failed"]:
-        raise SystemExit(1)
+        raise SystemExit(Exit.FAILED)
