@@ -191,9 +191,16 @@ def _scalar_kind(v: Any) -> Kind | None:
     return STRING
 
 
+def _strict_default(v: Any) -> Any:
+    if isinstance(v, bytes | bytearray):  # never equal to a text value (b"" is not "")
+        return {"bytes": base64.b64encode(v).decode()}
+    return _json_default(v)
+
+
 def _strict(v: Any) -> str:
-    """A value's JSON with its types kept (1 and 1.0 differ): what an exact trip keeps."""
-    return json.dumps(v, default=_json_default, sort_keys=False)
+    """A value's JSON with its types kept (1 and 1.0 differ, bytes and text differ): what an
+    exact trip keeps."""
+    return json.dumps(v, default=_strict_default, sort_keys=False)
 
 
 def _nested_kind(values: list[Any]) -> Kind:
@@ -203,7 +210,11 @@ def _nested_kind(values: list[Any]) -> Kind:
         arr = pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, ValueError, TypeError):
         return STRING
-    if pa.types.is_null(arr.type) or any(_strict(a) != _strict(v) for a, v in zip(arr.to_pylist(), values)):
+    try:
+        back = arr.to_pylist()
+    except ValueError:  # bytes Arrow took into a text column (UnicodeDecodeError): not exact
+        return STRING
+    if pa.types.is_null(arr.type) or any(_strict(a) != _strict(v) for a, v in zip(back, values)):
         return STRING
     return Kind(arr.type)
 
