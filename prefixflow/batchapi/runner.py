@@ -272,20 +272,20 @@ class Runner:
             try:
                 fresh = await self.store.batch(rec.tenant, rec.batch["id"])
                 if fresh is not None and fresh.batch["status"] == "cancelling":
-                    await self.cancel_job(rec.job)
+                    await self.cancel_job(rec.job, by=f"api:{rec.tenant}")
                 if time.monotonic() - counted >= PROGRESS_SECONDS:
                     counted = time.monotonic()
                     await self.update_counts(rec)
             except Exception as exc:  # noqa: BLE001 - best effort; tried again at the next poll
                 log.warning("batch not followed", batch=rec.batch["id"], error=repr(exc))
 
-    async def cancel_job(self, job: str) -> None:
-        """Mark the job cancelled if it exists and is not yet (a job spec rewritten by a
-        resubmit is cancelled again)."""
+    async def cancel_job(self, job: str, by: str) -> None:
+        """Mark the job cancelled (`by`: who cancelled, `JobSpec.cancelled_by`) if it exists
+        and is not yet (a job spec rewritten by a resubmit is cancelled again)."""
         spec = await self.job_spec(job)
         if spec is not None and not spec.cancelled_at:
             with contextlib.suppress(UnknownJob):
-                await cancel_job(self.js, self.nc, job)
+                await cancel_job(self.js, self.nc, job, by=by)
                 log.info("batch job cancelled", job=job)
 
     async def update_counts(self, rec: BatchRec) -> None:
