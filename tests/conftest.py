@@ -39,13 +39,6 @@ VENV_BIN = Path(sys.executable).parent
 # more than any test uses, where the product's default of 2 GiB would put ~3.4 GB per
 # engine and several clusters at once past this machine's memory.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# Every test engine runs vLLM's model worker inside its engine-core process (vLLM's
-# uniprocess executor; on CPU vLLM picks it when V1 multiprocessing is off) instead of
-# a third process per replica: each engine start imports torch and vLLM twice, not three
-# times (~14 CPU-s less of the ~33 an engine start costs here). The engine core is still
-# its own process under the engine-worker (`AsyncLLM` always runs it apart), so the tests
-# that kill it kill what they did; the product's default (vLLM's) is unchanged.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 E2E_ORDER = (
