@@ -257,7 +257,7 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_submit(args: argparse.Namespace) -> None:
     from prefixflow.client.sources import InputError
-    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
+    from prefixflow.client.submit import ENDINGS, AlreadyDone, ending, submit
     from prefixflow.shared.bus.connection import NatsRefused
 
     job = args.job or subjects.qualify(default_job_id(args.input), getattr(args, "tenant", ""))
@@ -284,13 +284,8 @@ def cmd_submit(args: argparse.Namespace) -> None:
         )
     except InputError as exc:  # before anything was created: missing, no data files, no access, not its format
         raise usage_error(str(exc)) from None
-    except JobFailed as exc:  # "job X failed: <reason>" (or cancelled, expired; or its input found bad while read)
-        raise CommandError(str(exc), Exit.FAILED) from None
-    except JobPaused as exc:  # its output lacks a resource: the job waits on the cluster
-        raise CommandError(f"{exc}\nthe job waits on the cluster and resumes by itself once {exc.path} takes "
-                           "writes again; run the same command again to follow it to the end", Exit.PAUSED) from None
-    except (DirTaken, JobMismatch) as exc:
-        raise usage_error(str(exc)) from None
+    except ENDINGS as exc:  # failed, cancelled, expired; paused; OUT or the id bound to another job
+        raise ending(exc, cluster_stays=True) from None
     except (TimeoutError, NatsRefused) as exc:  # --timeout passed; no NATS (or it refused us)
         raise CommandError(str(exc) or f"cannot reach NATS at {args.nats}", Exit.FAILED) from None
     except AlreadyDone as done:

@@ -54,7 +54,7 @@ from prefixflow.shared.wire.ids import IdSet
 from prefixflow.shared.wire.limits import ROW_TIMEOUT
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
-from prefixflow.shared.outcomes import usage_error
+from prefixflow.shared.outcomes import CommandError, Exit, usage_error
 from prefixflow.shared.bus.publish import message_limit, publish
 
 READ_BATCH = 4096
@@ -445,6 +445,25 @@ def read_chunks(job: str, source: Source) -> Iterator[columns.Chunk]:
         yield from columns.chunks(source)
     except InputError as exc:
         raise JobFailed(job, f"its input: {exc}") from None
+
+
+
+def ending(exc: Exception, *, cluster_stays: bool) -> CommandError:
+    """The message and exit code (a `CommandError`) `submit` and `run` end with for one of `ENDINGS`
+    (docs/outcomes.md); `cluster_stays`: the job's cluster runs on after the command (`submit`),
+    not `run`'s own."""
+    if isinstance(exc, JobPaused):
+        then = (f"the job waits on the cluster and resumes by itself once {exc.path} takes writes again; "
+                "run the same command again to follow it to the end" if cluster_stays
+                else f"once {exc.path} takes writes again, run the same command to resume it")
+        return CommandError(f"{exc}\n{then}", Exit.PAUSED)
+    if isinstance(exc, DirTaken | JobMismatch):  # OUT (or the id) bound to another job, input or spec
+        return CommandError(str(exc), Exit.USAGE)
+    return CommandError(str(exc), Exit.FAILED)  # JobFailed: failed, cancelled or expired
+
+
+ENDINGS = (JobFailed, JobPaused, DirTaken, JobMismatch)
+"""`submit`'s exceptions that end a command with a documented code (`ending`)."""
 
 
 async def submit(

@@ -150,7 +150,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     from prefixflow.launch.local_cluster import ClusterFailed, LocalCluster, ProcessExited, wait_replicas_ready
     from prefixflow.launch.processes import describe_placement, machine_devices, processes
     from prefixflow.datagen.make_model import make_model
-    from prefixflow.client.submit import AlreadyDone, DirTaken, JobFailed, JobMismatch, JobPaused, submit
+    from prefixflow.client.submit import ENDINGS, AlreadyDone, ending, submit
 
     if args.model == cfgmod.DEFAULT_MODEL:
         make_model(args.model)
@@ -238,14 +238,11 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     try:
         cluster.start()
         status = asyncio.run(run_job())
-    except JobFailed as exc:
-        error, code = str(exc), Exit.FAILED
+    except ENDINGS as exc:  # failed, cancelled, expired; paused; OUT or the id bound to another job
+        end = ending(exc, cluster_stays=False)
+        error, code = end.message, end.code
     except InputError as exc:  # a file of the input found bad while reading it
         error, code = f"error: {exc}", Exit.FAILED
-    except JobPaused as exc:  # its output lacks a resource: the same command resumes it once that is fixed
-        error, code = f"error: {exc}\nonce {exc.path} takes writes again, run the same command to resume it", Exit.PAUSED
-    except (DirTaken, JobMismatch) as exc:  # a --workdir whose cluster bound OUT (or the id) to another job
-        error, code = f"error: {exc}", Exit.USAGE
     except AlreadyDone as done:  # a --workdir whose cluster finished the job
         status = done.status
     except ClusterFailed as exc:
