@@ -80,15 +80,12 @@ def first_run(tmp_path_factory, dataset, tiny_model) -> Path:
 def test_the_same_run_twice_prints_the_summary_and_starts_nothing(first_run, dataset, tiny_model, tmp_path):
     """Needs the sink's manifest (`_job.json`)."""
     before = snapshot(first_run)
-    t0 = time.monotonic()
     res = run_job(dataset, first_run, tmp_path / "w2", tiny_model, timeout=60)  # no --job: OUT's job
-    took = time.monotonic() - t0
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"job first is already done: {N} rows" in res.stdout, res.stdout
     assert "wall seconds:" in res.stdout, "the summary is printed"
     assert "starting local cluster" not in res.stdout
     assert not (tmp_path / "w2" / "pids.json").exists(), "no cluster started"
-    assert took < 20, took
     assert snapshot(first_run) == before
 
 
@@ -217,12 +214,10 @@ def test_submit_resumes_a_job_interrupted_half_way_sending_only_the_missing_ids(
     assert f"resuming job {job}: {half} rows already done, {N - half} sent" in res.stdout, res.stdout
     ids_once(out, N)
 
-    t0 = time.monotonic()
     again = run_cli("submit", str(moved), "--out", str(out), "--nats", url, "--job", job, "--no-progress",
                     "--max-tokens", "4", timeout=60)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"job {job} is already done: {N} rows" in again.stdout, again.stdout
-    assert time.monotonic() - t0 < 20
 
     other = run_cli("submit", str(moved), "--out", str(out), "--nats", url, "--job", "intruder", "--no-progress", timeout=60)
     assert other.returncode == 2, other.stdout + other.stderr
@@ -246,11 +241,10 @@ def test_submit_of_another_input_or_sampling_into_a_finished_jobs_directory(echo
     owner = json.loads((out / "_job.json").read_text())["job"]
     before = snapshot(out)
 
-    t0 = time.monotonic()
     again = submit_cli(url, dataset, out, timeout=60)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"job {owner} is already done: {N} rows" in again.stdout, again.stdout
-    assert time.monotonic() - t0 < 20 and snapshot(out) == before
+    assert snapshot(out) == before
 
     refused(submit_cli(url, other_input, out, timeout=60), out, before, f"job {owner}", "input: another input")
     refused(submit_cli(url, dataset, out, "--max-tokens", "8", timeout=60), out, before,
