@@ -18,7 +18,10 @@ from tests.conftest import run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 N = 960
-STAGGER = 10
+STAGGER = 20
+"""Seconds between the replicas' starts: each engine is pinned to its own core, so a busy core
+(the other xdist worker's test) can slow one engine's start by ~10-20 s; the gap must stay
+wider than that for the replicas to be ready apart."""
 
 
 def test_replicas_ready_apart_both_get_work_and_the_hit_rate_holds(tmp_path, tiny_model):

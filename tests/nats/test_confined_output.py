@@ -90,5 +90,6 @@ def test_out_dir_outside_the_root_is_refused_and_nothing_is_written(tmp_path, na
     assert tree(outside) == []
     # Under the root: the symlink, and the one job that stayed inside.
     assert statuses["inside"].done and statuses["inside"].rows == ROWS
-    assert tree(root) == ["link", "ok", "ok/job", "ok/job/_job.json", "ok/job/_summary.json", "ok/job/part-000000.parquet"]
+    assert tree(root) == ["link", "ok", "ok/job", "ok/job/_common_metadata", "ok/job/_job.json", "ok/job/_summary.json",
+                          "ok/job/part-000000.parquet"]
     assert sorted(pq.read_table(root / "ok" / "job").column("id").to_pylist()) == list(range(ROWS))

@@ -46,10 +46,12 @@ def rows() -> list[dict]:
 
 
 def rows_written(url: str, job: str) -> int:
+    """Rows written of a sealed job (0 until `submit` has sealed it: before, its total is
+    unknown and `status` cannot tell its tail)."""
     async def get():
         async with Submitter(url) as client:
             st = await client.status(job)
-            return st.rows if st is not None else 0
+            return st.rows if st is not None and st.total is not None else 0
     return asyncio.run(get())
 
 
@@ -65,7 +67,7 @@ def test_rows_over_limits_and_a_stalled_row_end_as_error_rows(clusters, tmp_path
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        # 1. Every row but the stalled one comes out at once; `status` names the one left.
+        # 1. Every row but the stalled one comes out at once (the job sealed); `status` names the one left.
         deadline = time.monotonic() + 60
         while rows_written(url, job) < N - 1:
             assert time.monotonic() < deadline and submit.poll() is None, "the job's other rows did not come out"
