@@ -218,3 +218,19 @@ def test_new_ids_sort_by_creation_time():
     first = new_id("file")
     time.sleep(0.002)
     assert first < new_id("file") and len(first) <= 128
+
+
+def test_the_api_does_not_start_with_a_bad_quota_file_and_says_why(tmp_path):
+    from prefixflow.batchapi.service import Api
+    from prefixflow.shared.outcomes import CommandError
+    from prefixflow.shared.process import config as cfgmod
+
+    path = tmp_path / "quotas.toml"
+    path.write_text("[tenants.alice]\nqueued_rows = -5\n")
+    cfg = cfgmod.load(cfgmod.ApiConfig, environ={"PFX_QUOTAS_FILE": str(path), "PFX_QUOTA_OPEN_BATCHES": "3"})
+    with pytest.raises(CommandError, match=r"prefixflow serve api: quotas: .*quotas.toml: Expected `int` >= 0"):
+        Api(cfg)
+    path.write_text("[tenants.alice]\nqueued_rows = 5\n")
+    api = Api(cfg)
+    assert api.ledger.limits("alice") == Limits(open_batches=3, queued_rows=5)
+    assert api.ledger.limits("bob") == Limits(open_batches=3), "the env's defaults for a tenant the file does not name"
