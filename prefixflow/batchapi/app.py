@@ -98,8 +98,7 @@ def make_app(store: Store, runner: Runner, keys: KeyRing, cfg, js, nc, ledger: L
             raise ApiError(HTTPStatus.NOT_FOUND, f"no batch {bid!r}", "not_found")
         return rec
 
-    add_file_routes(app, store, ledger, cfg, tenant)
-    own_file = app.state.own_file
+    own_file = add_file_routes(app, store, ledger, cfg, tenant)
 
     @app.get("/v1/quota")
     async def quota(who: str = Depends(tenant)):

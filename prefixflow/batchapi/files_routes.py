@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Literal
 
@@ -22,16 +23,15 @@ from prefixflow.batchapi.store import MAX_PAGE, FileRec, Store, after_cursor
 PURPOSES = ("batch", "batch_output", "user_data")
 
 
-def add_file_routes(app: FastAPI, store: Store, ledger: Ledger, cfg, tenant) -> None:
-    """The file routes on `app` (`tenant`: the dependency naming the request's tenant)."""
+def add_file_routes(app: FastAPI, store: Store, ledger: Ledger, cfg, tenant) -> Callable[[str, str], Awaitable[FileRec]]:
+    """The file routes on `app` (`tenant`: the dependency naming the request's tenant);
+    returns `own_file(tenant, id)`: the tenant's file record, or a 404."""
 
     async def own_file(who: str, fid: str) -> FileRec:
         rec = await store.file(who, fid) if well_formed(fid) else None
         if rec is None:
             raise ApiError(HTTPStatus.NOT_FOUND, f"no file {fid!r}", "not_found")
         return rec
-
-    app.state.own_file = own_file
 
     @app.post("/v1/files")
     async def create_file(request: Request, who: str = Depends(tenant)):
@@ -109,3 +109,5 @@ def add_file_routes(app: FastAPI, store: Store, ledger: Ledger, cfg, tenant) -> 
         if not await store.delete_file(await own_file(who, fid)):
             raise ApiError(HTTPStatus.NOT_FOUND, f"no file {fid!r}", "not_found")  # deleted meanwhile
         return {"id": fid, "object": "file", "deleted": True}
+
+    return own_file

@@ -105,22 +105,25 @@ def test_a_tenant_over_each_quota_is_refused_while_another_tenant_goes_on(api, f
     assert alice.batches.retrieve(b1.id).status not in FINAL | {"finalizing"}, "b1 ran out before the checks"
     assert {q: now[q]["used"] for q in ("open_batches", "queued_rows", "concurrent_jobs")} == {
         "open_batches": 1, "queued_rows": 3000, "concurrent_jobs": 1}, now
-    rewrite(api.quotas, alice_quotas(room, 5, 3010, 5))
-    b2 = create(f_small.id)()
-    # A batch that is not final cannot be deleted (409); B's batch completed meanwhile.
+    # A batch that is not final cannot be deleted (409).
     r = httpx.delete(f"http://127.0.0.1:{api.port}/v1/batches/{b1.id}", headers={"Authorization": "Bearer key-a"})
     assert r.status_code == 409 and r.json()["error"]["code"] == "batch_not_final", r.text
-    done_bob = wait_for(bob, b_bob.id, FINAL)
-    assert done_bob.status == "completed" and done_bob.request_counts.completed == 10
 
     # Deleting a file deletes its content and frees its bytes: the upload refused above fits now.
+    before = usage(api, "key-a")["stored_bytes"]["used"]
     assert alice.files.delete(f_small.id).deleted
-    assert usage(api, "key-a")["stored_bytes"]["used"] == big.stat().st_size
+    assert usage(api, "key-a")["stored_bytes"]["used"] == before - small.stat().st_size
     with pytest.raises(openai.NotFoundError):
         alice.files.content(f_small.id)
     assert objects_present(api.cluster_url, [f_small.id]) == []
     again = alice.files.create(file=small.open("rb"), purpose="batch")
     assert alice.files.content(again.id).content == small.read_bytes()
+    rewrite(api.quotas, alice_quotas(room, 5, 3010, 5))
+    b2 = create(again.id)()  # 3,000 + 10 queued: within the raised limit
+
+    # B's batch completed while A was refused.
+    done_bob = wait_for(bob, b_bob.id, FINAL)
+    assert done_bob.status == "completed" and done_bob.request_counts.completed == 10
 
     # Deleting a final batch deletes its output and error files and its job's exports.
     for b in (b1, b2):
