@@ -75,10 +75,10 @@ def refused(call, error: type[openai.APIStatusError], status: int, code: str, wo
 
 def test_a_tenant_over_each_quota_is_refused_while_another_tenant_goes_on(api, files):
     alice, bob = api.client("key-a"), api.client("key-b")
-    big = write_batch(files / "big.jsonl", [chat_line(i) for i in range(3000)])  # ~8 s of the slow echo engine
+    big = write_batch(files / "big.jsonl", [chat_line(i) for i in range(800)])  # open for seconds (cancelled once checked)
     small = write_batch(files / "small.jsonl", [chat_line(i) for i in range(10)])
     room = big.stat().st_size + small.stat().st_size + 100
-    rewrite(api.quotas, alice_quotas(room, 1, 3010, 5))
+    rewrite(api.quotas, alice_quotas(room, 1, 810, 5))
     f_big, f_small = (alice.files.create(file=p.open("rb"), purpose="batch") for p in (big, small))
     # Bytes stored: the next upload is past the room left (100 bytes): 507, nothing stored.
     refused(lambda: alice.files.create(file=small.open("rb"), purpose="batch"), openai.InternalServerError, 507,
@@ -95,19 +95,20 @@ def test_a_tenant_over_each_quota_is_refused_while_another_tenant_goes_on(api, f
     b1 = create(f_big.id)()  # each refusal below depends on b1 alone, open for seconds
     # Open batches (1).
     refused(create(f_small.id), openai.RateLimitError, 429, "rate_limit_exceeded", "quota open_batches exceeded")
-    rewrite(api.quotas, alice_quotas(room, 5, 3010, 1))  # the quota file changed while the API runs
+    rewrite(api.quotas, alice_quotas(room, 5, 810, 1))  # the quota file changed while the API runs
     # Concurrent jobs (1): b1's job runs.
     refused(create(f_small.id), openai.RateLimitError, 429, "rate_limit_exceeded", "quota concurrent_jobs exceeded")
-    rewrite(api.quotas, alice_quotas(room, 5, 3005, 5))
-    # Queued requests: 3,000 queued, 10 more asked, 3,005 allowed.
+    rewrite(api.quotas, alice_quotas(room, 5, 805, 5))
+    # Queued requests: 800 queued, 10 more asked, 805 allowed.
     refused(create(f_small.id), openai.RateLimitError, 429, "rate_limit_exceeded", "quota queued_rows exceeded")
     now = usage(api, "key-a")
     assert alice.batches.retrieve(b1.id).status not in FINAL | {"finalizing"}, "b1 ran out before the checks"
     assert {q: now[q]["used"] for q in ("open_batches", "queued_rows", "concurrent_jobs")} == {
-        "open_batches": 1, "queued_rows": 3000, "concurrent_jobs": 1}, now
+        "open_batches": 1, "queued_rows": 800, "concurrent_jobs": 1}, now
     # A batch that is not final cannot be deleted (409).
     r = httpx.delete(f"http://127.0.0.1:{api.port}/v1/batches/{b1.id}", headers={"Authorization": "Bearer key-a"})
     assert r.status_code == 409 and r.json()["error"]["code"] == "batch_not_final", r.text
+    assert alice.batches.cancel(b1.id).status == "cancelling"  # done with it: its rows stop
 
     # Deleting a file deletes its content and frees its bytes: the upload refused above fits now.
     before = usage(api, "key-a")["stored_bytes"]["used"]
@@ -118,27 +119,29 @@ def test_a_tenant_over_each_quota_is_refused_while_another_tenant_goes_on(api, f
     assert objects_present(api.cluster_url, [f_small.id]) == []
     again = alice.files.create(file=small.open("rb"), purpose="batch")
     assert alice.files.content(again.id).content == small.read_bytes()
-    rewrite(api.quotas, alice_quotas(room, 5, 3010, 5))
-    b2 = create(again.id)()  # 3,000 + 10 queued: within the raised limit
+    rewrite(api.quotas, alice_quotas(room, 5, 810, 5))
+    b2 = create(again.id)()  # 800 + 10 queued: within the raised limit
 
     # B's batch completed while A was refused.
     done_bob = wait_for(bob, b_bob.id, FINAL)
     assert done_bob.status == "completed" and done_bob.request_counts.completed == 10
 
     # Deleting a final batch deletes its output and error files and its job's exports.
-    for b in (b1, b2):
-        assert wait_for(alice, b.id, FINAL).status == "completed"
-    done = alice.batches.retrieve(b1.id)
-    out = lines_of(alice, done.output_file_id)
-    assert len(out) == 3000
+    assert wait_for(alice, b2.id, FINAL).status == "completed"
+    done = wait_for(alice, b1.id, FINAL)
+    assert done.status == "cancelled" and done.error_file_id is not None, done
+    outputs = [fid for fid in (done.output_file_id, done.error_file_id) if fid is not None]
+    assert len(lines_of(alice, done.output_file_id)) + len(lines_of(alice, done.error_file_id)) == 800
     before = usage(api, "key-a")
     assert before["open_batches"]["used"] == before["queued_rows"]["used"] == before["concurrent_jobs"]["used"] == 0
-    out_bytes = alice.files.retrieve(done.output_file_id).bytes
+    out_bytes = sum(alice.files.retrieve(fid).bytes for fid in outputs)
     r = httpx.delete(f"http://127.0.0.1:{api.port}/v1/batches/{b1.id}", headers={"Authorization": "Bearer key-a"})
     assert r.status_code == 200 and r.json() == {"id": b1.id, "object": "batch.deleted", "deleted": True}
-    for gone in (lambda: alice.batches.retrieve(b1.id), lambda: alice.files.retrieve(done.output_file_id)):
+    with pytest.raises(openai.NotFoundError):
+        alice.batches.retrieve(b1.id)
+    for fid in outputs:
         with pytest.raises(openai.NotFoundError):
-            gone()
+            alice.files.retrieve(fid)
     assert usage(api, "key-a")["stored_bytes"]["used"] == before["stored_bytes"]["used"] - out_bytes
     assert objects_present(api.cluster_url, [*object_names(b1.id), error_file_object(b1.id)]) == []
     assert alice.files.retrieve(b1.input_file_id).id == f_big.id, "its input file is the tenant's own: kept"
