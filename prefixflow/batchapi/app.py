@@ -10,55 +10,39 @@ statuses are `prefixflow.shared.outcomes.API_ERRORS` (docs/outcomes.md), FastAPI
 replies (422 for a body that does not validate, 404/405 of routing) and an unexpected
 error included.
 
-Every request names its tenant by its API key (`Authorization: Bearer`); records are
-keyed by tenant (`prefixflow/batchapi/store.py`), so another tenant's id is a 404.
+Every request names its tenant by its API key (`Authorization: Bearer`; the keys file is
+read again when it changes: `prefixflow/shared/api_keys.py`); records are keyed by tenant
+(`prefixflow/batchapi/store.py`), so another tenant's id is a 404. Each tenant's quotas
+(`prefixflow/batchapi/quotas.py`, docs/quotas.md) are checked before it takes anything:
+an upload past its bytes is a 507, a batch past its open batches, queued requests or
+concurrent jobs a 429. Lists are cursor pages (`after`, `limit`, `has_more`) in id order,
+newest first (ids sort by creation time). The file routes: `prefixflow/batchapi/files_routes.py`.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import tempfile
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
-from nats.js.errors import APIError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixflow.batchapi import batches as b
-from prefixflow.batchapi import lifecycle, upload
+from prefixflow.batchapi import lifecycle
+from prefixflow.batchapi.files_routes import add_file_routes
+from prefixflow.batchapi.quotas import Exceeded, Ledger, Limits
+from prefixflow.batchapi.replies import ApiError, listing, page_limit, quota_error, well_formed
 from prefixflow.batchapi.runner import Runner
-from prefixflow.batchapi.store import BatchRec, Store, new_id, now
-from prefixflow.shared.api_keys import tenant_of
+from prefixflow.batchapi.store import BatchRec, Store, new_id, now, page_of
+from prefixflow.shared.api_keys import KeyRing
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 from prefixflow.shared.outcomes import API_ERRORS
 
-
-class ApiError(Exception):
-    """An error reply in OpenAI's shape; its status is one of `API_ERRORS` (docs/outcomes.md),
-    which also gives its `type`."""
-
-    def __init__(self, status: HTTPStatus, message: str, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.type, self.param = status, message, code, API_ERRORS[status], param
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
-
-
-ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
-"""What a file or batch id can look like (a key token of the records bucket)."""
-
-
-def well_formed(id_: str) -> bool:
-    """An id that can name a record (any other, e.g. `a:b` or `a.b`, is simply not found: 404)."""
-    return ID_RE.fullmatch(id_) is not None
+MAX_BATCH_PAGE = 100
+"""Most batches one list request returns (OpenAI's)."""
 
 
 class CreateBatch(BaseModel):
@@ -72,8 +56,9 @@ def public(rec: BatchRec) -> dict[str, Any]:
     return {k: v for k, v in rec.batch.items() if not k.startswith("_")}
 
 
-def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) -> FastAPI:
+def make_app(store: Store, runner: Runner, keys: KeyRing, cfg, js, nc, ledger: Ledger | None = None) -> FastAPI:
     app = FastAPI(title="prefixflow batch API", docs_url=None, redoc_url=None)
+    ledger = ledger if ledger is not None else Ledger(lambda _: Limits())
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -101,17 +86,11 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
                         "has the details", "internal_error").response()
 
     async def tenant(authorization: str | None = Header(default=None)) -> str:
-        who = tenant_of(keys, authorization)
+        who = keys.tenant(authorization)
         if who is None:
             raise ApiError(HTTPStatus.UNAUTHORIZED, "invalid or missing API key (Authorization: Bearer <key>)",
                            "invalid_api_key")
         return who
-
-    async def own_file(tenant: str, fid: str):
-        rec = await store.file(tenant, fid) if well_formed(fid) else None
-        if rec is None:
-            raise ApiError(HTTPStatus.NOT_FOUND, f"no file {fid!r}", "not_found")
-        return rec
 
     async def own_batch(tenant: str, bid: str) -> BatchRec:
         rec = await store.batch(tenant, bid) if well_formed(bid) else None
@@ -119,57 +98,12 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
             raise ApiError(HTTPStatus.NOT_FOUND, f"no batch {bid!r}", "not_found")
         return rec
 
-    # --- files -------------------------------------------------------------------------
+    own_file = add_file_routes(app, store, ledger, cfg, tenant)
 
-    @app.post("/v1/files")
-    async def create_file(request: Request, who: str = Depends(tenant)):
-        try:
-            up = await upload.receive(request, cfg.max_file_bytes)
-        except upload.TooLarge as exc:
-            raise ApiError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"file over the limit of {exc.limit} bytes (refused "
-                           f"after {exc.seen} bytes)", "file_too_large", param="file") from None
-        except upload.BadForm as exc:
-            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc)) from None
-        try:
-            if up.purpose not in ("batch", "batch_output", "user_data"):
-                raise ApiError(HTTPStatus.BAD_REQUEST, f"purpose {up.purpose!r}: this service keeps 'batch' files",
-                               param="purpose")
-            rec = await store.put_file(who, up.filename, up.purpose, up.file, up.lines)
-        except APIError as exc:
-            if upload.store_full(exc):
-                raise ApiError(HTTPStatus.INSUFFICIENT_STORAGE, f"the files store is full ({exc.description}): "
-                               "delete files or try later", "storage_full") from None
-            raise
-        finally:
-            up.file.close()
-        return rec.openai()
-
-    @app.get("/v1/files")
-    async def list_files(who: str = Depends(tenant), purpose: str | None = None):
-        data = [r.openai() for r in await store.files(who) if purpose is None or r.purpose == purpose]
-        return {"object": "list", "data": data, "has_more": False}
-
-    @app.get("/v1/files/{fid}")
-    async def get_file(fid: str, who: str = Depends(tenant)):
-        return (await own_file(who, fid)).openai()
-
-    @app.get("/v1/files/{fid}/content")
-    async def file_content(fid: str, who: str = Depends(tenant)):
-        rec = await own_file(who, fid)
-        fd, path = tempfile.mkstemp(prefix="pfx-content-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                await store.read_object(rec.object, f)
-        except Exception:
-            os.unlink(path)
-            raise
-        return FileResponse(path, media_type="application/octet-stream", filename=rec.filename,
-                            background=BackgroundTask(os.unlink, path))
-
-    @app.delete("/v1/files/{fid}")
-    async def delete_file(fid: str, who: str = Depends(tenant)):
-        await store.delete_file(await own_file(who, fid))
-        return {"id": fid, "object": "file", "deleted": True}
+    @app.get("/v1/quota")
+    async def quota(who: str = Depends(tenant)):
+        """The tenant's quotas: {quota: {used, limit}} (limit 0: none)."""
+        return {"object": "quota", "tenant": who, **ledger.report(who)}
 
     # --- batches -----------------------------------------------------------------------
 
@@ -179,10 +113,15 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
             b.check_endpoint(body.endpoint, cfg.task)
             window = b.window_seconds(body.completion_window, cfg.completion_windows.split(","))
             b.priority(body.metadata)
-            b.check_input(await own_file(who, body.input_file_id), cfg.max_batch_bytes, cfg.max_requests)
+            file = await own_file(who, body.input_file_id)
+            b.check_input(file, cfg.max_batch_bytes, cfg.max_requests)
         except b.Invalid as exc:
             raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), exc.code, param=exc.param) from None
         bid, created = new_id("batch"), now()
+        try:
+            ledger.admit(who, bid, file.lines)  # NOTE: no await between its check and its take
+        except Exceeded as exc:
+            raise quota_error(exc) from None
         batch = {
             "id": bid, "object": "batch", "endpoint": body.endpoint, "input_file_id": body.input_file_id,
             "completion_window": body.completion_window, "status": "validating", "created_at": created,
@@ -190,8 +129,12 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "errors": None,
             "output_file_id": None, "error_file_id": None,
         }
-        rec = BatchRec(who, bid, batch)
-        await store.create_batch(rec)
+        rec = BatchRec(who, bid, batch, lines=file.lines)
+        try:
+            await store.create_batch(rec)
+        except BaseException:
+            ledger.forget(who, bid)
+            raise
         runner.start(rec)
         return public(rec)
 
@@ -201,15 +144,9 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
 
     @app.get("/v1/batches")
     async def list_batches(who: str = Depends(tenant), after: str | None = None, limit: int = 20):
-        limit = max(1, min(limit, 100))
-        recs = await store.batches(who)
-        if after is not None:
-            ids = [r.batch["id"] for r in recs]
-            recs = recs[ids.index(after) + 1:] if after in ids else []
-        page = recs[:limit]
-        data = [public(r) for r in page]
-        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(recs) > limit}
+        page, more = page_of(await store.batch_ids(who), after, page_limit(limit, MAX_BATCH_PAGE))
+        recs = [await store.batch(who, bid) for bid in page]
+        return listing([public(r) for r in recs if r is not None], more)
 
     @app.post("/v1/batches/{bid}/cancel")
     async def cancel_batch(bid: str, who: str = Depends(tenant)):
@@ -225,5 +162,17 @@ def make_app(store: Store, runner: Runner, keys: dict[str, str], cfg, js, nc) ->
             pass  # no job yet: the runner never creates it, or cancels it once it exists
         runner.start(rec)
         return public(rec)
+
+    @app.delete("/v1/batches/{bid}")
+    async def delete_batch(bid: str, who: str = Depends(tenant)):
+        """A final batch and its data: its output and error files (records and content)
+        and what its job exported; its input file stays (a file of its own)."""
+        rec = await own_batch(who, bid)
+        if rec.batch["status"] not in b.TERMINAL:
+            raise ApiError(HTTPStatus.CONFLICT, f"batch {bid} is {rec.batch['status']}: cancel it and delete it once "
+                           "it is final", "batch_not_final")
+        await runner.delete_outputs(rec)
+        await store.delete_batch(rec)
+        return {"id": bid, "object": "batch.deleted", "deleted": True}
 
     return app

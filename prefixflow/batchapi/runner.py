@@ -40,7 +40,7 @@ from nats.js.errors import KeyNotFoundError
 
 from prefixflow.batchapi import batches as b
 from prefixflow.batchapi import lifecycle
-from prefixflow.batchapi.store import BatchRec, FileRec, Store, new_id, now
+from prefixflow.batchapi.store import BatchRec, FileRec, Store, now
 from prefixflow.client.submit import AlreadyDone, JobCancelled, JobFailed, submit
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 from prefixflow.shared.bus.publish import message_limit
@@ -189,7 +189,7 @@ class Runner:
 
     async def error_file(self, rec: BatchRec, path: Path) -> FileRec:
         """`path` (error lines) stored and registered as the batch's error file."""
-        name = f"{rec.job}/errors-all.jsonl"
+        name = error_file_object(rec.job)
         with path.open("rb") as f:
             size = await self.store.put_object(name, f)
         return await self.register(rec, name, "errors", size)
@@ -324,10 +324,41 @@ class Runner:
                 await self.store.delete_object(name)
         return final
 
+    async def delete_outputs(self, rec: BatchRec) -> None:
+        """Delete a final batch's data: its output and error files (records and content:
+        their bytes stop counting) and every object its job and its runs left."""
+        bid = rec.batch["id"]
+        fids = {rec.batch.get("output_file_id"), rec.batch.get("error_file_id"),
+                *(output_file_id(bid, kind) for kind in OUTPUT_KINDS)} - {None}
+        for fid in sorted(fids):
+            frec = await self.store.file(rec.tenant, fid)
+            if frec is not None:
+                await self.store.delete_file(frec)
+        for name in (*object_names(rec.job), error_file_object(rec.job), *parsed_names(rec.job)):
+            await self.store.delete_object(name)
+
     async def register(self, rec: BatchRec, obj: str, kind: str, size: int) -> FileRec:
-        frec = FileRec(new_id("file"), rec.tenant, f"{rec.batch['id']}_{kind}.jsonl", "batch_output", size, now(), obj)
-        await self.store.save_file(frec)
-        return frec
+        """The batch's output or error file (`obj`, `size` bytes) as a file of its tenant.
+        Its id is the batch's (`output_file_id`): registered again (finalizing re-run after
+        a restart) it is the same file, counted once."""
+        frec = FileRec(output_file_id(rec.batch["id"], kind), rec.tenant, f"{rec.batch['id']}_{kind}.jsonl",
+                       "batch_output", size, now(), obj)
+        return await self.store.save_file(frec)
+
+
+OUTPUT_KINDS = ("output", "errors")
+"""A batch's files: its output file and its error file."""
+
+
+def error_file_object(job: str) -> str:
+    """The object of a batch's error file (the sink's error lines and the bad lines)."""
+    return f"{job}/errors-all.jsonl"
+
+
+def output_file_id(bid: str, kind: str) -> str:
+    """The id of a batch's output file (`kind` "output") or error file ("errors"): the
+    batch id's own, so it sorts beside its batch and a second registration finds the first."""
+    return f"file_{bid.removeprefix('batch_')}_{kind}"
 
 
 def max_line_bytes(nc) -> int:

@@ -13,30 +13,59 @@ import uvicorn
 from prefixflow.batchapi.app import make_app
 from prefixflow.batchapi.runner import Runner
 from prefixflow.batchapi.store import Store
-from prefixflow.shared.api_keys import load_keys
+from prefixflow.batchapi.quotas import Ledger, Limits, QuotaTable
+from prefixflow.shared.api_keys import KeyRing
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
 from prefixflow.shared.outcomes import usage_error
+from prefixflow.shared.process.watched import Watched
 
 log = structlog.get_logger()
+
+
+def quota_table(cfg):
+    """Each tenant's limits: the quota file (read again when it changes) over the
+    `--quota-*` defaults. Raises ValueError/OSError for a bad file."""
+    defaults = Limits(cfg.quota_stored_bytes, cfg.quota_open_batches, cfg.quota_queued_rows, cfg.quota_concurrent_jobs)
+    if not cfg.quotas_file:
+        table = QuotaTable(defaults)
+        return lambda: table
+    watched = Watched(cfg.quotas_file, lambda text: QuotaTable(defaults, text, cfg.quotas_file), "quotas")
+    return watched.get
 
 
 class Api:
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         try:
-            self.keys = load_keys(cfg.api_keys, cfg.api_keys_file)
+            self.keys = KeyRing(cfg.api_keys, cfg.api_keys_file)
         except (ValueError, OSError) as exc:  # the reason, without a traceback (never a key)
             raise usage_error(f"prefixflow serve api: API keys: {exc}") from None
+        try:
+            table = quota_table(cfg)
+        except (ValueError, OSError) as exc:
+            raise usage_error(f"prefixflow serve api: quotas: {exc}") from None
+        self.ledger = Ledger(lambda tenant: table()(tenant))
+
+    async def count_usage(self, store: Store) -> None:
+        """What every tenant holds now (its files' bytes, its open batches): the ledger's start."""
+        for key in await store.file_ids():
+            tenant, fid = key.split(".", 1)
+            if (rec := await store.file(tenant, fid)) is not None:
+                self.ledger.stored(tenant, rec.bytes)
+        for rec in await store.batches():
+            rows = rec.requests + rec.bad if rec.validated else rec.lines
+            self.ledger.observe(rec.tenant, rec.batch["id"], rec.batch["status"], rows)
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, "api")
         js = nc.jetstream()
         await provision(js)
-        store = await Store(nc).open()
+        store = await Store(nc, self.ledger).open()
+        await self.count_usage(store)
         runner = await Runner(store, self.cfg.nats_url, self.cfg, js, nc).open()
         await runner.resume_all()
-        app = make_app(store, runner, self.keys, self.cfg, js, nc)
+        app = make_app(store, runner, self.keys, self.cfg, js, nc, self.ledger)
         server = uvicorn.Server(uvicorn.Config(app, host=self.cfg.host, port=self.cfg.port, log_level="warning",
                                                lifespan="off", access_log=False))
         serving = asyncio.create_task(server.serve())
@@ -44,7 +73,7 @@ class Api:
             await asyncio.sleep(0.05)
         if serving.done():
             await serving  # could not listen: say why
-        log.info("api ready", url=f"http://{self.cfg.host}:{self.cfg.port}", tenants=sorted(set(self.keys.values())) or
+        log.info("api ready", url=f"http://{self.cfg.host}:{self.cfg.port}", tenants=sorted(set(self.keys.keys().values())) or
                  ["default (no API key asked)"])
         await stop.wait()
         server.should_exit = True

@@ -5,6 +5,9 @@ ever name its own keys, so another tenant's file or batch is simply not found. B
 stores are replicated like the streams: any API replica serves them, a restart loses
 nothing.
 
+Ids sort by creation time (`new_id`), so a list is a page of a tenant's keys in id
+order (`page_of`: `after` a cursor id, newest first) whose records alone are read.
+
 Listing asks the server for the bucket's keys under one prefix (`kv_keys`: stream info,
 no consumer), so the `api` user's grant needs nothing beyond reading and writing its own
 bucket, and listing one tenant reads only that tenant's keys.
@@ -25,6 +28,7 @@ from typing import Any, BinaryIO, TypeVar
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from prefixflow.batchapi.quotas import Ledger
 from prefixflow.shared.bus.kv_keys import kv_keys
 from prefixflow.shared.bus.objects import read_object
 from prefixflow.shared.wire import subjects
@@ -60,10 +64,33 @@ class BatchRec(msgspec.Struct, omit_defaults=True):
     """Request lines that never ran (error lines)."""
     validated: bool = False
     """Its input was read (`requests`, `bad` and the parsed objects are set)."""
+    lines: int = 0
+    """Its input file's lines when it was created (the requests it queues: quotas)."""
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
+    """A new id that sorts by creation time (milliseconds, then 12 random bytes): lists
+    page through a tenant's keys in id order without reading every record."""
+    return f"{prefix}_{time.time_ns() // 1_000_000:012x}{secrets.token_hex(12)}"
+
+
+MAX_PAGE = 10_000
+"""Most items one list request returns (OpenAI's limit for files; batches: 100)."""
+
+
+def after_cursor(ids: list[str], after: str | None, order: str = "desc") -> list[str]:
+    """`ids` in id order (`desc`: newest first) from just after the cursor `after` (an
+    id; it need not exist any more): each id once, whatever was deleted or added since."""
+    ordered = sorted(set(ids), reverse=order == "desc")
+    if after is None:
+        return ordered
+    return [i for i in ordered if (i < after if order == "desc" else i > after)]
+
+
+def page_of(ids: list[str], after: str | None, limit: int, order: str = "desc") -> tuple[list[str], bool]:
+    """One page: the first `limit` of `after_cursor`, and whether more follow."""
+    ordered = after_cursor(ids, after, order)
+    return ordered[:limit], len(ordered) > limit
 
 
 def now() -> int:
@@ -108,9 +135,11 @@ async def update_record(kv, key: str, cls: type[R], change: Callable[[R], R | No
 
 
 class Store:
-    def __init__(self, nc) -> None:
+    def __init__(self, nc, ledger: Ledger | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
+        self.ledger = ledger
+        """Told of every file written or deleted and of every batch record change (quotas)."""
 
     async def open(self) -> Store:
         self.kv = await self.js.key_value(subjects.BATCHES_KV)
@@ -126,20 +155,49 @@ class Store:
         await self.save_file(rec)
         return rec
 
-    async def save_file(self, rec: FileRec) -> None:
-        await self.kv.put(f"file.{rec.tenant}.{rec.id}", msgspec.json.encode(rec))
+    async def save_file(self, rec: FileRec) -> FileRec:
+        """Write a new file's record: its bytes count to its tenant from now. A record
+        under that id already (a batch's output registered again after a restart) stays
+        as it is and counts once: the record that stands."""
+        try:
+            await self.kv.create(file_key(rec.tenant, rec.id), msgspec.json.encode(rec))
+        except KeyWrongLastSequenceError:
+            return await self.file(rec.tenant, rec.id) or rec
+        if self.ledger is not None:
+            self.ledger.stored(rec.tenant, rec.bytes)
+        return rec
 
     async def file(self, tenant: str, fid: str) -> FileRec | None:
-        return await self._get(f"file.{tenant}.{fid}", FileRec)
+        return await self._get(file_key(tenant, fid), FileRec)
 
-    async def files(self, tenant: str) -> list[FileRec]:
-        recs = [await self._get(k, FileRec) for k in await self._keys(f"file.{tenant}.>")]
-        return sorted((r for r in recs if r is not None), key=lambda r: r.created_at, reverse=True)
+    async def file_ids(self, tenant: str | None = None) -> list[str]:
+        """The ids of the tenant's files (None: every tenant's, as `tenant.id`)."""
+        keys = await self._keys(f"file.{tenant}.*" if tenant else "file.*.*")
+        return [k.split(".", 2)[2] if tenant else k.split(".", 1)[1] for k in keys]
 
-    async def delete_file(self, rec: FileRec) -> None:
-        await self.kv.delete(f"file.{rec.tenant}.{rec.id}")
-        if rec.object == rec.id:  # its own upload (a batch output's object is the job's)
-            await self.delete_object(rec.object)
+    async def files(self, tenant: str, ids: list[str]) -> list[FileRec]:
+        """These files' records (gone ones left out), in the order given."""
+        recs = [await self.file(tenant, fid) for fid in ids]
+        return [r for r in recs if r is not None]
+
+    async def delete_file(self, rec: FileRec) -> bool:
+        """Delete the file's record and its content; whether this call deleted it (False:
+        it was gone already). Its bytes stop counting to its tenant."""
+        key = file_key(rec.tenant, rec.id)
+        try:
+            entry = await self.kv.get(key)
+        except KeyNotFoundError:
+            return False
+        if not entry.value:
+            return False
+        try:
+            await self.kv.delete(key, last=entry.revision)
+        except KeyWrongLastSequenceError:
+            return False  # deleted by another request meanwhile (a file record is never rewritten)
+        await self.delete_object(rec.object)  # an upload's own, a batch output's or error file's
+        if self.ledger is not None:
+            self.ledger.freed(rec.tenant, rec.bytes)
+        return True
 
     async def delete_object(self, name: str) -> None:
         """Delete an object (gone already: nothing to do)."""
@@ -169,7 +227,19 @@ class Store:
     async def update_batch(self, tenant: str, bid: str, change: Callable[[BatchRec], BatchRec | None]) -> BatchRec | None:
         """Change a batch's record by a compare-and-set (`update_record`; the changes are
         in `prefixflow/batchapi/lifecycle.py`): the record as it now stands (None: no such batch)."""
-        return await update_record(self.kv, batch_key(tenant, bid), BatchRec, change)
+        rec = await update_record(self.kv, batch_key(tenant, bid), BatchRec, change)
+        if rec is not None and self.ledger is not None:
+            self.ledger.observe(tenant, bid, rec.batch["status"])
+        return rec
+
+    async def delete_batch(self, rec: BatchRec) -> None:
+        """Delete a final batch's record (its files are deleted by the caller)."""
+        await self.kv.delete(batch_key(rec.tenant, rec.batch["id"]))
+        if self.ledger is not None:
+            self.ledger.forget(rec.tenant, rec.batch["id"])
+
+    async def batch_ids(self, tenant: str) -> list[str]:
+        return [k.split(".", 2)[2] for k in await self._keys(f"batch.{tenant}.*")]
 
     async def batch(self, tenant: str, bid: str) -> BatchRec | None:
         return await self._get(batch_key(tenant, bid), BatchRec)
@@ -194,3 +264,7 @@ class Store:
 
 def batch_key(tenant: str, bid: str) -> str:
     return f"batch.{tenant}.{bid}"
+
+
+def file_key(tenant: str, fid: str) -> str:
+    return f"file.{tenant}.{fid}"

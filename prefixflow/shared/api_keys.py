@@ -19,6 +19,12 @@ A tenant name becomes a key-value key token and a directory name, so it is check
 a job id; a key maps to one tenant (a tenant may have several, e.g. while rotating). No
 key configured: one tenant, `default`, and no key is asked (a local cluster); the
 service logs that it runs open. Error messages never show a key.
+
+Keys change without a restart (`KeyRing`): the keys file is read again when it changes
+(checked at every request: `prefixflow/shared/process/watched.py`), so a key added to it
+works and a key removed from it (revoked, or rotated out) is refused (401) from the next
+request on. An edit that does not parse keeps the keys in force (and logs why); a service
+started with keys never runs open, even if every key is removed.
 """
 
 from __future__ import annotations
@@ -103,6 +109,36 @@ def load_keys(inline: str, path: str) -> dict[str, str]:
         for key, tenant in parse_keys_file(Path(path).read_text(), path).items():
             _add(keys, tenant, key, path)
     return keys
+
+
+class KeyRing:
+    """The API keys in force: `--api-keys` (fixed) merged with the keys file (read again
+    when it changes). Raises ValueError/OSError at start for bad keys or an unreadable file."""
+
+    def __init__(self, inline: str, path: str) -> None:
+        from prefixflow.shared.process.watched import Watched
+
+        self.inline = parse_keys(inline)
+        self.file = Watched(path, lambda text: self._merge(parse_keys_file(text, path), path), "API keys") if path else None
+        self.open = not self.keys()
+        """No key at start: one open tenant, no key asked (never switched on later)."""
+
+    def _merge(self, from_file: dict[str, str], path: str) -> dict[str, str]:
+        keys = dict(self.inline)
+        for key, tenant in from_file.items():
+            _add(keys, tenant, key, path)
+        return keys
+
+    def keys(self) -> dict[str, str]:
+        """{key: tenant} in force now."""
+        return self.file.get() if self.file is not None else self.inline
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The tenant of a request's `Authorization` header (None: refused)."""
+        if self.open:
+            return OPEN_TENANT
+        keys = self.keys()
+        return tenant_of(keys, authorization) if keys else None
 
 
 def tenant_of(keys: dict[str, str], authorization: str | None) -> str | None:

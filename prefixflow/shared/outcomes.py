@@ -131,7 +131,9 @@ API_ERRORS: dict[HTTPStatus, str] = {
     HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "invalid_request_error",
     HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
+    HTTPStatus.CONFLICT: "invalid_request_error",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
+    HTTPStatus.TOO_MANY_REQUESTS: "insufficient_quota",
     HTTPStatus.INTERNAL_SERVER_ERROR: "server_error",
     HTTPStatus.INSUFFICIENT_STORAGE: "server_error",
 }

@@ -258,9 +258,10 @@ def test_every_error_of_the_batch_api_has_openais_shape_and_a_documented_status(
     from fastapi.testclient import TestClient
 
     from prefixflow.batchapi.app import make_app
+    from prefixflow.shared.api_keys import KeyRing
 
     cfg = SimpleNamespace(task="generate", model="m", max_file_bytes=10)
-    client = TestClient(make_app(store=None, runner=None, keys={}, cfg=cfg, js=None, nc=None),
+    client = TestClient(make_app(store=None, runner=None, keys=KeyRing("", ""), cfg=cfg, js=None, nc=None),
                         raise_server_exceptions=False)
     cases = [
         (client.post("/v1/batches", json={"endpoint": "/v1/chat/completions"}), HTTPStatus.BAD_REQUEST, "input_file_id"),

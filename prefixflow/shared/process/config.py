@@ -326,7 +326,8 @@ class ApiConfig(CommonConfig, kw_only=True):
                 "env file); none here nor in --api-keys-file: one tenant, 'default', and no key asked")
     ] = ""
     api_keys_file: Annotated[str, _d("a file of 'TENANT KEY' lines (the key: the rest of the line, any printable "
-                                     "ASCII; lines starting with # are comments), read at start-up")] = ""
+                                     "ASCII; lines starting with # are comments), read at start-up and again when "
+                                     "it changes (a key removed: 401 from the next request)")] = ""
     model: Annotated[
         str, _d("the model the cluster serves, as requests name it (a request naming another is an error line); "
                 "default: the locally built tiny model's path")
@@ -352,6 +353,17 @@ class ApiConfig(CommonConfig, kw_only=True):
                                       "(OpenAI's limit: 512 MB)", gt=0)] = 512 * 1024 * 1024
     completion_windows: Annotated[str, _d("the completion_window values a batch may ask, comma separated (OpenAI "
                                           "serves only 24h); a batch still running at its window's end expires")] = "24h"
+    quotas_file: Annotated[str, _d("a TOML file of per-tenant quotas ([tenants.NAME] stored_bytes, open_batches, "
+                                   "queued_rows, concurrent_jobs; [defaults] likewise), validated at start, read "
+                                   "again when it changes (docs/quotas.md)")] = ""
+    quota_stored_bytes: Annotated[int, _d("default per-tenant quota: bytes of files (uploads, batch outputs) a tenant "
+                                          "may hold; an upload past it is refused, 507 (0: no limit)", ge=0)] = 0
+    quota_open_batches: Annotated[int, _d("default per-tenant quota: batches not in a final state; one more is "
+                                          "refused, 429 (0: no limit)", ge=0)] = 0
+    quota_queued_rows: Annotated[int, _d("default per-tenant quota: requests (input lines) in a tenant's open batches; "
+                                         "a batch past it is refused, 429 (0: no limit)", ge=0)] = 0
+    quota_concurrent_jobs: Annotated[int, _d("default per-tenant quota: batches whose job runs or is about to (open, "
+                                             "not yet finalizing); one more is refused, 429 (0: no limit)", ge=0)] = 0
 
 
 def gpu_ids(spec: str) -> list[int]:
