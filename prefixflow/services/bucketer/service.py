@@ -11,8 +11,9 @@ the lanes:
   batches from each job's consumer while that job's lane is under its share of the
   buffer (a full lane stops its pulling: backpressure up to the ingestor);
 - the dispatcher releases buckets: whenever the router reports free room on the
-  replicas, the lanes furthest behind in virtual time first; a job with nothing left
-  upstream and no new input is flushed. It asks the router where each bucket goes
+  replicas, the lanes furthest behind in virtual time first (without the router's room,
+  by the reference rules: a job with nothing left upstream and no new input is
+  flushed). It asks the router where each bucket goes
   (retrying while the router says retry-after; the router's freed-room event cuts the
   wait short), publishes them to `pfx.work.<replica>`, and acks an input message once
   every prompt it carried has been durably published downstream.
