@@ -3,12 +3,13 @@
 What runs for real (imported, called as the services call it):
 - sharding: `prefixflow.shared.prefix.sharding.Sharder.pick` on each prompt's first-block key
   (`first_block_key`), as the ingestor's plan does;
-- bucketing: `prefixflow.services.bucketer.buffer.PrefixBuffer` built from `BucketerConfig`'s
-  defaults, driven like the bucketer's intake and dispatch loops (`pop` with the same
-  `flush` / `budget` arguments; route requests built like `Bucketer.route_request`);
-- routing: `prefixflow.services.router.fleet.Fleet` + `policies.make_policy`, fed with the engines'
-  status fields and asked to `route` / `route_parts` like `Router.on_status` /
-  `Router.decide`; load in engine cost: each worker fits what its simulated engine's
+- bucketing: the bucketer's decision core `prefixflow.services.bucketer.release.Release`
+  (its fair-share lanes of `PrefixBuffer`s, eager and size releases, the cuts put back,
+  the route requests) built from `BucketerConfig`'s defaults, called as the bucketer's
+  intake and dispatch loops call it;
+- routing: the router's decision core `prefixflow.services.router.decision.Decider` (fleet,
+  policies, caps, hot prefixes, adapters), fed with the engines' `EngineStatus` messages
+  and asked `decide` / `room` as the router service asks it; load in engine cost: each worker fits what its simulated engine's
   tokens cost (`prefixflow.services.engine_worker.cost_fit.CostFit`, fed with its steps), each
   assignment's charge is shared out over its prompts (`messages.cost_shares`) and
   reported done in that unit;
@@ -18,9 +19,11 @@ What runs for real (imported, called as the services call it):
   prefix-group priorities (`prefixflow.services.engine_worker.grouping.GroupPriorities`).
 
 What is simulated: the engines (`prefixflow.sim.engine`), time (`prefixflow.sim.cost`), and NATS as a fixed
-hop latency. The engine-worker's loop is `prefixflow/sim/worker.py`, the router's and the bucketers'
-`prefixflow/sim/services.py`; this module holds the clock, the methods and the results. `tests/unit/test_sim_decisions.py` checks that this driver and the
-services' own objects make the same decisions on the same stream.
+hop latency. The engine-worker's loop is `prefixflow/sim/worker.py`, the glue around the router's
+and the bucketers' cores `prefixflow/sim/services.py`; this module holds the clock, the methods
+and the results. `tests/unit/test_sim_decisions.py` checks that the router service answers a
+recorded stream as the simulator did; `tests/unit/test_sim_no_rules.py` that `prefixflow/sim/`
+copies no rule or constant of the services.
 
 Methods (as `prefixflow bench methods` defines them):
 - naive: batches of `naive_batch` prompts in dataset order; a replica takes the next
@@ -99,7 +102,8 @@ class Options:
     """LoRA adapters an engine runs at once (vLLM's `--max-loras`; a workload with adapters
     needs it > 0; 0: no limit)."""
     record: bool = False
-    """Keep a trace of every status and routing decision (decision-equivalence test)."""
+    """Keep a trace of every status and routing decision (`RouterSim.trace`; the
+    decision-equivalence test)."""
     time_limit: float = 1e7
 
 

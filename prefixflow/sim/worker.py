@@ -11,13 +11,12 @@ from prefixflow.services.engine_worker.admission import KvAdmission, Ticket
 from prefixflow.services.engine_worker.cost_fit import CostFit
 from prefixflow.services.engine_worker.feeder import LORA_SCAN
 from prefixflow.services.engine_worker.grouping import GroupPriorities
+from prefixflow.services.engine_worker.status import STATUS_MIN_GAP
 from prefixflow.services.engine_worker.window import initial_window, next_window
+from prefixflow.shared.wire.messages import EngineStatus
 from prefixflow.sim.engine import Engine, Req
 
 # `Sim` in annotations: `prefixflow.sim.cluster.Sim`, the clock that drives this (not imported: it imports this module).
-
-STATUS_MIN_GAP = 0.02
-"""Seconds between two status messages at least (the engine-worker's)."""
 
 
 class Worker:
@@ -191,11 +190,12 @@ class Worker:
             self.window, self.max_running = next_window(
                 self.window, self.window_cfg, eng.cfg.num_blocks, len(eng.running), self.max_running
             )
-        status = {"ready": True, "outstanding": self.inflight_tokens, "done_tokens": self.done_tokens,
-                  "kv_blocks": eng.cfg.num_blocks, "window": self.window, "engine_block_size": eng.cfg.block_size,
-                  "decode_cost": self.cost_fit.ratio, "adapters": self.sim.adapters,
-                  "lora_slots": self.sim.opts.max_loras if self.sim.adapters else 0, "loras": dict(self.loras)}
-        self.sim.at(now + self.sim.profile.hop_s, self.sim.router.on_status, self.name, status)
+        status = EngineStatus(
+            replica=self.name, ts=now, ready=True, outstanding_tokens=self.inflight_tokens, done_tokens=self.done_tokens,
+            kv_blocks=eng.cfg.num_blocks, block_size=eng.cfg.block_size, window=self.window,
+            decode_cost=self.cost_fit.ratio, adapters=self.sim.adapters,
+            lora_slots=self.sim.opts.max_loras if self.sim.adapters else 0, loras=dict(self.loras))
+        self.sim.at(now + self.sim.profile.hop_s, self.sim.router.status_arrives, status)
         self.pull(now)
 
     def tick(self, now: float) -> None:

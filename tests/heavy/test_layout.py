@@ -18,7 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "prefixflow"
 PURE = [
     "prefixflow.services.bucketer.buffer",
+    "prefixflow.services.bucketer.lanes",
+    "prefixflow.services.bucketer.release",
     "prefixflow.services.router.policies",
+    "prefixflow.services.router.fleet",
+    "prefixflow.services.router.decision",
     "prefixflow.services.engine_worker.grouping",
     "prefixflow.services.engine_worker.rebuild",
     "prefixflow.services.engine_worker.window",

@@ -51,6 +51,9 @@ class Item:
     """Work this prompt brings (prompt + output tokens); 0: its token count."""
     lora: str = ""
     """Its LoRA adapter (empty: the base model)."""
+    output: int = 0
+    """Its output budget (max_tokens) among `weight`: the router charges it at what an
+    output token costs."""
 
 
 @dataclass(slots=True)

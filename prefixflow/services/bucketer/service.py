@@ -3,14 +3,17 @@
 Each job's prompts for this node arrive on their own subject `pfx.bucket.<node>.<job>`
 and wait in that job's lane (`prefixflow/services/bucketer/lanes.py`: a `PrefixBuffer` per job,
 released by weighted fair queuing), so a small job is not queued behind a large one.
-Two tasks share the lanes:
+What to pull, what to release and where its cuts go is decided by `release.Release`
+(pure; the simulator drives the same class); this module is its I/O. Two tasks share
+the lanes:
 - the intake loop looks at the bucket and ingest streams every `SCAN_EVERY` seconds
   (which jobs have prompts here, which have anything left upstream) and pulls prompt
   batches from each job's consumer while that job's lane is under its share of the
   buffer (a full lane stops its pulling: backpressure up to the ingestor);
 - the dispatcher releases buckets: whenever the router reports free room on the
-  replicas, the lanes furthest behind in virtual time first; a job with nothing left
-  upstream and no new input is flushed. It asks the router where each bucket goes
+  replicas, the lanes furthest behind in virtual time first (without the router's room,
+  by the reference rules: a job with nothing left upstream and no new input is
+  flushed). It asks the router where each bucket goes
   (retrying while the router says retry-after; the router's freed-room event cuts the
   wait short), publishes them to `pfx.work.<replica>`, and acks an input message once
   every prompt it carried has been durably published downstream.
@@ -26,6 +29,7 @@ import asyncio
 import collections
 import time
 import uuid
+from collections.abc import Mapping
 
 import msgspec
 import nats.errors
@@ -44,40 +48,22 @@ from prefixflow.shared.bus.provision import provision
 from prefixflow.shared.bus.poison import error_rows, reject
 from prefixflow.shared.bus.publish import PublishError, message_limit, publish
 from prefixflow.shared.bus.pull import DurablePull, keep_in_progress
-from prefixflow.services.bucketer.buffer import Bucket, Item, PrefixBuffer
-from prefixflow.services.bucketer.lanes import Lane, Lanes
+from prefixflow.services.bucketer.buffer import Bucket, Item
+from prefixflow.services.bucketer.lanes import Lanes
+from prefixflow.services.bucketer.release import (DISPATCH_WAIT, INTAKE_WAIT, RETRY_WAIT, SEND_CONCURRENCY, Inflow,
+                                                  Release)
 
 log = structlog.get_logger()
 
-SEND_CONCURRENCY = 32
-EAGER_MIN_WAIT = 0.1
-"""Seconds the oldest prompt waits before eager release may ask whether input landed."""
 SCAN_EVERY = 0.1
 """Seconds between looks at the streams (which jobs have prompts here or upstream)."""
-FETCH_MESSAGES = 4
-"""Prompt batches pulled from one job at once (each up to 512 prompts): how far past its
-share a lane can get before its intake stops."""
 
 
 class Bucketer:
     def __init__(self, cfg: BucketerConfig) -> None:
         self.cfg = cfg
-        def make_buffer() -> PrefixBuffer:
-            return PrefixBuffer(
-                max_prompts=cfg.buffer_prompts,
-                max_bytes=cfg.buffer_bytes,
-                min_bucket=cfg.min_bucket,
-                max_bucket=cfg.max_bucket,
-                threshold=cfg.threshold,
-                max_wait=cfg.max_wait,
-                block_size=cfg.hash_block_size,
-                pool_size=cfg.pool_size,
-            )
-
-        self.lanes = Lanes(make_buffer, max_prompts=cfg.buffer_prompts, max_bytes=cfg.buffer_bytes,
-                           min_share=cfg.pool_size, slack=FETCH_MESSAGES * m.MAX_PROMPTS_PER_MESSAGE,
-                           headroom=cfg.buffer_prompts // 4, burst=cfg.new_job_burst)
-        """One prefix buffer per job, released by weight (fair sharing)."""
+        self.core = Release(cfg)
+        """The lanes and their release rule."""
         self.pulls: dict[str, DurablePull] = {}
         """job -> the pull on its consumer of this node's prompts."""
         self.weights: dict[str, int] = {}
@@ -96,14 +82,16 @@ class Bucketer:
         self.wake = asyncio.Event()
         self.freed = asyncio.Event()
         """Set (and replaced) whenever the router announces freed room."""
-        self.reference_rules = False
-        """The router's policy releases nothing early (the reference's): its last room reply said so."""
         node = cfg.node
         self.prompts_in = metrics.BUCKETER_PROMPTS_IN.labels(node)
         self.route_retries = metrics.ROUTE_RETRIES.labels(node)
         self.bucket_size = metrics.BUCKET_SIZE.labels(node)
         metrics.BUCKETER_BUFFERED.labels(node).set_function(lambda: len(self.lanes))
         metrics.BUCKETER_HELD.labels(node).set_function(lambda: len(self.ledger))
+
+    @property
+    def lanes(self) -> Lanes:
+        return self.core.lanes
 
     async def run(self, stop: asyncio.Event) -> None:
         nc = await connect(self.cfg.nats_url, f"bucketer-{self.cfg.node}")
@@ -161,10 +149,10 @@ class Bucketer:
         """Jobs with messages on this node's subjects not yet pulled, and how many."""
         return {job: n - held.get(job, 0) for job, n in self.here.items() if n > held.get(job, 0)}
 
-    def settled(self, job: str, held: dict[str, int]) -> bool:
-        """Nothing of `job` is still on its way here: its ingest subject is drained and
-        every message on its bucket subject for this node is held here."""
-        return not self.upstream.get(job) and self.here.get(job, 0) <= held.get(job, 0)
+    def inflow(self, held: dict[str, int]) -> Inflow:
+        """What is still on its way here: messages on this node's subjects not yet pulled,
+        jobs with prompts on their ingest subject."""
+        return Inflow(self.waiting(held), self.upstream)
 
     def pull(self, job: str) -> DurablePull:
         if (pull := self.pulls.get(job)) is None:
@@ -179,15 +167,12 @@ class Bucketer:
             if now - self.scanned_at >= SCAN_EVERY:
                 await self.scan()
                 await self.forget(now)
-            waiting = self.waiting(self.held_by_job())
+            inflow = self.inflow(self.held_by_job())
             got = 0
-            for job in self.intake_order(waiting):
-                # Whole messages (up to MAX_PROMPTS_PER_MESSAGE prompts each) while the lane
-                # has room: it overshoots its share by less than one message per round.
-                room = self.lanes.room(job, self.weights.get(job, 1), waiting)
-                if room <= 0:
+            for job in self.intake_order(inflow.waiting):
+                n = self.core.fetch(job, self.weights.get(job, 1), inflow)
+                if not n:
                     continue
-                n = max(1, min(FETCH_MESSAGES, waiting[job], room // m.MAX_PROMPTS_PER_MESSAGE))
                 msgs = await self.pull(job).fetch(n, timeout=0.05)
                 now = time.monotonic()
                 for msg in msgs:
@@ -198,7 +183,7 @@ class Bucketer:
             else:
                 # Nothing to pull, or every lane with input waiting is full (backpressure
                 # until the dispatcher releases buckets).
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(INTAKE_WAIT)
 
     def lane_time(self, job: str) -> float:
         """Intake order: the job furthest behind in virtual time pulls first."""
@@ -224,7 +209,7 @@ class Bucketer:
         except Exception as exc:  # noqa: BLE001 - gone already, or a blip: the server's idle limit removes it
             log.debug("consumer not deleted", consumer=pull.spec.durable, error=repr(exc))
 
-    def intake_order(self, waiting: dict[str, int]) -> list[str]:
+    def intake_order(self, waiting: Mapping[str, int]) -> list[str]:
         """Jobs to pull from this round: those with a consumer open, then, while fewer than
         `max_job_consumers` are, the ones first seen here longest ago (the others wait
         their turn in the stream), each group furthest behind in virtual time first."""
@@ -261,60 +246,34 @@ class Bucketer:
         self.prompts_in.inc(len(batch.prompts))
         self.weights[job] = batch.priority
         for p in batch.prompts:
-            self.lanes.insert(job, batch.priority, Item(p.tokens, now, p, lease, p.work_tokens, p.lora))
+            self.core.insert(job, batch.priority, Item(p.tokens, now, p, lease, p.work_tokens, p.lora, p.max_tokens))
 
     async def dispatch(self, stop: asyncio.Event) -> None:
         while True:
             if stop.is_set():
-                released = self.lanes.pop(time.monotonic(), budget=None, flush=list(self.lanes.lanes))
-                buckets = [b for _, b in released]
-                self.count_released(buckets)
-                await asyncio.gather(*(self.send(b, stop_retrying=True) for b in buckets))
+                released = self.core.drain(time.monotonic())
+                self.count_released(released)
+                await asyncio.gather(*(self.send(job, b, stop_retrying=True) for job, b in released))
                 return
             now = time.monotonic()
-            held = self.held_by_job()
-            waiting = self.waiting(held)
-
-            # Eager release once a job's input has landed (groups then go out whole, not as
-            # fragments of a burst still being ingested) or its lane is full (no more of
-            # its input can come in until some leaves: waiting only idles the replicas),
-            # or after --eager-delay anyway.
-            def eligible(lane: Lane) -> bool:
-                oldest = lane.buffer.oldest()
-                waited = -1.0 if oldest is None else now - oldest
-                return waited >= self.cfg.eager_delay or (waited >= EAGER_MIN_WAIT and (
-                    self.settled(lane.job, held) or self.lanes.room(lane.job, lane.weight, waiting) <= 0))
-
-            early = any(lane.flowing or eligible(lane) for lane in self.lanes.lanes.values() if len(lane.buffer))
-            budget = await self.room() if early or self.reference_rules or not self.cfg.eager else 0.0
-            # Without the router's room (the reference rules): a job with nothing left
-            # upstream and no input for a while has reached its end of input here, so its
-            # lane is flushed. (A slow ingest batch can leave this node without input for
-            # longer than idle_flush; flushing then would cut every group of the burst in
-            # two.) With it, such a lane is eligible and goes out as room frees up, in
-            # its fair turn: a flush would put its whole backlog ahead of other jobs.
-            flush = [] if budget is not None else [
-                job for job, lane in self.lanes.lanes.items()
-                if len(lane.buffer) and now - lane.last_input >= self.cfg.idle_flush and self.settled(job, held)]
-            released = self.lanes.pop(now, budget=budget, flush=flush, eligible=eligible)
-            buckets = [b for _, b in released]
-            self.count_released(buckets)
-            # Route and publish up to SEND_CONCURRENCY buckets at once (each waits for its
-            # route reply and publish ack; one at a time would cap the rate at 1/RTT).
-            for i in range(0, len(buckets), SEND_CONCURRENCY):
-                await asyncio.gather(*(self.send(b) for b in buckets[i : i + SEND_CONCURRENCY]))
+            inflow = self.inflow(self.held_by_job())
+            budget = self.core.budget(await self.room()) if self.core.wants_room(now, inflow) else self.core.no_budget()
+            released = self.core.release(now, inflow, budget)
+            self.count_released(released)
+            for i in range(0, len(released), SEND_CONCURRENCY):
+                await asyncio.gather(*(self.send(job, b) for job, b in released[i : i + SEND_CONCURRENCY]))
             self.wake.clear()
             try:
-                await asyncio.wait_for(self.wake.wait(), 0.2)
+                await asyncio.wait_for(self.wake.wait(), DISPATCH_WAIT)
             except asyncio.TimeoutError:
                 pass
 
-    def count_released(self, buckets: list[Bucket]) -> None:
+    def count_released(self, released: list[tuple[str, Bucket]]) -> None:
         """Metrics of one release: bucket sizes, and buckets and prompts by why."""
-        if not buckets:
+        if not released:
             return
         count: dict[str, list[int]] = {}
-        for b in buckets:
+        for _, b in released:
             for n, why in b.released:
                 self.bucket_size.observe(n)
                 c = count.setdefault(why, [0, 0])
@@ -324,35 +283,16 @@ class Bucketer:
             metrics.RELEASES.labels(self.cfg.node, why).inc(k)
             metrics.RELEASED_PROMPTS.labels(self.cfg.node, why).inc(n)
 
-    async def room(self) -> float | None:
-        """Free room on the replicas (work tokens) if eager release is on; None when it is
-        off here or at the router's policy (the reference's), or the router does not
-        answer: the lanes then follow the reference rules."""
-        if not self.cfg.eager:
-            return None
+    async def room(self) -> m.RouterRoom | None:
+        """The router's room reply; None when it does not answer (the lanes then follow
+        the reference rules)."""
         try:
-            reply = m.router_room_decoder.decode(await control.request(self.nc, subjects.ROUTER_ROOM, timeout=1.0))
+            return m.router_room_decoder.decode(await control.request(self.nc, subjects.ROUTER_ROOM, timeout=1.0))
         except Exception:  # noqa: BLE001 - router away: release by the reference rules only
             return None
-        self.reference_rules = not reply.eager
-        if self.reference_rules:
-            return None
-        return float("inf") if reply.tokens < 0 else reply.tokens
 
-    def route_request(self, bucket: Bucket, tokens: int, bucket_id: str) -> m.RouteRequest:
-        parts = []
-        start = 0
-        for n, key in bucket.parts:
-            items = bucket.items[start : start + n]
-            part_tokens = sum(it.payload.work_tokens for it in items)
-            parts.append(m.RoutePart(n, part_tokens, key, sum(it.payload.max_tokens for it in items), items[0].lora))
-            start += n
-        output = sum(it.payload.max_tokens for it in bucket.items)
-        lora = "" if bucket.pooled or not bucket.items else bucket.items[0].lora  # a pooled batch: per part
-        return m.RouteRequest(self.cfg.node, len(bucket.items), tokens, bucket.key, parts, bucket_id, output, lora)
-
-    async def route(self, bucket: Bucket, tokens: int, bucket_id: str, stop_retrying: bool) -> list[m.Assignment]:
-        req = m.encode(self.route_request(bucket, tokens, bucket_id))
+    async def route(self, bucket: Bucket, bucket_id: str, stop_retrying: bool) -> list[m.Assignment]:
+        req = m.encode(self.core.route_request(self.cfg.node, bucket, bucket_id))
         while True:
             freed = self.freed  # a freed-room notice from now on ends the retry wait
             try:
@@ -360,7 +300,7 @@ class Bucketer:
                 if reply.assignments:
                     return reply.assignments
                 self.route_retries.inc()
-                delay = reply.retry_after or 0.5
+                delay = reply.retry_after or RETRY_WAIT
                 if reply.error:  # an older router answers its failures in-band
                     log.warning("router error", error=reply.error)
             except (control.ControlError, nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError,
@@ -375,23 +315,20 @@ class Bucketer:
             except asyncio.TimeoutError:
                 pass
 
-    async def send(self, bucket: Bucket, stop_retrying: bool = False) -> None:
-        tokens = sum(it.payload.work_tokens for it in bucket.items)
+    async def send(self, job: str, bucket: Bucket, stop_retrying: bool = False) -> None:
         bucket_id = uuid.uuid4().hex[:12]
         try:
-            assignments = await self.route(bucket, tokens, bucket_id, stop_retrying)
+            assignments = await self.route(bucket, bucket_id, stop_retrying)
         except TimeoutError:
             return
-        start = 0
+        placed = self.core.place(job, bucket, assignments)
+        if any(not a.replica for a in assignments):
+            self.wake.set()  # a cut went back into its lane (bounded lead)
         wrap = lambda prompts: m.WorkBatch(bucket_id, prompts, bucket.key)  # noqa: E731
-        for a in assignments:
-            items = bucket.items[start : start + a.prompts]
-            start += a.prompts
-            if not a.replica:  # no room for them now (bounded lead): back into the lane
-                self.lanes.put_back(items[0].payload.job, items)
-                self.wake.set()
-                continue
-            m.charge_prompts([it.payload for it in items], a.cost)  # the replica reports it done in this unit
+        for k, p in enumerate(placed):
+            items = p.items
+            for it, share in zip(items, p.shares):  # the replica reports them done in this unit
+                it.payload.cost = share
             # Cut by encoded size under the server's max_payload (asked of the connection).
             limit = message_limit(self.js, subjects.WORK_STREAM.max_msg_size)
             for batch in m.encode_batches([it.payload for it in items], wrap, limit, self.cfg.max_batch):
@@ -400,10 +337,10 @@ class Bucketer:
                     if batch.oversized:  # one prompt no message can carry (the ingestor lets none through)
                         await self.too_large(part[0], len(batch.data), limit)
                     else:
-                        await publish(self.js, subjects.work(a.replica), batch.data)
+                        await publish(self.js, subjects.work(p.replica), batch.data)
                 except PublishError as exc:  # MessageTooLarge too: the limit shrank (a reconnect), cut again
                     log.error("work publish failed: inputs handed back for redelivery", error=str(exc))
-                    await self.hand_back(bucket.items[start - a.prompts + batch.start :])
+                    await self.hand_back(items[batch.start :] + [it for q in placed[k + 1 :] for it in q.items])
                     return
                 await self.release(part)
         log.debug("bucket sent", bucket=bucket_id, job=bucket.items[0].payload.job if bucket.items else "",

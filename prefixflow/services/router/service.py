@@ -37,113 +37,66 @@ from prefixflow.shared.process.config import RouterConfig
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.control import SERVICE_VERSION, decode_request
 from prefixflow.shared.bus.provision import provision
+from prefixflow.services.router.decision import Decider
 from prefixflow.services.router.failover import Failover
 from prefixflow.services.router.fleet import Fleet
-from prefixflow.services.router.policies import make_policy
+from prefixflow.services.router.policies import Policy
 
 log = structlog.get_logger()
 
-ANSWERS_KEPT = 4096
-"""Route answers kept for requests asked again (a bucketer retries within seconds)."""
-
 
 class Router:
+    """The I/O around the router's `Decider` (`decision.py`): NATS handlers, metrics, logs."""
+
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.fleet = Fleet(
-            dead_after=cfg.dead_after,
-            cap_tokens=cfg.replica_cap_tokens,
-            history=cfg.history,
-            cap_windows=cfg.cap_windows,
-            start_windows=cfg.start_windows,
-            lead_seconds=cfg.lead_seconds,
-            hash_block_size=cfg.hash_block_size,
-        )
-        self.policy = make_policy(cfg.policy, slack_tokens=cfg.load_slack_tokens, split_factor=cfg.split_factor,
-                                  hot_factor=cfg.hot_factor)
-        self.routed = 0
-        self.split = 0
-        self.answered: collections.OrderedDict[tuple[str, str], m.RouteReply] = collections.OrderedDict()
-        """The last `ANSWERS_KEPT` assignments by (bucketer, bucket id): a request asked
-        again because its reply was lost gets the same answer, not a second assignment."""
+        self.core = Decider(cfg)
+
+    @property
+    def fleet(self) -> Fleet:
+        return self.core.fleet
+
+    @property
+    def policy(self) -> Policy:
+        return self.core.policy
+
+    @property
+    def answered(self) -> collections.OrderedDict[tuple[str, str], m.RouteReply]:
+        return self.core.answered
 
     def on_status(self, status: m.EngineStatus) -> bool:
         """Apply a status; True when it freed room on a replica that can take work."""
-        now = time.monotonic()
-        r = self.fleet.replicas.get(status.replica)
-        before = r.outstanding if r is not None else None
         written_off = self.fleet.written_off
-        self.fleet.observe(
-            status.replica,
-            now,
-            ready=status.ready,
-            outstanding=status.outstanding_tokens,
-            done_tokens=status.done_tokens,
-            kv_blocks=status.kv_blocks,
-            engine_block_size=status.block_size,
-            window=status.window,
-            cache_epoch=status.cache_epoch,
-            ts=status.ts,
-            decode_cost=status.decode_cost,
-            adapters=status.adapters,
-            lora_slots=status.lora_slots,
-            loras=status.loras,
-        )
-        r = self.fleet.replicas[status.replica]
+        freed = self.core.observe(time.monotonic(), status)
         if self.fleet.written_off > written_off:
-            log.warning("work routed here never arrived: written off", replica=r.name,
+            log.warning("work routed here never arrived: written off", replica=status.replica,
                         tokens=self.fleet.written_off - written_off)
-        freed = before is None or r.outstanding < before
-        return freed and self.fleet.is_open(r, now)  # O(1): every replica reports often
+        return freed
 
     def on_cache_events(self, events: m.CacheEvents) -> None:
-        self.fleet.apply_cache_events(events.replica, events.epoch, events.seq, events.ops)
+        self.core.on_cache_events(events)
 
     def decide(self, req: m.RouteRequest) -> m.RouteReply:
-        """Route one request; a request asked again gets its first answer."""
-        asked = (req.bucketer, req.bucket)
-        if req.bucket and asked in self.answered:
-            metrics.ROUTER_DECISIONS.labels(self.policy.name, "repeated").inc()
-            return self.answered[asked]
-        reply = self.route(req)
-        if req.bucket and reply.assignments:
-            self.answered[asked] = reply
-            if len(self.answered) > ANSWERS_KEPT:
-                self.answered.popitem(last=False)
-        return reply
-
-    def route(self, req: m.RouteRequest) -> m.RouteReply:
-        now = time.monotonic()
-        if req.parts:
-            chosen = self.policy.route_parts(self.fleet, now, [(p.prompts, p.tokens, p.key, p.output, p.lora) for p in req.parts],
-                                             req.key, defer=True)
-        else:
-            chosen = self.policy.route(self.fleet, now, req.prompts, req.tokens, req.key, req.output, req.lora,
-                                       defer=True)
-        if chosen is None:
-            # Capped: retry once the next status may have freed room (~50 ms); none live: 1 s.
-            metrics.ROUTER_DECISIONS.labels(self.policy.name, "retry_after").inc()
-            return m.RouteReply(retry_after=1.0 if not self.fleet.live(now) else 0.05)
-        self.routed += 1
-        split = sum(r is not None for r, _ in chosen) > 1 and not req.parts  # one bucket over several replicas
-        self.split += split
-        self.count(chosen, split)
-        if self.cfg.log_level == "debug":  # per decision: only build the fields when shown
-            log.debug(
-                "routed",
-                prompts=req.prompts or sum(p.prompts for p in req.parts),
-                # Each part's prefix as (blocks, last block hash in 4 hex digits).
-                keys=[(len(k), f"{k[-1] & 0xFFFF:04x}" if k else "") for k in ([p.key for p in req.parts] or [req.key])],
-                to=[(r.name if r else "(kept)", n) for r, n in chosen],
-                outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
-            )
-        costs = self.policy.last_costs
-        return m.RouteReply([m.Assignment(r.name if r else "", n, cost) for (r, n), cost in zip(chosen, costs, strict=True)])
-
-    def count(self, chosen: list, split: bool) -> None:
-        """Metrics of one decision."""
+        """Route one request (`Decider.decide`), counted and logged."""
+        decision = self.core.decide(time.monotonic(), req)
         policy = self.policy.name
-        metrics.ROUTER_DECISIONS.labels(policy, "split" if split else "routed").inc()
+        metrics.ROUTER_DECISIONS.labels(policy, decision.outcome).inc()
+        if decision.chosen is not None:
+            self.count(decision.chosen)
+            if self.cfg.log_level == "debug":  # per decision: only build the fields when shown
+                log.debug(
+                    "routed",
+                    prompts=req.prompts or sum(p.prompts for p in req.parts),
+                    # Each part's prefix as (blocks, last block hash in 4 hex digits).
+                    keys=[(len(k), f"{k[-1] & 0xFFFF:04x}" if k else "") for k in ([p.key for p in req.parts] or [req.key])],
+                    to=[(r.name if r else "(kept)", n) for r, n in decision.chosen],
+                    outstanding={r.name: r.outstanding for r in self.fleet.replicas.values()},
+                )
+        return decision.reply
+
+    def count(self, chosen: list) -> None:
+        """Metrics of one assignment."""
+        policy = self.policy.name
         if self.policy.last_matches:
             hist = metrics.ROUTER_MATCH_BLOCKS.labels(policy)
             for blocks in self.policy.last_matches:
@@ -161,19 +114,11 @@ class Router:
             metrics.ROUTER_LIVE.labels(r.name).set(1.0 if self.fleet.is_live(r, now) else 0.0)
 
     def place(self, prompts: int, tokens: int, key, output: int = -1, lora: str = "") -> tuple[list, list[int]] | None:
-        """Route a batch with the current policy (failover re-places a dead replica's
-        work): the assignments and what each was charged, or None."""
-        chosen = self.policy.route(self.fleet, time.monotonic(), prompts, tokens, key, output, lora)
-        return None if chosen is None else (chosen, self.policy.last_costs)
+        """Failover's placement (`Decider.place`) on the monotonic clock."""
+        return self.core.place(time.monotonic(), prompts, tokens, key, output, lora)
 
     def set_policy(self, name: str) -> None:
-        """Switch policy at run time (benchmarks compare policies on warm engines);
-        the prefix history is forgotten so the new policy starts clean."""
-        self.policy = make_policy(name, slack_tokens=self.cfg.load_slack_tokens, split_factor=self.cfg.split_factor,
-                                  hot_factor=self.cfg.hot_factor)
-        self.fleet.forget_history()
-        for r in self.fleet.replicas.values():
-            r.routed_prompts = 0
+        self.core.set_policy(name)
         log.info("policy set", policy=name)
 
     async def on_route(self, request: Request) -> None:
@@ -190,10 +135,7 @@ class Router:
 
     async def on_room(self, request: Request) -> None:
         """`pfx.router.room`: the fleet's free room (-1: unbounded)."""
-        now = time.monotonic()
-        room = self.fleet.room(now) if self.policy.eager else 0.0
-        tokens = -1 if room == float("inf") else int(room)
-        await request.respond(m.encode(m.RouterRoom(tokens, len(self.fleet.live(now)), self.policy.eager)))
+        await request.respond(m.encode(self.core.room(time.monotonic())))
 
     async def on_policy(self, request: Request) -> None:
         """`pfx.router.policy`: switch policy; an unknown one is a 400 error reply."""
@@ -249,6 +191,7 @@ class Router:
                 await failover.tick()
             except Exception as exc:  # noqa: BLE001 - failover retries next tick
                 log.warning("failover tick failed", error=repr(exc))
+            self.core.touched()  # failover may have made replicas live again (a reconnect's grace)
             now = time.monotonic()
             self.report_fleet(now)
             if now - last_report >= 5.0:
@@ -256,8 +199,8 @@ class Router:
                 log.info(
                     "fleet",
                     policy=self.policy.name,
-                    routed=self.routed,
-                    split=self.split,
+                    routed=self.core.routed,
+                    split=self.core.split,
                     live=[r.name for r in self.fleet.live(now)],
                     precise=sorted(self.fleet.precise),
                     cache_entries=len(self.fleet.blocks),
