@@ -68,9 +68,10 @@ class ObjectStore:
     local_dir = None
     target_cap = OBJECT_TARGET_BYTES
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, fs: pafs.FileSystem | None = None, base: str = "") -> None:
+        """`fs` and `base`: another file system and path than the URI's (tests)."""
         self.where = canonical(uri)
-        self.fs, self.base = filesystem(uri)
+        self.fs, self.base = (fs, base.rstrip("/")) if fs is not None else filesystem(uri)
         self.files: list[str] = []
         """The committed data files, in part order (the manifest's)."""
         self._lock = threading.Lock()  # a flush and a merge (two threads) both change `files`
@@ -136,7 +137,7 @@ class ObjectStore:
 
     def abort_uploads(self) -> int:
         """Abort multipart uploads left open under the prefix (S3, with boto3); how many."""
-        if not self.where.startswith("s3://"):
+        if not isinstance(self.fs, pafs.S3FileSystem):
             return 0
         try:
             import boto3
