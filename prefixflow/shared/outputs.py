@@ -82,6 +82,22 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.GcsFileSystem(), base  # NOTE: untested here (no GCS emulator in the suite)
 
 
+REFUSED = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "AccessDenied", "Forbidden")
+"""Words of pyarrow's S3/GCS errors that mean the credentials were refused."""
+
+
+def hint(exc: BaseException) -> str:
+    """What an object store's error means for whoever reads a job's status ("" if nothing
+    more to say): credentials refused, or no such bucket."""
+    text = str(exc)
+    if any(word in text for word in REFUSED):
+        return (" (the object store refused the sink's credentials: check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+                "or AWS_PROFILE for s3://, GOOGLE_APPLICATION_CREDENTIALS for gs://, in the sink's environment)")
+    if "NO_SUCH_BUCKET" in text or "NoSuchBucket" in text:
+        return " (the bucket does not exist: create it, or choose another --out)"
+    return ""
+
+
 def read_json(fs: pafs.FileSystem, path: str) -> dict | None:
     """A small JSON object of a store (None: there is none)."""
     try:
