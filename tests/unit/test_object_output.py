@@ -73,10 +73,9 @@ def test_a_reopen_deletes_what_a_crash_left_and_the_manifest_does_not_name(tmp_p
     # manifest never came; a large upload left in `_pending/`.
     (tmp_path / merged_name(0, 2)).write_bytes((tmp_path / small_name(0)).read_bytes())
     (tmp_path / small_name(3)).write_bytes((tmp_path / small_name(1)).read_bytes())
-    (tmp_path / "_pending").mkdir()
-    (tmp_path / "_pending" / "part-000004.parquet.1234").write_bytes(b"torn")
+    (tmp_path / "_pending.part-000004.parquet.1234").write_bytes(b"torn")
     again = JobOutput("j", store(tmp_path), target_bytes=1 << 30)
-    assert data_files(tmp_path) == committed and not (tmp_path / "_pending").exists()
+    assert data_files(tmp_path) == committed and not list(tmp_path.glob("_pending*"))
     assert again.rows == n and sorted(pq.read_table(tmp_path).column("id").to_pylist()) == list(range(n))
     # A crash after a merge's manifest, before its small parts were deleted.
     again.compact(final=True)
@@ -85,6 +84,17 @@ def test_a_reopen_deletes_what_a_crash_left_and_the_manifest_does_not_name(tmp_p
         (tmp_path / small_name(i)).write_bytes(b"left over")
     third = JobOutput("j", store(tmp_path))
     assert data_files(tmp_path) == [merged_name(0, 2)] and third.rows == n
+
+
+def test_an_object_too_large_for_one_put_is_copied_whole_from_pending(tmp_path, monkeypatch):
+    from prefixflow.services.sink import objstore
+
+    monkeypatch.setattr(objstore, "SINGLE_PUT_BYTES", 1000)
+    out = JobOutput("j", store(tmp_path))
+    n = fill(out, 0, 2)
+    assert data_files(tmp_path) == manifest(tmp_path) == [small_name(0), small_name(1)]
+    assert (tmp_path / small_name(0)).stat().st_size > 1000 and not list(tmp_path.glob("_pending*"))
+    assert sorted(pq.read_table(tmp_path).column("id").to_pylist()) == list(range(n))
 
 
 def test_binding_and_overwrite_in_an_object_store(tmp_path):
