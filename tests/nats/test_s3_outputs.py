@@ -132,7 +132,7 @@ def test_s3_shards_to_an_s3_out_through_submit_then_again(s3_sink, s3_server):
 
 def test_sigkilled_mid_job_then_again_completes_once(s3_sink, s3_server, tmp_path):
     cluster, fs = s3_sink.cluster, s3_server.filesystem()
-    n = 20_000
+    n = 10_000
     data = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"prompt": [f"count to {i}" for i in range(n)], "k": pa.array(range(n), pa.int32())}), data)
     out = s3_server.uri("out/killed")
