@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+import pyarrow.fs as pafs
+
 from prefixflow.client.sources import InputError, Source, access_hint, resolve
 from prefixflow.shared import outputs
 from prefixflow.shared.outcomes import Exit, interrupted, usage_error
@@ -78,6 +80,9 @@ def output_json(out: str | Path, name: str) -> dict[str, Any] | None:
     prefix, read with this machine's credentials: `run`'s sink is on this machine)."""
     if is_output_uri(str(out)):
         fs, base = outputs.filesystem(str(out))
+        bucket = base.split("/", 1)[0]
+        if fs.get_file_info(bucket).type == pafs.FileType.NotFound:  # NOTE: else a missing bucket reads as "no file"
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist (or these credentials cannot see it)")
         return outputs.read_json(fs, f"{base}/{name}")
     return read_json(Path(out).resolve() / name)
 

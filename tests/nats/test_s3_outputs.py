@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 import time
 
 import pyarrow as pa
@@ -26,6 +28,8 @@ import pytest
 
 from prefixflow.launch.processes import Process
 from prefixflow.shared.outcomes import Exit
+from tests.conftest import VENV_BIN
+from tests.conftest import REPO
 from tests.nats.test_inputs import settle, shard_tables, submit
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -70,6 +74,15 @@ def s3_sink(clusters, s3_server, sink_out_root):
         sink.restore()
 
 
+def run_s3(data: str, out: str, env: dict[str, str], workdir) -> subprocess.Popen:
+    """`prefixflow run` (echo engine) with `env` (the run's sink: its credentials)."""
+    return subprocess.Popen(
+        [str(VENV_BIN / "prefixflow"), "run", data, "--out", out, "--engine", "echo", "--replicas", "1",
+         "--workdir", str(workdir / "run-work"), "--no-progress", "--no-report", "--max-tokens", "2"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env},
+    )
+
+
 def objects(s3_server, prefix: str) -> dict[str, int]:
     """Object name below `prefix` -> size (every depth)."""
     import pyarrow.fs as pafs
@@ -103,7 +116,7 @@ def assert_final(s3_server, prefix: str) -> list[str]:
     return manifest["files"]
 
 
-def test_s3_shards_to_an_s3_out_through_submit_then_again(s3_sink, s3_server):
+def test_s3_shards_to_an_s3_out_through_submit_then_again(s3_sink, s3_server, tmp_path):
     cluster, fs = s3_sink.cluster, s3_server.filesystem()
     tables = shard_tables()
     for i, table in enumerate(tables):
@@ -129,9 +142,32 @@ def test_s3_shards_to_an_s3_out_through_submit_then_again(s3_sink, s3_server):
     assert code == 0 and "already done" in text, text
     assert objects(s3_server, "out/shards") == before and assert_final(s3_server, "out/shards") == files
 
+    # `prefixflow report` reads it by its manifest, into a local --dest.
+    report = subprocess.run([str(VENV_BIN / "prefixflow"), "report", out, "--dest", str(tmp_path / "report"), "--no-groups"],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, **s3_server.env})
+    assert report.returncode == 0 and (tmp_path / "report" / "index.html").exists(), report.stdout + report.stderr
+
+
+def test_s3_shards_to_an_s3_out_through_run_then_again(s3_server, tmp_path):
+    """`run`'s own cluster and sink (its sink allowed exactly this --out)."""
+    fs = s3_server.filesystem()
+    tables = shard_tables()
+    for i, table in enumerate(tables):
+        pq.write_table(table, f"{s3_server.bucket}/run-shards/part-{i:02d}.parquet", filesystem=fs)
+    out = s3_server.uri("out/run/")
+    (code, text), = settle({"run": run_s3(s3_server.uri("run-shards/"), out, s3_server.env, tmp_path)}).values()
+    assert code == 0, text
+    assert_final(s3_server, "out/run")
+    got, want = read_out(s3_server, "out/run"), pa.concat_tables(tables)
+    assert got.column("id").to_pylist() == list(range(want.num_rows))
+    for name in want.column_names:
+        assert got.column(name).equals(want.column(name)), name
+    (code, text), = settle({"again": run_s3(s3_server.uri("run-shards/"), out, s3_server.env, tmp_path)}).values()
+    assert code == 0 and "already done" in text and "starting local cluster" not in text, text
+
 
 def test_sigkilled_mid_job_then_again_completes_once(s3_sink, s3_server, tmp_path):
-    cluster, fs = s3_sink.cluster, s3_server.filesystem()
+    cluster = s3_sink.cluster
     n = 10_000
     data = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"prompt": [f"count to {i}" for i in range(n)], "k": pa.array(range(n), pa.int32())}), data)
@@ -175,6 +211,13 @@ def test_bad_outputs_are_clear_errors_and_the_sink_goes_on(s3_sink, s3_server, t
     assert code == Exit.FAILED and "refused the sink's credentials" in text, text
     s3_sink.start()
     assert objects(s3_server, "elsewhere") == {} and objects(s3_server, "out/denied") == {}, "nothing written"
+    # `run` checks the bucket with its own sink's credentials before it starts anything.
+    wrong_env = {**s3_server.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    runs = {"no-bucket": (f"{NO_BUCKET}/run", s3_server.env, "does not exist"),
+            "wrong-key": (s3_server.uri("out/run-denied"), wrong_env, "access denied: check the credentials")}
+    for name, (code, text) in settle({n: run_s3(str(data), out, env, tmp_path / n) for n, (out, env, _) in runs.items()}).items():
+        assert code == Exit.USAGE and runs[name][2] in text and "starting local cluster" not in text, (name, text)
+    assert objects(s3_server, "out/run-denied") == {}
     # The sink is alive and writes the next job.
     (code, text), = settle({"next": submit(cluster.url, data, s3_server.uri("out/next"), "s3-next")}).values()
     assert code == 0, text
