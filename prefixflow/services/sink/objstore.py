@@ -63,6 +63,12 @@ def _write(sink: pa.BufferOutputStream, tables: list[pa.Table], schema: pa.Schem
             writer.write_table(table, row_group_size=max(table.num_rows, 1))
 
 
+def rows_bytes(size: int, footer_length: bytes) -> int:
+    """A Parquet file's size less its footer (`parts.data_bytes`), from its size and the
+    4 bytes before its trailing magic."""
+    return max(size - int.from_bytes(footer_length, "little") - 12, 0)
+
+
 class ObjectStore:
     """A job's output under an object store prefix (see the module's doc)."""
 
@@ -76,6 +82,8 @@ class ObjectStore:
         self.files: list[str] = []
         """The committed data files, in part order (the manifest's)."""
         self._lock = threading.Lock()  # a flush and a merge (two threads) both change `files`
+        self._data_bytes: dict[str, int] = {}
+        """`data_bytes` of the small parts written here (no request to ask the store)."""
 
     def _path(self, name: str) -> str:
         return f"{self.base}/{name}"
@@ -165,7 +173,9 @@ class ObjectStore:
     def write_part(self, table: pa.Table, n: int) -> Part:
         """Small part `n`: the object, then the manifest naming it."""
         name = small_name(n)
-        self._put(name, parquet_bytes(table))
+        data = parquet_bytes(table)
+        self._put(name, data)
+        self._data_bytes[name] = rows_bytes(len(data), data[-8:-4].to_pybytes())
         try:
             with self._lock:
                 self._commit([*self.files, name])
@@ -222,10 +232,11 @@ class ObjectStore:
         self._put(RECORD, sink.getvalue())
 
     def data_bytes(self, part: Part) -> int:
+        if (known := self._data_bytes.pop(part.path.rsplit("/", 1)[1], None)) is not None:
+            return known
         with self.fs.open_input_file(part.path) as f:
             size = f.size()
-            footer = int.from_bytes(f.read_at(4, size - 8), "little")
-        return max(size - footer - 12, 0)
+            return rows_bytes(size, f.read_at(4, size - 8))
 
     def source(self, part: Part) -> pafs.NativeFile:
         return self.fs.open_input_file(part.path)
