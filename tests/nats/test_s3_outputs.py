@@ -28,8 +28,7 @@ import pytest
 
 from prefixflow.launch.processes import Process
 from prefixflow.shared.outcomes import Exit
-from tests.conftest import VENV_BIN
-from tests.conftest import REPO
+from tests.conftest import REPO, VENV_BIN
 from tests.nats.test_inputs import settle, shard_tables, submit
 
 pytestmark = [pytest.mark.timeout(300)]
