@@ -62,8 +62,9 @@ class S3Sink:
         self.start(self.original)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def s3_sink(clusters, s3_server, sink_out_root):
+    """Swapped once for this module's tests (a sink start is seconds), restored after."""
     cluster = clusters.get(replicas=1)
     sink = S3Sink(cluster, s3_server, sink_out_root)
     sink.start()
@@ -167,7 +168,7 @@ def test_s3_shards_to_an_s3_out_through_run_then_again(s3_server, tmp_path):
 
 def test_sigkilled_mid_job_then_again_completes_once(s3_sink, s3_server, tmp_path):
     cluster = s3_sink.cluster
-    n = 10_000
+    n = 5_000
     data = tmp_path / "prompts.parquet"
     pq.write_table(pa.table({"prompt": [f"count to {i}" for i in range(n)], "k": pa.array(range(n), pa.int32())}), data)
     out = s3_server.uri("out/killed")
@@ -200,9 +201,17 @@ def test_bad_outputs_are_clear_errors_and_the_sink_goes_on(s3_sink, s3_server, t
         "no-bucket": (f"{NO_BUCKET}/j", "does not exist"),
         "outside": (s3_server.uri("elsewhere/j"), "outside the sink's allowed output URIs"),
     }
+    # `run` checks the bucket with its own sink's credentials before it starts anything.
+    wrong_env = {**s3_server.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    runs = {"run-no-bucket": (f"{NO_BUCKET}/run", s3_server.env, "does not exist"),
+            "run-wrong-key": (s3_server.uri("out/run-denied"), wrong_env, "access denied: check the credentials")}
     procs = {job: submit(cluster.url, data, out, f"s3-bad-{job}", s3_server.env) for job, (out, _) in cases.items()}
+    procs |= {n: run_s3(str(data), out, env, tmp_path / n) for n, (out, env, _) in runs.items()}
     for job, (code, text) in settle(procs).items():
-        assert code == Exit.FAILED and cases[job][1] in text and "Traceback" not in text, (job, text)
+        if job in runs:
+            assert code == Exit.USAGE and runs[job][2] in text and "starting local cluster" not in text, (job, text)
+        else:
+            assert code == Exit.FAILED and cases[job][1] in text and "Traceback" not in text, (job, text)
     # Wrong credentials at the sink (the job's spec carries none): its own fault, told.
     wrong = dataclasses.replace(s3_sink.s3_sink, env={**s3_sink.s3_sink.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
     s3_sink.start(wrong)
@@ -210,12 +219,6 @@ def test_bad_outputs_are_clear_errors_and_the_sink_goes_on(s3_sink, s3_server, t
     assert code == Exit.FAILED and "refused the sink's credentials" in text, text
     s3_sink.start()
     assert objects(s3_server, "elsewhere") == {} and objects(s3_server, "out/denied") == {}, "nothing written"
-    # `run` checks the bucket with its own sink's credentials before it starts anything.
-    wrong_env = {**s3_server.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
-    runs = {"no-bucket": (f"{NO_BUCKET}/run", s3_server.env, "does not exist"),
-            "wrong-key": (s3_server.uri("out/run-denied"), wrong_env, "access denied: check the credentials")}
-    for name, (code, text) in settle({n: run_s3(str(data), out, env, tmp_path / n) for n, (out, env, _) in runs.items()}).items():
-        assert code == Exit.USAGE and runs[name][2] in text and "starting local cluster" not in text, (name, text)
     assert objects(s3_server, "out/run-denied") == {}
     # The sink is alive and writes the next job.
     (code, text), = settle({"next": submit(cluster.url, data, s3_server.uri("out/next"), "s3-next")}).values()
