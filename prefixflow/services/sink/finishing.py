@@ -23,7 +23,8 @@ async def write_final(js: JetStreamContext, job: str, out: JobOutput, spec: m.Jo
     summary = await asyncio.to_thread(out.write_summary, spec)
     if spec.deliver == export.DELIVER:  # the batch service reads the results from the object store
         if out.dir is None:
-            raise export.ExportFailed(f"{job}: a batch job's output must be a local directory, not {out.store.where}")
+            # NOTE: not `ExportFailed` (retried every round): this never succeeds, the job fails
+            raise ValueError(f"a batch job's output must be a local directory, not {out.store.where}")
         ok_path, err_path = out.dir / "_batch" / "output.jsonl", out.dir / "_batch" / "errors.jsonl"
         await asyncio.to_thread(export.write_lines, out.parts(), spec.model, ok_path, err_path)
         await export.put_results(js, job, ok_path, err_path)
