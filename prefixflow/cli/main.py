@@ -132,7 +132,9 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
                         "this machine only, never sent to the cluster")
     p.add_argument("--endpoint-url", default=None, metavar="URL",
                    help="an S3-compatible server for s3:// inputs (MinIO, Ceph...; as AWS_ENDPOINT_URL)")
-    p.add_argument("--out", required=True, help="output directory (part-*.parquet, _summary.json, _job.json); "
+    p.add_argument("--out", required=True, help="output directory (part-*.parquet, _summary.json, _job.json), or an "
+                   "object store prefix (s3://bucket/prefix/, gs://...) the sink writes with its own credentials "
+                   "and must allow (PFX_OUT_ROOT); "
                    "bound to one job, and to the input and spec it was asked: another job or another input or "
                    "spec into it fails (exit code 2, naming the difference) unless --overwrite")
     p.add_argument("--job", default=None, help=JOB_HELP[command])

@@ -43,6 +43,7 @@ from tqdm import tqdm
 from prefixflow.client import columns, readers
 from prefixflow.client.fingerprint import of_job
 from prefixflow.client.sources import InputError, Source, resolve
+from prefixflow.shared.outputs import canonical, is_output_uri
 from prefixflow.client.progress import FleetProgress, engines_note, progress_note
 from prefixflow.shared.bus.jobs import follow_cancel, seal
 from prefixflow.client.window import IN_FLIGHT_ROWS, Window
@@ -510,7 +511,12 @@ async def submit(
     if (why := subjects.job_id_error(job)) is not None:
         raise usage_error(why)
     # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
-    out_dir = str(Path(out_dir).resolve()) if resolve_out else str(out_dir)
+    # An s3:// or gs:// out is written by the sink with its own credentials: only its URI
+    # goes into the spec (`prefixflow/shared/outputs.py`).
+    if is_output_uri(str(out_dir)):
+        out_dir = canonical(str(out_dir))
+    else:
+        out_dir = str(Path(out_dir).resolve()) if resolve_out else str(out_dir)
     from prefixflow.client import openai_batch
 
     now = time.time()

@@ -12,8 +12,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from prefixflow.client.sources import InputError, Source, resolve
+import pyarrow.fs as pafs
+
+from prefixflow.client.sources import InputError, Source, access_hint, resolve
+from prefixflow.shared import outputs
 from prefixflow.shared.outcomes import Exit, interrupted, usage_error
+from prefixflow.shared.outputs import is_output_uri
 from prefixflow.shared.process import config as cfgmod
 from prefixflow.shared.wire import fingerprint
 from prefixflow.shared.wire import messages as m
@@ -71,6 +75,23 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def output_json(out: str | Path, name: str) -> dict[str, Any] | None:
+    """A small JSON file of the job output OUT (a local directory or an s3://, gs://
+    prefix, read with this machine's credentials: `run`'s sink is on this machine)."""
+    if is_output_uri(str(out)):
+        fs, base = outputs.filesystem(str(out))
+        bucket = base.split("/", 1)[0]
+        if fs.get_file_info(bucket).type == pafs.FileType.NotFound:  # NOTE: else a missing bucket reads as "no file"
+            raise FileNotFoundError(f"bucket {bucket!r} does not exist (or these credentials cannot see it)")
+        return outputs.read_json(fs, f"{base}/{name}")
+    return read_json(Path(out).resolve() / name)
+
+
+def shown_out(out: str | Path) -> str:
+    """OUT as messages name it: a URI's canonical spelling, a directory's absolute path."""
+    return outputs.canonical(str(out)) if is_output_uri(str(out)) else str(Path(out).resolve())
+
+
 def model_of(model: str) -> str:
     """The model as the job's spec names it: a local directory by its absolute path (the
     default model, made on first use, included), else as given (a hub id)."""
@@ -80,7 +101,7 @@ def model_of(model: str) -> str:
 
 def plan(out: str | Path, input_path: str | Path | Source | None, job: str | None, new_job: str, *,
          overwrite: bool = False, asked: Fingerprint | None = None) -> Plan:
-    """The job `run` runs into `out` (a local directory): the one its manifest
+    """The job `run` runs into `out` (a local directory or an s3://, gs:// prefix): the one its manifest
     (`_job.json`, written by the sink) names, if it was asked the same input and spec
     (`asked`), resumed, or reported if `_summary.json` shows it has every row (against
     INPUT's row count when the file says it cheaply: Parquet; else the summary is
@@ -90,8 +111,8 @@ def plan(out: str | Path, input_path: str | Path | Source | None, job: str | Non
     `new_job`."""
     from prefixflow.client.submit import count_rows, mismatch_text
 
-    out = Path(out).resolve()
-    manifest = read_json(out / "_job.json") or {}
+    manifest = output_json(out, "_job.json") or {}
+    out = shown_out(out)
     owner = manifest.get("job")
     if not isinstance(owner, str) or not owner:
         return Plan(job or new_job, False)
@@ -102,13 +123,13 @@ def plan(out: str | Path, input_path: str | Path | Source | None, job: str | Non
                           f"job, --overwrite to replace its output with job {job}'s, or another --out")
     recorded = fingerprint.decode(manifest.get("fingerprint"))
     if recorded is None:
-        print(f"note: {out / '_job.json'} records no fingerprint of what job {owner} was asked (written before "
+        print(f"note: {out}/_job.json records no fingerprint of what job {owner} was asked (written before "
               "prefixflow recorded one): INPUT is taken as its input", flush=True)
     elif (diff := fingerprint.difference(recorded, asked)) is not None:
         if overwrite:
             return Plan(job or new_job, False)  # the sink replaces the output (another job, or another fingerprint)
-        raise usage_error(mismatch_text(str(out), owner, diff))
-    summary = read_json(out / "_summary.json")
+        raise usage_error(mismatch_text(out, owner, diff))
+    summary = output_json(out, "_summary.json")
     if summary is not None and summary.get("job") == owner:
         expected = None
         if isinstance(input_path, Source) or (input_path is not None and Path(input_path).exists()):
@@ -137,7 +158,10 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         count_rows(source)
     except InputError as exc:  # missing, no data files, no access, not its format: exit code 2
         raise usage_error(str(exc)) from None
-    todo = plan(args.out, source, args.job, new_job, overwrite=args.overwrite, asked=asked)
+    try:
+        todo = plan(args.out, source, args.job, new_job, overwrite=args.overwrite, asked=asked)
+    except (OSError, outputs.OutputLocationError) as exc:  # an s3:// OUT: no such bucket, no access, a bad URI
+        raise usage_error(f"--out {args.out}: cannot read it: {exc}{access_hint(exc)}") from None
     if todo.done is not None:
         print(f"job {todo.job} is already done: {todo.done.get('rows')} rows ({todo.done.get('errors')} errors) "
               f"in {args.out}; nothing to run (another --out runs it again)", flush=True)
@@ -175,7 +199,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         sys.stdout.flush()
 
     # The run's own sink writes this job only: its output root is the job's --out.
-    env = {"PFX_MODEL": model, "PFX_POLICY": args.policy, "PFX_OUT_ROOT": str(Path(args.out).resolve()),
+    env = {"PFX_MODEL": model, "PFX_POLICY": args.policy, "PFX_OUT_ROOT": shown_out(args.out),
            "PFX_TASK": args.task}
     cluster = LocalCluster(procs, workdir=args.workdir, env=env, on_event=event)
     job = todo.job
@@ -270,7 +294,10 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
         sys.exit(code)
     print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
     # The summary on disk has the per-replica totals (the status keeps only the overall ones).
-    summary = read_json(Path(args.out) / "_summary.json") or status.summary
+    try:
+        summary = output_json(args.out, "_summary.json") or status.summary
+    except OSError:  # an s3:// OUT gone unreadable since: the status has the overall totals
+        summary = status.summary
     if summary:
         print_summary(summary)
     if not args.no_report:

@@ -36,6 +36,8 @@ import pyarrow.compute as pc
 
 from prefixflow.report.analysis import GroupStat, engine_block_size, group_table, prefix_groups
 from prefixflow.report.rows import COLUMNS, SAMPLE_ROWS, JobRows, bucket_sizes, load  # noqa: F401 - `load` for callers
+from prefixflow.shared.outcomes import usage_error
+from prefixflow.shared.outputs import is_output_uri
 
 NICE_SECONDS = (0.25, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600)
 MAX_LINES = 10
@@ -407,6 +409,8 @@ def write_report(out_dir: str | Path, dest: str | Path | None = None, *, model: 
                  sample: int = SAMPLE_ROWS) -> Path:
     """Write the report of the job in `out_dir` into `dest` (default `out_dir/_report`);
     returns the path of its index.html. Above `sample` rows it reads a sample (`load`)."""
+    if dest is None and is_output_uri(str(out_dir)):
+        raise usage_error(f"{out_dir}: an object store output: give --dest, a local directory for the report")
     job = load(out_dir, with_prompts=groups, sample=sample)
     dest = Path(dest) if dest else Path(out_dir) / "_report"
     dest.mkdir(parents=True, exist_ok=True)
@@ -515,8 +519,10 @@ def cmd_report(args) -> None:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="plots of a job from its output directory (throughput, hit rate, idle time, buckets, prefix groups)")
-    p.add_argument("out_dir", help="the job's output directory (part-*.parquet, _summary.json)")
-    p.add_argument("--dest", default=None, help="where to write the report (default OUT_DIR/_report)")
+    p.add_argument("out_dir", help="the job's output directory (part-*.parquet, _summary.json), or its s3:// or gs:// "
+                   "prefix (the files its _manifest.json names, read with this machine's credentials)")
+    p.add_argument("--dest", default=None, help="where to write the report (default OUT_DIR/_report; required for an "
+                   "s3:// or gs:// OUT_DIR)")
     p.add_argument("--model", default=None, help="tokenizer for the prefix groups (default: the job's model, else PFX_MODEL, else the local tiny model)")
     p.add_argument("--no-groups", action="store_true", help="skip the prefix-group analysis (it tokenizes the prompts it reads)")
     p.add_argument("--sample-rows", type=int, default=SAMPLE_ROWS,

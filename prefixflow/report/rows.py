@@ -14,7 +14,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from prefixflow.shared import outputs
 from prefixflow.shared.outcomes import usage_error
+from prefixflow.shared.outputs import is_output_uri
 
 COLUMNS = ("id", "replica", "error", "prompt_tokens", "cached_tokens", "output_tokens", "finished_at", "started_at", "bucket")
 
@@ -133,11 +135,23 @@ def _read_parts(parts: list[Path], columns: tuple[str, ...], keep: np.ndarray | 
     return pa.concat_tables(tables, promote_options="permissive")
 
 
+def output_files(out_dir: str | Path) -> tuple[list[Any], dict[str, Any] | None]:
+    """A job output's Parquet files (paths, or open files of an object store: the ones
+    its `_manifest.json` names) and its summary (None: not written yet)."""
+    if is_output_uri(str(out_dir)):
+        fs, base = outputs.filesystem(str(out_dir))
+        return [fs.open_input_file(p) for p in outputs.committed_files(str(out_dir))], outputs.read_json(
+            fs, f"{base}/_summary.json")
+    out_dir = Path(out_dir)
+    summary_path = out_dir / "_summary.json"
+    return sorted(out_dir.glob("part-*.parquet")), json.loads(summary_path.read_text()) if summary_path.exists() else None
+
+
 def load(out_dir: str | Path, *, with_prompts: bool = True, sample: int = SAMPLE_ROWS, seed: int = SAMPLE_SEED) -> JobRows:
     """The output rows the report needs: every row, or a seeded uniform sample of `sample`
     rows when there are more (only the needed columns, one row group at a time)."""
+    parts, summary = output_files(out_dir)
     out_dir = Path(out_dir)
-    parts = sorted(out_dir.glob("part-*.parquet"))
     if not parts:
         raise usage_error(f"{out_dir}: no part-*.parquet files (is this a job's output directory?)")
     columns = COLUMNS
@@ -149,8 +163,6 @@ def load(out_dir: str | Path, *, with_prompts: bool = True, sample: int = SAMPLE
         keep = np.sort(np.random.default_rng(seed).choice(total, size=sample, replace=False))
     prompts_from = _prompt_groups(parts, seed) if keep is not None and "prompt" in columns else None
     table = _read_parts(parts, columns, keep, prompts_from)
-    summary_path = out_dir / "_summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     notes = [] if summary else ["the job has no _summary.json yet (not finished): the report covers the rows written so far"]
     if keep is not None:
         notes.append(f"sampled {sample:,} of {total:,} rows (uniformly, seed {seed}) for the plots; "

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +38,9 @@ import msgspec
 import structlog
 
 from prefixflow.services.sink.growth import RECORD
-from prefixflow.services.sink.parts import fsync_dir
+from prefixflow.services.sink.store import OutputStore, open_store
 from prefixflow.services.sink.writer import JobOutput
+from prefixflow.shared.outputs import FILES_MANIFEST
 from prefixflow.shared.wire.fingerprint import Fingerprint, decode, difference
 from prefixflow.shared.wire.messages import JobSpec
 
@@ -51,7 +50,7 @@ MANIFEST = "_job.json"
 """The file that names the job owning a directory: {"job": id, "created_at": unix time,
 "fingerprint": {"input": {...}, "spec": {...}}} (no fingerprint: written before them)."""
 OUTPUT_GLOBS = ("*.parquet", ".part-*", "part-*.tmp", "*.parquet.tmp", "_summary.json", "_summary.json.tmp",
-                "_job.json.tmp", RECORD, f".{RECORD}.tmp")
+                "_job.json.tmp", RECORD, f".{RECORD}.tmp", FILES_MANIFEST)
 """Files of a job's output: parts (and whatever other Parquet the writer makes), their
 temporary and hidden names (a merge's `.part-*.ready` would otherwise come back as a part
 on the next open), the summary, the schema record. `_report/` (plots) goes too; the manifest goes last."""
@@ -128,12 +127,10 @@ def decide(job: str, state: DirState, overwrite: bool, out_dir: str = "",
     return Decision(Action.REFUSE, previous=state.owner, error=refusal(out_dir, state))
 
 
-def read_manifest(path: Path) -> tuple[str | None, str | None, Fingerprint | None]:
-    """(owner, why unreadable, fingerprint) of the manifest at `path`; (None, None, None)
-    if there is none."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+def parse_manifest(raw: bytes | None) -> tuple[str | None, str | None, Fingerprint | None]:
+    """(owner, why unreadable, fingerprint) of a manifest's bytes; (None, None, None) if
+    there is none."""
+    if raw is None:
         return None, None, None
     try:
         doc = json.loads(raw)
@@ -145,84 +142,67 @@ def read_manifest(path: Path) -> tuple[str | None, str | None, Fingerprint | Non
     return job, None, decode(doc.get("fingerprint"))
 
 
-def inspect(out_dir: Path) -> DirState:
-    """The binding state of `out_dir` (a directory that does not exist holds nothing)."""
-    if not out_dir.is_dir():
+def read_manifest(path: Path) -> tuple[str | None, str | None, Fingerprint | None]:
+    """`parse_manifest` of the manifest file at `path`."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raw = None
+    return parse_manifest(raw)
+
+
+def inspect(out_dir: Path | OutputStore) -> DirState:
+    """The binding state of an output (a directory that does not exist holds nothing)."""
+    store = open_store(out_dir)
+    if not store.exists():
         return DirState()
-    owner, unreadable, fingerprint = read_manifest(out_dir / MANIFEST)
-    has_output = any(True for _ in out_dir.glob("*.parquet")) or (out_dir / "_summary.json").exists() or any(
-        (out_dir / d).exists() for d in OUTPUT_DIRS
-    )
-    return DirState(owner, unreadable, has_output, fingerprint)
+    owner, unreadable, fingerprint = parse_manifest(store.read_bytes(MANIFEST))
+    return DirState(owner, unreadable, store.has_output(("_summary.json", *OUTPUT_DIRS)), fingerprint)
 
 
-def write_manifest(out_dir: Path, job: str, fingerprint: Fingerprint | None = None) -> None:
-    """Bind `out_dir` to `job` (asked `fingerprint`): the manifest, atomically (tmp, fsync,
-    rename, fsync dir)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / (MANIFEST + ".tmp")
+def write_manifest(out_dir: Path | OutputStore, job: str, fingerprint: Fingerprint | None = None) -> None:
+    """Bind an output to `job` (asked `fingerprint`): the manifest, atomically (locally:
+    tmp, fsync, rename, fsync dir; in an object store: one PUT)."""
     doc: dict = {"job": job, "created_at": round(time.time(), 3)}
     if fingerprint is not None:
         doc["fingerprint"] = msgspec.to_builtins(fingerprint)
-    with open(tmp, "w") as f:
-        f.write(json.dumps(doc) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out_dir / MANIFEST)
-    fsync_dir(out_dir)
+    open_store(out_dir).put_bytes(MANIFEST, (json.dumps(doc) + "\n").encode())
 
 
-def clear_output(out_dir: Path) -> list[str]:
-    """Delete a job's output from `out_dir` (parts, other Parquet files, summary, report),
-    the manifest last; other files stay. Returns the names removed."""
-    removed = []
-    for pattern in OUTPUT_GLOBS:
-        for path in sorted(out_dir.glob(pattern)):
-            if path.is_file() or path.is_symlink():
-                path.unlink()
-                removed.append(path.name)
-    for name in OUTPUT_DIRS:
-        path = out_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-            removed.append(name + "/")
-        elif path.exists() or path.is_symlink():
-            path.unlink()
-            removed.append(name)
-    fsync_dir(out_dir)  # the deletions are durable before the manifest goes
-    if (out_dir / MANIFEST).exists():
-        (out_dir / MANIFEST).unlink()
-        removed.append(MANIFEST)
-    return removed
+def clear_output(out_dir: Path | OutputStore) -> list[str]:
+    """Delete a job's output (parts, other Parquet files, summary, report), the manifest
+    last; other files stay. Returns the names removed."""
+    return open_store(out_dir).clear(OUTPUT_GLOBS, OUTPUT_DIRS, MANIFEST)
 
 
-def bind(job: str, out_dir: Path, overwrite: bool, shown: str = "", fingerprint: Fingerprint | None = None) -> Decision:
+def bind(job: str, out_dir: Path | OutputStore, overwrite: bool, shown: str = "", fingerprint: Fingerprint | None = None) -> Decision:
     """Bind `out_dir` to `job`, asked `fingerprint` (blocking file I/O: run it in a
     thread). `shown`: the out_dir as the job's spec spells it (for the refusal text). A
     REFUSE writes nothing."""
+    out_dir = open_store(out_dir)
     state = inspect(out_dir)
-    decision = decide(job, state, overwrite, shown or str(out_dir), fingerprint)
+    decision = decide(job, state, overwrite, shown or out_dir.where, fingerprint)
     match decision.action:
         case Action.REFUSE:
             return decision
         case Action.OWNED:
             if state.fingerprint is None and fingerprint is not None:  # a manifest from before fingerprints
                 write_manifest(out_dir, job, fingerprint)
-                log.info("manifest given the job's fingerprint", job=job, out_dir=str(out_dir))
+                log.info("manifest given the job's fingerprint", job=job, out_dir=out_dir.where)
             return decision
         case Action.REPLACE:
             removed = clear_output(out_dir)
-            log.warning("output replaced (overwrite)", job=job, out_dir=str(out_dir), previous_job=decision.previous,
+            log.warning("output replaced (overwrite)", job=job, out_dir=out_dir.where, previous_job=decision.previous,
                         removed=len(removed))
         case Action.ADOPT:
-            log.info("output adopted (written before manifests)", job=job, out_dir=str(out_dir))
+            log.info("output adopted (written before manifests)", job=job, out_dir=out_dir.where)
         case Action.BIND:
             pass
     write_manifest(out_dir, job, fingerprint)
     return decision
 
 
-def open_bound(job: str, out_dir: Path, spec: JobSpec) -> tuple[Decision, JobOutput | None]:
+def open_bound(job: str, out_dir: Path | OutputStore, spec: JobSpec) -> tuple[Decision, JobOutput | None]:
     """Bind `out_dir` to `job`, then open its output (the ids and counts of the parts on
     disk); (decision, None) if the job is refused. Blocking: run it in a thread."""
     decision = bind(job, out_dir, spec.overwrite, spec.out_dir, spec.fingerprint)

@@ -27,6 +27,8 @@ import errno
 
 import nats.errors
 
+from prefixflow.shared.outputs import hint
+
 RESOURCE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES})
 """OS errors that mean "the output lacks a resource", not "this job is wrong"."""
 
@@ -57,4 +59,4 @@ def reason(stage: str, exc: BaseException) -> str:
     """The failed job's status text: where it failed and why, e.g. `the sink could not
     open the job's output: [Errno 17] File exists: '/out/file'`."""
     text = str(exc) if isinstance(exc, OSError) and str(exc) else f"{type(exc).__name__}: {exc}"
-    return f"the sink could not {stage}: {text}"
+    return f"the sink could not {stage}: {text}{hint(exc)}"

@@ -8,7 +8,7 @@ import asyncio
 
 from nats.js import JetStreamContext
 
-from prefixflow.services.sink import export, lifecycle
+from prefixflow.services.sink import export
 from prefixflow.services.sink.writer import JobOutput
 from prefixflow.shared.wire import messages as m
 
@@ -18,10 +18,13 @@ async def write_final(js: JetStreamContext, job: str, out: JobOutput, spec: m.Jo
     its summary; raises `export.ExportFailed` if its results could not be exported."""
     if not out.parts():
         name = f"part-{out.next_part:06d}.parquet"  # the writer's name of its next part
-        await asyncio.to_thread(lifecycle.write_empty_part, out.dir, out.schema, name)
+        await asyncio.to_thread(out.store.write_empty, out.schema, name)
         out.next_part += 1
     summary = await asyncio.to_thread(out.write_summary, spec)
     if spec.deliver == export.DELIVER:  # the batch service reads the results from the object store
+        if out.dir is None:
+            # NOTE: not `ExportFailed` (retried every round): this never succeeds, the job fails
+            raise ValueError(f"a batch job's output must be a local directory, not {out.store.where}")
         ok_path, err_path = out.dir / "_batch" / "output.jsonl", out.dir / "_batch" / "errors.jsonl"
         await asyncio.to_thread(export.write_lines, out.parts(), spec.model, ok_path, err_path)
         await export.put_results(js, job, ok_path, err_path)

@@ -32,7 +32,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
-from prefixflow.services.sink.binding import fsync_dir
+from prefixflow.services.sink.parts import fsync_dir
 from prefixflow.services.sink.writer import OUTPUT_TYPES
 from prefixflow.shared.outcomes import Exit
 from prefixflow.shared.wire import messages as m

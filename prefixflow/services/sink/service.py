@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import time
 from pathlib import Path
 
@@ -60,7 +59,9 @@ from prefixflow.services.sink.large import resolve_or_hand_back
 from prefixflow.services.sink.pause import Pauses
 from prefixflow.services.sink.progress import Progress, count_part
 from prefixflow.services.sink.reconcile import reconcile
-from prefixflow.services.sink.writer import JobOutput, OutsideRoot, confine
+from prefixflow.services.sink.roots import OutsideRoot, Roots
+from prefixflow.services.sink.store import confine_store
+from prefixflow.services.sink.writer import JobOutput
 from prefixflow.shared.bus.blobs import purge_job_blobs
 
 log = structlog.get_logger()
@@ -80,8 +81,10 @@ class Sink:
         """Messages whose rows are queued, by job: settled once their job's part is on disk."""
         self.pending_rows = 0
         self.last_flush = time.monotonic()
-        self.root = Path(os.path.realpath(cfg.out_root or os.getcwd()))
-        """Every job writes under this directory (`--out-root`, default the working directory)."""
+        self.roots = Roots.parse(cfg.out_root)
+        """Where jobs may write (`--out-root`: a local directory, default the working
+        directory, and object store prefixes; `roots.py`)."""
+        self.root = self.roots.local
         self.progress = Progress()
         """Open jobs' rows on disk over the last seconds: their rate in their status."""
         self.inputs = InputCache(cfg.inputs_cache or None)
@@ -116,7 +119,7 @@ class Sink:
         sub = DurablePull(self.js, subjects.sink_consumer())
         done_queries = await nc.subscribe(subjects.ALL_DONE_QUERIES)
         await nc.flush()  # subscribed at the server before "ready"
-        log.info("sink ready", out_root=str(self.root))
+        log.info("sink ready", out_root=str(self.roots))
         # Every loop under one TaskGroup: a task that dies ends the process (its
         # supervisor restarts it, JetStream redelivers what it held).
         async with asyncio.TaskGroup() as tg:
@@ -180,32 +183,31 @@ class Sink:
             try:
                 # A tenant's jobs write under its own part of the root: another tenant's
                 # directories are outside it.
-                tenant = subjects.tenant_of(job)
-                out_dir = confine(self.root / tenant if tenant else self.root, spec.out_dir)
+                store = confine_store(self.roots, spec.out_dir, subjects.tenant_of(job) or "")
             except OutsideRoot as exc:
                 await self.failures.refuse(job, str(exc))
                 return None
             if evict and len(self.outputs) >= MAX_OPEN_JOBS:
                 self.evict()
-            decision, out = await asyncio.to_thread(open_bound, job, out_dir, spec)
+            decision, out = await asyncio.to_thread(open_bound, job, store, spec)
             if out is None:
                 await self.failures.refuse(job, decision.error or "out_dir is bound to another job")
                 return None
             if decision.action is Action.REPLACE and decision.previous:
                 await self.release(decision.previous, job, spec.out_dir)
             self.outputs[job] = out
-        log.info("job opened", job=job, out_dir=str(out_dir), rows_on_disk=out.rows, binding=decision.action.value,
+        log.info("job opened", job=job, out_dir=store.where, rows_on_disk=out.rows, binding=decision.action.value,
                  previous_job=decision.previous)
         return out
 
     async def out_dir_of(self, job: str) -> Path:
         """`job`'s output directory (the output root if it cannot be told)."""
         if (out := self.outputs.get(job)) is not None:
-            return out.dir
+            return out.dir or self.root
         try:
             spec = (await self.jobs.get(job)).spec
-            tenant = subjects.tenant_of(job)
-            return confine(self.root / tenant if tenant else self.root, spec.out_dir) if spec else self.root
+            store = confine_store(self.roots, spec.out_dir, subjects.tenant_of(job) or "") if spec else None
+            return (store.local_dir or self.root) if store else self.root
         except Exception:  # noqa: BLE001 - NATS away or an out_dir outside the root: the root is what is known
             return self.root
 

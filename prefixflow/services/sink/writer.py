@@ -30,7 +30,6 @@ read takes the first file's schema.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -43,8 +42,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import structlog
 
-from prefixflow.services.sink import parts as files
 from prefixflow.services.sink.parts import Part
+from prefixflow.services.sink.roots import OutsideRoot, confine
+from prefixflow.services.sink.store import OutputStore, open_store
 from prefixflow.services.sink.growth import RewriteFailed, file_kinds, int_id_mask, typed_ids, with_int_ids
 from prefixflow.services.sink.schema import INPUT_PREFIX, OUTPUT_TYPES, as_text, generated_columns, input_column
 from prefixflow.services.sink.summary import TOTALS_COLUMNS, PartStats, Totals
@@ -69,41 +69,22 @@ def is_timeout(result: Result) -> bool:
     return result.error is not None and result.error.startswith(TIMED_OUT)
 
 
-class OutsideRoot(ValueError):
-    """A job's `out_dir` resolves outside the sink's output root."""
-
-
-def confine(root: str | Path, out_dir: str) -> Path:
-    """Where to write a job whose spec says `out_dir`: the fully resolved directory
-    (`..` folded, every symlink followed, a relative path taken under `root`), which
-    must be `root` or inside it; else `OutsideRoot` with the reason.
-
-    NOTE: this checks the path when the job is opened; a directory swapped for a symlink
-    afterwards by someone with write access under the root is not caught (keep the root
-    writable by the sink only)."""
-    real_root = Path(os.path.realpath(root))
-    if not out_dir or "\x00" in out_dir:
-        raise OutsideRoot(f"invalid out_dir {out_dir!r}")
-    path = Path(out_dir)
-    real = Path(os.path.realpath(path if path.is_absolute() else real_root / path))
-    if not real.is_relative_to(real_root):
-        raise OutsideRoot(
-            f"out_dir {out_dir!r} resolves to {str(real)!r}, outside the sink's output root "
-            f"{str(real_root)!r} (--out-root / PFX_OUT_ROOT): job refused, nothing written"
-        )
-    return real
-
-
 class JobOutput:
     def __init__(
-        self, job: str, out_dir: str | Path, target_bytes: int = TARGET_BYTES, compact_in_flush: bool = True
+        self, job: str, out_dir: str | Path | OutputStore, target_bytes: int = TARGET_BYTES,
+        compact_in_flush: bool = True,
     ) -> None:
-        """`target_bytes`: merged files' size; `compact_in_flush`: `flush` merges when
-        due (else the caller runs `compact`, e.g. in a thread of its own)."""
+        """`out_dir`: a local directory, an output URI or a store (`store.py`);
+        `target_bytes`: merged files' size (at most the store's cap); `compact_in_flush`:
+        `flush` merges when due (else the caller runs `compact`, e.g. in a thread of its own)."""
         self.job = job
-        self.dir = Path(out_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.target_bytes = target_bytes
+        self.store = open_store(out_dir)
+        self.dir = self.store.local_dir
+        """The local directory (None: the output is in an object store)."""
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        cap = self.store.target_cap
+        self.target_bytes = min(target_bytes, cap) if cap else target_bytes
         self.compact_in_flush = compact_in_flush
         self.seen = IdSet()
         self.duplicates = 0
@@ -149,16 +130,17 @@ class JobOutput:
         return self.totals.overall[2:5]
 
     def parts(self) -> list[Path]:
-        """The job's Parquet files, in part order."""
-        return [p.path for p in files.scan(self.dir)]
+        """The job's Parquet files, in part order (paths in the store's file system)."""
+        return [p.path for p in self.store.scan()]
 
     def _load_existing(self) -> None:
         """Read back what a previous run wrote: ids, totals, schema (a few columns of one
         file at a time), after cleaning up what a crash left."""
-        found = files.recover(self.dir)
+        found = self.store.recover()
         for part in found:
-            schema = pq.read_schema(part.path)
-            table = pq.read_table(part.path, columns=[c for c in TOTALS_COLUMNS if c in schema.names])
+            pf = pq.ParquetFile(self.store.source(part))
+            schema = pf.schema_arrow
+            table = pf.read(columns=[c for c in TOTALS_COLUMNS if c in schema.names])
             ids = typed_ids(table.column("id"), int_id_mask(schema, table.num_rows))
             self.seen.update(ids)
             timed_out = pc.starts_with(table.column("error"), TIMED_OUT)
@@ -167,12 +149,12 @@ class JobOutput:
                 self.timed_out.update(i for i, late in zip(given, timed_out.to_pylist()) if late)
             self.totals.add_table(table, part.first)
             self.next_part = max(self.next_part, part.last + 1)
-            self.growth.add(file_kinds(part.path))
+            self.growth.add(file_kinds(self.store.source(part)))
         if found:
             self.schema = self.growth.schema()
-            files.write_record(self.dir, self.schema)
+            self.store.write_record(self.schema)
         last_merged = max((p.last for p in found if p.merged), default=-1)
-        self._small = [(p, files.data_bytes(p.path)) for p in found if not p.merged and p.first > last_merged]
+        self._small = [(p, self.store.data_bytes(p)) for p in found if not p.merged and p.first > last_merged]
 
     def add(self, result: Result, finished_at: float | None = None) -> bool:
         """Queue a result for the next part (`finished_at`: when it reached the results
@@ -215,10 +197,10 @@ class JobOutput:
         finished = [f for _, f in self.pending]
         table = self._to_table(results, finished, inputs or (lambda src: None))
         n = self.next_part
-        part = files.write_part(table, self.dir, n)
+        part = self.store.write_part(table, n)
         self.next_part += 1
         with self._lock:
-            self._small.append((part, files.data_bytes(part.path)))
+            self._small.append((part, self.store.data_bytes(part)))
         times = table.column("finished_at").to_pylist() if "finished_at" in table.column_names else []
         self.last_part = self.totals.add_results(results, times, n)
         self.pending = []
@@ -250,7 +232,7 @@ class JobOutput:
                     return written
                 if len(take) > 1:
                     assert schema is not None  # NOTE: taken with `run`: it holds every part of it
-                    files.merge(take, self.dir, schema)
+                    self.store.merge(take, schema)
                     written += 1
                 # NOTE: a lone small part of `target_bytes` or more is big enough as it is.
                 with self._lock:
@@ -321,7 +303,7 @@ class JobOutput:
         if self.growth.add_table(table) or self.schema is None:
             before = self.schema
             schema = self.growth.schema()
-            files.write_record(self.dir, schema)  # NOTE: before the part: the record holds every part's columns
+            self.store.write_record(schema)  # NOTE: before the part: the record holds every part's columns
             with self._lock:
                 self.schema = schema
             if before is not None:
@@ -337,10 +319,10 @@ class JobOutput:
         it only when that part holds rows finished both before and after the job's
         `created_at`)."""
         for _ in range(2):  # NOTE: a merge in another thread may just have renamed it
-            for p in files.scan(self.dir):
+            for p in self.store.scan():
                 if p.first <= part <= p.last:
                     try:
-                        return pq.read_table(p.path, columns=["finished_at"]).column("finished_at")
+                        return pq.read_table(self.store.source(p), columns=["finished_at"]).column("finished_at")
                     except FileNotFoundError:
                         break
         return None
@@ -363,11 +345,11 @@ class JobOutput:
             return 0
         rewritten = 0
         with self._compacting:
-            for part in files.scan(self.dir):
+            for part in self.store.scan():
                 try:
-                    if pq.read_schema(part.path).equals(self.schema):
+                    if pq.ParquetFile(self.store.source(part)).schema_arrow.equals(self.schema):
                         continue
-                    files.rewrite(part, self.schema)
+                    self.store.rewrite(part, self.schema)
                 except OSError as exc:
                     raise RewriteFailed(f"{part.path.name} not rewritten under the job's schema: {exc}") from exc
                 rewritten += 1
@@ -381,9 +363,7 @@ class JobOutput:
         self._compact_quietly(final=True)
         self.rewrite_narrower()
         summary = self.summarize(spec, finished_at)
-        tmp = self.dir / "_summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.dir / "_summary.json")
+        self.store.put_bytes("_summary.json", (json.dumps(summary, indent=2) + "\n").encode())
         self.done = True
         return summary
 

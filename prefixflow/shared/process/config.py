@@ -299,8 +299,9 @@ class SinkConfig(CommonConfig, kw_only=True):
     fetch_batch: Annotated[int, _d("result messages fetched per pull", gt=0)] = 64
     out_root: Annotated[
         str,
-        _d("the only directory jobs may write under: a job whose out_dir resolves outside it (.., "
-           "another absolute path, a symlink out) fails (default: the working directory)"),
+        _d("where jobs may write: one local directory (a job whose out_dir resolves outside it (.., "
+           "another absolute path, a symlink out) fails; default: the working directory), and, comma-separated, "
+           "object store prefixes (s3://bucket/prefix/, gs://bucket/) a job's out_dir may be under"),
     ] = ""
     inputs_cache: Annotated[
         str,

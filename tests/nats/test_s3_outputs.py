@@ -1,0 +1,226 @@
+"""Outputs where fleets keep them (issue 41 item 2): `--out s3://bucket/prefix/` written by
+the sink into a real S3 API server (moto's server mode, `s3_server`), with the sink's own
+credentials (none in the job's spec), on the session's shared echo cluster whose sink is
+swapped, for these tests, for one with the server's credentials and the bucket's prefix
+among its output roots (`PFX_OUT_ROOT`).
+
+- 4 Parquet shards in S3 -> s3://.../out/: every id once, input columns byte-exact, a
+  plain `pyarrow.dataset` read of the prefix sees each row once, only committed objects
+  there; the same command again: exit 0, "already done";
+- the sink and the client SIGKILLed mid-job, then the command again: it completes, every
+  id once, no multipart upload left open, only final objects under the prefix;
+- a bucket that does not exist, wrong credentials, a prefix outside the sink's roots:
+  each a clear error, nothing written, and the sink goes on with the next job."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from prefixflow.launch.processes import Process
+from prefixflow.shared.outcomes import Exit
+from tests.conftest import REPO, VENV_BIN
+from tests.nats.test_inputs import settle, shard_tables, submit
+
+pytestmark = [pytest.mark.timeout(300)]
+
+FINAL = {"_job.json", "_summary.json", "_common_metadata", "_manifest.json"}
+"""The objects beside the data files of a finished job's output."""
+NO_BUCKET = "s3://no-such-bucket-pfx/out"
+
+
+class S3Sink:
+    """The shared cluster's sink swapped for one that may write to the S3 server."""
+
+    def __init__(self, cluster, s3_server, root) -> None:
+        self.cluster, self.s3 = cluster, s3_server
+        self.original = next(p for p in cluster.procs if p.name == "sink")
+        roots = f"{root},{s3_server.uri('out')},{NO_BUCKET}"
+        self.s3_sink = dataclasses.replace(self.original, env={**self.original.env, **s3_server.env,
+                                                                "PFX_OUT_ROOT": roots})
+
+    def start(self, proc: Process | None = None, *, kill: bool = False) -> None:
+        """Stop the running sink (SIGKILL with `kill`), start `proc` (the S3 one)."""
+        import asyncio
+
+        running = self.cluster.running["sink"]
+        running.kill() if kill else running.terminate()
+        running.wait(15)
+        self.cluster.start_one(proc or self.s3_sink)
+        asyncio.run(self.cluster.wait_started(["sink"], timeout=60))
+
+    def restore(self) -> None:
+        self.start(self.original)
+
+
+@pytest.fixture(scope="module")
+def s3_sink(clusters, s3_server, sink_out_root):
+    """Swapped once for this module's tests (a sink start is seconds), restored after."""
+    cluster = clusters.get(replicas=1)
+    sink = S3Sink(cluster, s3_server, sink_out_root)
+    sink.start()
+    try:
+        yield sink
+    finally:
+        sink.restore()
+
+
+def run_s3(data: str, out: str, env: dict[str, str], workdir) -> subprocess.Popen:
+    """`prefixflow run` (echo engine) with `env` (the run's sink: its credentials)."""
+    return subprocess.Popen(
+        [str(VENV_BIN / "prefixflow"), "run", data, "--out", out, "--engine", "echo", "--replicas", "1",
+         "--workdir", str(workdir / "run-work"), "--no-progress", "--no-report", "--max-tokens", "2"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env},
+    )
+
+
+def objects(s3_server, prefix: str) -> dict[str, int]:
+    """Object name below `prefix` -> size (every depth)."""
+    import pyarrow.fs as pafs
+
+    fs = s3_server.filesystem()
+    infos = fs.get_file_info(pafs.FileSelector(f"{s3_server.bucket}/{prefix}", recursive=True, allow_not_found=True))
+    base = f"{s3_server.bucket}/{prefix}/"
+    return {i.path[len(base):]: i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def open_uploads(s3_server) -> list[str]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint, region_name="us-east-1",
+                          aws_access_key_id=s3_server.key, aws_secret_access_key=s3_server.secret)
+    return [u["Key"] for u in client.list_multipart_uploads(Bucket=s3_server.bucket).get("Uploads", [])]
+
+
+def read_out(s3_server, prefix: str) -> pa.Table:
+    """A plain pyarrow.dataset read of the prefix, sorted by id."""
+    table = ds.dataset(f"{s3_server.bucket}/{prefix}", filesystem=s3_server.filesystem(), format="parquet").to_table()
+    return table.take(pc.sort_indices(table, [("id", "ascending")]))
+
+
+def assert_final(s3_server, prefix: str) -> list[str]:
+    """Only the manifest's data files and the job's small files under the prefix."""
+    names = objects(s3_server, prefix)
+    manifest = json.loads(s3_server.filesystem().open_input_stream(f"{s3_server.bucket}/{prefix}/_manifest.json").read())
+    assert set(names) == FINAL | set(manifest["files"]), names
+    assert not open_uploads(s3_server), "no multipart upload left open"
+    return manifest["files"]
+
+
+def test_s3_shards_to_an_s3_out_through_submit_then_again(s3_sink, s3_server, tmp_path):
+    cluster, fs = s3_sink.cluster, s3_server.filesystem()
+    tables = shard_tables()
+    for i, table in enumerate(tables):
+        pq.write_table(table, f"{s3_server.bucket}/in-shards/part-{i:02d}.parquet", filesystem=fs)
+    out = s3_server.uri("out/shards/")
+    t0 = time.monotonic()
+    (code, text), = settle({"s3": submit(cluster.url, s3_server.uri("in-shards/"), out, "s3-out", s3_server.env)}).values()
+    print(f"\nsubmit of 4 S3 shards to an S3 out: {time.monotonic() - t0:.1f} s")
+    assert code == 0, text
+    files = assert_final(s3_server, "out/shards")
+    got, want = read_out(s3_server, "out/shards"), pa.concat_tables(tables)
+    assert got.column("id").to_pylist() == list(range(want.num_rows)), "every id once"
+    for name in want.column_names:
+        assert got.column(name).equals(want.column(name)), name  # type and bytes as they went in
+    assert pq.read_table(f"{s3_server.bucket}/out/shards/{files[0]}", filesystem=fs).num_rows > 0
+    summary = json.loads(fs.open_input_stream(f"{s3_server.bucket}/out/shards/_summary.json").read())
+    assert summary["rows"] == want.num_rows
+    job = json.loads(fs.open_input_stream(f"{s3_server.bucket}/out/shards/_job.json").read())
+    assert job["job"] == "s3-out" and "fingerprint" in job
+
+    before = objects(s3_server, "out/shards")
+    (code, text), = settle({"again": submit(cluster.url, s3_server.uri("in-shards/"), out, "s3-out", s3_server.env)}).values()
+    assert code == 0 and "already done" in text, text
+    assert objects(s3_server, "out/shards") == before and assert_final(s3_server, "out/shards") == files
+
+    # `prefixflow report` reads it by its manifest, into a local --dest.
+    report = subprocess.run([str(VENV_BIN / "prefixflow"), "report", out, "--dest", str(tmp_path / "report"), "--no-groups"],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, **s3_server.env})
+    assert report.returncode == 0 and (tmp_path / "report" / "index.html").exists(), report.stdout + report.stderr
+
+
+def test_s3_shards_to_an_s3_out_through_run_then_again(s3_server, tmp_path):
+    """`run`'s own cluster and sink (its sink allowed exactly this --out)."""
+    fs = s3_server.filesystem()
+    tables = shard_tables()
+    for i, table in enumerate(tables):
+        pq.write_table(table, f"{s3_server.bucket}/run-shards/part-{i:02d}.parquet", filesystem=fs)
+    out = s3_server.uri("out/run/")
+    (code, text), = settle({"run": run_s3(s3_server.uri("run-shards/"), out, s3_server.env, tmp_path)}).values()
+    assert code == 0, text
+    assert_final(s3_server, "out/run")
+    got, want = read_out(s3_server, "out/run"), pa.concat_tables(tables)
+    assert got.column("id").to_pylist() == list(range(want.num_rows))
+    for name in want.column_names:
+        assert got.column(name).equals(want.column(name)), name
+    (code, text), = settle({"again": run_s3(s3_server.uri("run-shards/"), out, s3_server.env, tmp_path)}).values()
+    assert code == 0 and "already done" in text and "starting local cluster" not in text, text
+
+
+def test_sigkilled_mid_job_then_again_completes_once(s3_sink, s3_server, tmp_path):
+    cluster = s3_sink.cluster
+    n = 5_000
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": [f"count to {i}" for i in range(n)], "k": pa.array(range(n), pa.int32())}), data)
+    out = s3_server.uri("out/killed")
+    first = submit(cluster.url, data, out, "s3-killed", s3_server.env)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(name.startswith("part-") for name in objects(s3_server, "out/killed")):
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "no part written"
+            time.sleep(0.05)
+    finally:
+        first.kill()  # SIGKILL, mid-job
+        first.communicate()
+    s3_sink.start(kill=True)  # the sink too: SIGKILL, then a new one (recovers from the bucket)
+    before = objects(s3_server, "out/killed")
+    (code, text), = settle({"again": submit(cluster.url, data, out, "s3-killed", s3_server.env)}, timeout=240).values()
+    assert code == 0, text
+    print(f"\nkilled with {sum(n.startswith('part-') for n in before)} parts in the bucket; then: {text.splitlines()[-3:]}")
+    assert_final(s3_server, "out/killed")
+    got = read_out(s3_server, "out/killed")
+    assert got.column("id").to_pylist() == list(range(n)), "every id once"
+    assert got.column("k").equals(pa.chunked_array([pa.array(range(n), pa.int32())]))
+
+
+def test_bad_outputs_are_clear_errors_and_the_sink_goes_on(s3_sink, s3_server, tmp_path):
+    cluster = s3_sink.cluster
+    data = tmp_path / "few.parquet"
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(5)]}), data)
+    cases = {
+        "no-bucket": (f"{NO_BUCKET}/j", "does not exist"),
+        "outside": (s3_server.uri("elsewhere/j"), "outside the sink's allowed output URIs"),
+    }
+    # `run` checks the bucket with its own sink's credentials before it starts anything.
+    wrong_env = {**s3_server.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    runs = {"run-no-bucket": (f"{NO_BUCKET}/run", s3_server.env, "does not exist"),
+            "run-wrong-key": (s3_server.uri("out/run-denied"), wrong_env, "access denied: check the credentials")}
+    procs = {job: submit(cluster.url, data, out, f"s3-bad-{job}", s3_server.env) for job, (out, _) in cases.items()}
+    procs |= {n: run_s3(str(data), out, env, tmp_path / n) for n, (out, env, _) in runs.items()}
+    for job, (code, text) in settle(procs).items():
+        if job in runs:
+            assert code == Exit.USAGE and runs[job][2] in text and "starting local cluster" not in text, (job, text)
+        else:
+            assert code == Exit.FAILED and cases[job][1] in text and "Traceback" not in text, (job, text)
+    # Wrong credentials at the sink (the job's spec carries none): its own fault, told.
+    wrong = dataclasses.replace(s3_sink.s3_sink, env={**s3_sink.s3_sink.env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
+    s3_sink.start(wrong)
+    (code, text), = settle({"denied": submit(cluster.url, data, s3_server.uri("out/denied"), "s3-bad-key")}).values()
+    assert code == Exit.FAILED and "refused the sink's credentials" in text, text
+    s3_sink.start()
+    assert objects(s3_server, "elsewhere") == {} and objects(s3_server, "out/denied") == {}, "nothing written"
+    assert objects(s3_server, "out/run-denied") == {}
+    # The sink is alive and writes the next job.
+    (code, text), = settle({"next": submit(cluster.url, data, s3_server.uri("out/next"), "s3-next")}).values()
+    assert code == 0, text
+    assert read_out(s3_server, "out/next").column("id").to_pylist() == list(range(5))
