@@ -79,15 +79,14 @@ def result_of(status: Any, out: str | Path, already_done: bool = False) -> Resul
 def prepare(source: Any, options: dict[str, Any]):
     """The `Source` of `source` (a path or URI, or an in-memory input) and its name:
     `InputError` before anything is created when it cannot be read."""
-    from prefixflow.client.memory import kind_of, memory_source
+    from prefixflow.client.memory import memory_source
     from prefixflow.client.sources import resolve
     from prefixflow.client.submit import count_rows
 
-    if kind_of(source) is not None:
-        src = memory_source(source)
-    else:
-        src = resolve(os.fspath(source) if hasattr(source, "__fspath__") else str(source), options)
-        count_rows(src)  # a Parquet file with no input column fails now
+    if not (isinstance(source, str) or hasattr(source, "__fspath__")):
+        return memory_source(source)  # `InputError` for what is no input at all
+    src = resolve(os.fspath(source), options)
+    count_rows(src)  # a Parquet file with no input column fails now
     return src
 
 

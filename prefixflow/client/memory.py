@@ -13,7 +13,8 @@ like a file (`prefixflow/client/readers.py`: format `arrow`).
   were sliced or chunked. A Table or a DataFrame can be read twice: it is hashed in a
   first pass (nothing kept), then read again to be published. An iterator can be read
   once: it is spooled batch by batch to Arrow IPC files in a temporary directory
-  (deleted with the `Source`), hashed on the way, and published from there. So the
+  (deleted when the `Source` is collected, at the latest at exit), hashed on the way,
+  and published from there. So the
   fingerprint is known before the job is created, and a re-run of the same data into the
   same output is "already done" and other data refused, by the rules of a file input;
   checking after publishing instead would mix two inputs' rows in one output on a
@@ -32,6 +33,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from prefixflow.client.columns import INPUT_COLUMNS
 from prefixflow.client.readers import CHUNK_ROWS
 from prefixflow.client.sources import InputError, Shard, Source
 
@@ -146,13 +148,23 @@ def batch_digest(batch: pa.RecordBatch) -> bytes:
 
 
 class Hasher:
-    """The fingerprint of an in-memory input, fed its batches in order."""
+    """The fingerprint of an in-memory input, fed its batches in order; each batch's
+    columns checked on the way (`InputError`: no model input column, an `id` column in
+    some batches only), so a bad input fails before a job is created."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.digest = hashlib.sha256(f"arrow/{SCHEME}\n".encode())
         self.rows = 0
+        self.has_id: bool | None = None
 
     def update(self, batch: pa.RecordBatch) -> None:
+        names = batch.schema.names
+        if not set(INPUT_COLUMNS) & set(names):
+            raise InputError(f"{self.name}: no 'prompt', 'messages' or 'prompt_token_ids' column (columns: {names})")
+        if self.has_id is not None and self.has_id != ("id" in names):
+            raise InputError(f"{self.name}: an 'id' column in some batches and not in others (rows {self.rows}...)")
+        self.has_id = "id" in names
         self.digest.update(batch_digest(batch))
         self.rows += batch.num_rows
 
@@ -162,11 +174,11 @@ class Hasher:
         return {"kind": "arrow", "scheme": SCHEME, "size": self.rows, "digest": self.digest.hexdigest()}
 
 
-def _spool(batches: Iterator[pa.RecordBatch]) -> tuple[tempfile.TemporaryDirectory, list[Path], Hasher]:
+def _spool(batches: Iterator[pa.RecordBatch], name: str) -> tuple[tempfile.TemporaryDirectory, list[Path], Hasher]:
     """Write a one-shot stream to IPC files (a new file where the schema changes), hashing."""
     spool = tempfile.TemporaryDirectory(prefix="pfx-input-")
     files: list[Path] = []
-    hasher = Hasher()
+    hasher = Hasher(name)
     writer, schema = None, None
     try:
         for batch in batches:
@@ -205,7 +217,7 @@ def memory_source(obj: Any, name: str | None = None) -> Source:
     name = name or {"table": "table", "pandas": "dataframe", "polars": "dataframe"}.get(kind, "batches")
     spool = None
     if kind == "batches":
-        spool, files, hasher = _spool(rebatched(_stream_batches(obj)))
+        spool, files, hasher = _spool(rebatched(_stream_batches(obj)), name)
 
         def again() -> Iterator[pa.RecordBatch]:
             return _read_spool(files)
@@ -215,7 +227,7 @@ def memory_source(obj: Any, name: str | None = None) -> Source:
         def again() -> Iterator[pa.RecordBatch]:
             return rebatched(first(obj))
 
-        hasher = Hasher()
+        hasher = Hasher(name)
         for batch in again():  # the first pass: the fingerprint (nothing kept)
             hasher.update(batch)
     if not hasher.rows:

@@ -90,7 +90,10 @@ def test_bad_in_memory_inputs_are_input_errors():
     with pytest.raises(InputError, match="not an input"):
         memory_source(42)
     with pytest.raises(InputError, match="no 'prompt'"):
-        list(columns.chunks(memory_source(pa.table({"text": ["x"]}))))
+        memory_source(pa.table({"text": ["x"]}))
+    with_id, without = pa.table({"id": [7], "prompt": ["x"]}), pa.table({"prompt": ["y"]})
+    with pytest.raises(InputError, match="'id' column in some batches"):
+        memory_source(iter([*with_id.to_batches(), *without.to_batches()]))
     assert kind_of("prompts.parquet") is None and kind_of(table(1)) == "table"
     assert InputError("x").code == Exit.USAGE
 
