@@ -138,9 +138,10 @@ def run_job(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[st
     """What `prefixflow run` does, raising instead of exiting: start the local cluster,
     submit the input (`source`, else `args.input` resolved with `storage_options`) while
     the engines load, supervise, stop. OUT holding this job's finished output: its summary,
-    nothing started. Raises `InputError` (the input cannot be read, nothing started), a
-    `CommandError` of exit code 2 (a bad job id; OUT bound to another job), one of
-    `submit`'s `ENDINGS`, `RunFailed`, `TimeoutError` (`--timeout`, or no replica ready in
+    nothing started. Raises `InputError` (the input cannot be read), `OutputConflict` (OUT
+    bound to another job, input or spec) or a `CommandError` of exit code 2 (a bad job id,
+    replicas that do not fit the devices) before anything starts; one of `submit`'s
+    `ENDINGS`, `RunFailed`, `TimeoutError` (`--timeout`, or no replica ready in
     time) and `Interrupted` (SIGTERM/SIGINT; handled only on the main thread), each after
     the cluster stopped."""
     from prefixflow.client.fingerprint import of_job
@@ -252,17 +253,18 @@ def run_job(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[st
     main_thread = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
-        cluster.start()
-        status = asyncio.run(run_job())
-    except AlreadyDone as done:  # a --workdir whose cluster finished the job
-        status = done.status
-    except InputError as exc:  # a file of the input found bad while reading it (exit code 1, not 2)
-        raise JobFailed(job, f"its input: {exc}") from None
-    except ClusterFailed as exc:
-        raise RunFailed(f"giving up: {exc}") from None
-    except ProcessExited as exc:  # a process died during start-up (check_alive)
-        raise RunFailed(f"cluster failed to start: {exc}") from None
-    except BaseException:
+        try:
+            cluster.start()
+            status = asyncio.run(run_job())
+        except AlreadyDone as done:  # a --workdir whose cluster finished the job
+            status = done.status
+        except InputError as exc:  # a file of the input found bad while reading it (exit code 1, not 2)
+            raise JobFailed(job, f"its input: {exc}") from None
+        except ClusterFailed as exc:
+            raise RunFailed(f"giving up: {exc}") from None
+        except ProcessExited as exc:  # a process died during start-up (check_alive)
+            raise RunFailed(f"cluster failed to start: {exc}") from None
+    except BaseException:  # NOTE: any ending but success (re-raised): say why the cluster goes away
         print("stopping the local cluster ...", file=sys.stderr, flush=True)
         raise
     finally:

@@ -160,3 +160,17 @@ def test_import_prefixflow_loads_nothing_heavy():
     code = "import prefixflow; print(prefixflow.JobFailed.__module__, prefixflow.run.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["prefixflow.client.submit", "prefixflow.api.local"]
+
+
+def test_run_inside_a_running_loop_refuses_a_bad_input_before_starting_anything(tmp_path):
+    import prefixflow
+
+    async def notebook_cell() -> None:
+        with pytest.raises(prefixflow.InputError, match="no such file") as exc:
+            prefixflow.run(tmp_path / "missing.parquet", out=tmp_path / "out", engine="echo")
+        assert exc.value.code == Exit.USAGE
+        with pytest.raises(prefixflow.OptionError, match="want one of"):
+            await prefixflow.run_async(tmp_path / "missing.parquet", out=tmp_path / "out", engine="nope")
+
+    asyncio.run(notebook_cell())
+    assert not (tmp_path / "out").exists()
