@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -293,8 +294,8 @@ class Client:
             name = subjects.qualify(name, self.tenant)
             if (why := subjects.job_id_error(name)) is not None:
                 raise OptionError(why)
-        else:
-            name = subjects.qualify(default_job_id(src.given), self.tenant)
+        else:  # NOTE: the command's id (name and second) plus a random tail: a notebook submits often
+            name = subjects.qualify(f"{default_job_id(src.given)}-{secrets.token_hex(3)}", self.tenant)
         created: concurrent.futures.Future = concurrent.futures.Future()
         future = self.portal.start(self._follow(src, out, name, opts, created))
 
