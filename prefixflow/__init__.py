@@ -8,13 +8,27 @@ the top of site-packages): the design card's folders one level down -- `services
 `prefixflow` command (`prefixflow.cli.main:main`). A development checkout and an installed
 package are the same tree. This module imports nothing of them, so importing one
 subpackage loads only what it needs.
+
+The Python API (`prefixflow.run`, `prefixflow.Client`, the typed errors: `prefixflow/api`)
+is resolved on first use, as `__version__` is: `import prefixflow` stays light.
 """
 
 from __future__ import annotations
 
 
-def __getattr__(name: str) -> str:
-    """`__version__`, read from the installed distribution when first asked for."""
+API = ("Client", "ClusterError", "DirTaken", "InputError", "Job", "JobCancelled", "JobFailed", "JobMismatch",
+       "JobPaused", "OptionError", "OutputConflict", "PrefixflowError", "Result", "run", "run_async")
+"""The names of `prefixflow.api` that `prefixflow.<name>` gives."""
+__all__ = list(API)
+
+
+def __getattr__(name: str):
+    """The Python API's names (imported on first use), and `__version__`, read from the
+    installed distribution when first asked for."""
+    if name in API:
+        from prefixflow import api
+
+        return getattr(api, name)
     if name == "__version__":
         from importlib.metadata import PackageNotFoundError, version
 

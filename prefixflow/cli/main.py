@@ -169,6 +169,26 @@ def add_job_args(p: argparse.ArgumentParser, command: str) -> None:
     add_sampling_args(p)
 
 
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """`run`'s own options (its local cluster), beside the job's (`add_job_args`)."""
+    p.add_argument("--model", default=os.environ.get("PFX_MODEL", cfgmod.DEFAULT_MODEL), help="model directory or hub id")
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    p.add_argument("--engine", choices=cfgmod.ENGINES, default="vllm", help="engine (default vllm)")
+    p.add_argument(
+        "--policy", default="prefix-aware", choices=cfgmod.POLICIES, help="routing policy"
+    )
+    p.add_argument("--kv-cache-blocks", type=int, default=0, help="cap each replica's KV cache (blocks; a context longer than they hold is fitted to them)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="GPUs per replica (CUDA_VISIBLE_DEVICES; on CPU each replica gets its share of the cores)",
+    )
+    p.add_argument(
+        "--stagger", type=float, default=0.0, metavar="SECONDS",
+        help="start replica i's engine i x SECONDS after the first, as a fleet's GPUs come up apart (default 0)",
+    )
+    p.add_argument("--workdir", default=None, help="cluster directory: logs/, JetStream store, pids.json (default: a new temporary directory)")
+
+
 def default_job_id(input_path: str) -> str:
     from prefixflow.client.sources import stem_of
 
@@ -362,22 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         "summary, stop.",
     )
     add_job_args(p, "run")
-    p.add_argument("--model", default=os.environ.get("PFX_MODEL", cfgmod.DEFAULT_MODEL), help="model directory or hub id")
-    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
-    p.add_argument("--engine", choices=cfgmod.ENGINES, default="vllm", help="engine (default vllm)")
-    p.add_argument(
-        "--policy", default="prefix-aware", choices=cfgmod.POLICIES, help="routing policy"
-    )
-    p.add_argument("--kv-cache-blocks", type=int, default=0, help="cap each replica's KV cache (blocks; a context longer than they hold is fitted to them)")
-    p.add_argument(
-        "--tensor-parallel-size", type=int, default=1,
-        help="GPUs per replica (CUDA_VISIBLE_DEVICES; on CPU each replica gets its share of the cores)",
-    )
-    p.add_argument(
-        "--stagger", type=float, default=0.0, metavar="SECONDS",
-        help="start replica i's engine i x SECONDS after the first, as a fleet's GPUs come up apart (default 0)",
-    )
-    p.add_argument("--workdir", default=None, help="cluster directory: logs/, JetStream store, pids.json (default: a new temporary directory)")
+    add_run_args(p)
     p.set_defaults(fn=cmd_run)
 
     from prefixflow.bench.commands import add_parsers as add_bench_parsers

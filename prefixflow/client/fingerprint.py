@@ -19,6 +19,9 @@ an input of 10,000 objects to a few hundred ranges; an edit that keeps every fil
 and size is seen only in a sampled file. A single file (local or an object) is
 fingerprinted as above, so a file and its copy in a bucket are the same input.
 
+An in-memory input of the Python API (a table, a DataFrame, batches: kind `arrow`) has
+a hash of its rows computed while reading it (`prefixflow/client/memory.py`).
+
 So an edit of a large JSONL/CSV file that keeps its size and falls between the sampled
 blocks (or one of a large Parquet file that keeps every footer value) is not seen: the
 job is taken as the same one and resumed. `--overwrite` (or another `--out`) runs it
@@ -103,6 +106,8 @@ def sampled(n: int, samples: int = DATASET_SAMPLES) -> list[int]:
 
 def of_source(source: Source, *, block: int = BLOCK, blocks: int = BLOCKS) -> dict[str, Any]:
     """The input part of a job's fingerprint of a resolved input (see the module docstring)."""
+    if len(source.shards) == 1 and source.shards[0].format == "arrow":  # computed while reading it
+        return source.shards[0].fingerprint
     if source.single:
         shard = source.shards[0]
         with shard.open_file() as f:

@@ -38,6 +38,8 @@ Pair = tuple[pa.RecordBatch | pa.Table, list[dict[str, Any]] | None]
 
 def batches(shard: Shard) -> Iterator[Pair]:
     """The shard's rows as batches of up to `CHUNK_ROWS`."""
+    if shard.format == "arrow":  # an in-memory input (`prefixflow/client/memory.py`)
+        return ((b, None) for b in shard.open_batches())
     if shard.format == "parquet":
         return parquet_batches(shard)
     if shard.format == "csv":

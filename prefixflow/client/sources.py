@@ -42,6 +42,8 @@ from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
 
+from prefixflow.shared.outcomes import Exit, PrefixflowError
+
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
            ".csv": "csv"}
 """Data file suffix -> format."""
@@ -54,9 +56,11 @@ STREAM_BUFFER = 1 << 20
 """Read-ahead of a JSONL/CSV stream (bytes)."""
 
 
-class InputError(ValueError):
+class InputError(PrefixflowError, ValueError):
     """A job's input cannot be read: missing, no data files, no access, an unknown format.
     The message names the input and the reason; nothing was submitted."""
+
+    code = Exit.USAGE
 
 
 def format_of(name: str) -> str | None:

@@ -55,7 +55,7 @@ from prefixflow.shared.wire.ids import IdSet
 from prefixflow.shared.wire.limits import ROW_TIMEOUT
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.provision import provision
-from prefixflow.shared.outcomes import CommandError, Exit, usage_error
+from prefixflow.shared.outcomes import CommandError, Exit, PrefixflowError, usage_error
 from prefixflow.shared.bus.publish import message_limit, publish
 
 READ_BATCH = 4096
@@ -70,7 +70,7 @@ EMPTY_JOB_WAIT = 60.0
 """Seconds to wait for the sink to complete a job of no rows before giving up."""
 
 
-class JobFailed(Exception):
+class JobFailed(PrefixflowError):
     """The cluster marked the job failed (its status says why)."""
 
     def __init__(self, job: str, reason: str | None) -> None:
@@ -94,11 +94,13 @@ PAUSED_GRACE = 5.0
 the sink resolves at its next probe does not end the command."""
 
 
-class JobPaused(Exception):
+class JobPaused(PrefixflowError):
     """The job is paused: its output lacks a resource (disk full, quota, read-only file
     system, no permission). Not failed: its results wait in the cluster and it resumes by
     itself once the sink can write; the same command then completes it. Exit code 75
     (`Exit.PAUSED`)."""
+
+    code = Exit.PAUSED
 
     def __init__(self, job: str, status: m.JobStatus) -> None:
         super().__init__(f"job {job} paused: {status.paused} ({status.rows} rows written)")
@@ -122,7 +124,14 @@ class PauseWatch:
             raise JobPaused(job, st)
 
 
-class DirTaken(Exception):
+class OutputConflict(PrefixflowError):
+    """The output directory (or the job id) belongs to another job, or to one asked another
+    input or spec: refused before anything ran (exit code 2)."""
+
+    code = Exit.USAGE
+
+
+class DirTaken(OutputConflict):
     """The output directory is bound to another job (`prefixflow` exits with code 2)."""
 
     def __init__(self, out_dir: str, owner: str, job: str) -> None:
@@ -133,7 +142,7 @@ class DirTaken(Exception):
         self.out_dir, self.owner, self.job = out_dir, owner, job
 
 
-class JobMismatch(Exception):
+class JobMismatch(OutputConflict):
     """The job id, or the job bound to the output directory, was asked another input or
     spec than this one (`prefixflow` exits with code 2); the message names the difference."""
 
@@ -219,6 +228,8 @@ def count_rows(source: str | Path | Source, options: dict[str, Any] | None = Non
     with no model input column, or an `id` column in some files only), so such an input
     fails before a job is created."""
     source = source if isinstance(source, Source) else resolve(source, options)
+    if len(source.shards) == 1 and source.shards[0].format == "arrow":  # in memory: counted while hashed
+        return source.shards[0].rows
     parquet = [s for s in source.shards if s.format == "parquet"]
     total, has_id = 0, {}
     for shard in parquet:
@@ -458,12 +469,12 @@ def ending(exc: Exception, *, cluster_stays: bool) -> CommandError:
                 "run the same command again to follow it to the end" if cluster_stays
                 else f"once {exc.path} takes writes again, run the same command to resume it")
         return CommandError(f"{exc}\n{then}", Exit.PAUSED)
-    if isinstance(exc, DirTaken | JobMismatch):  # OUT (or the id) bound to another job, input or spec
+    if isinstance(exc, OutputConflict):  # OUT (or the id) bound to another job, input or spec
         return CommandError(str(exc), Exit.USAGE)
     return CommandError(str(exc), Exit.FAILED)  # JobFailed: failed, cancelled or expired
 
 
-ENDINGS = (JobFailed, JobPaused, DirTaken, JobMismatch)
+ENDINGS = (JobFailed, JobPaused, OutputConflict)
 """`submit`'s exceptions that end a command with a documented code (`ending`)."""
 
 
@@ -492,6 +503,7 @@ async def submit(
     row_timeout: float = ROW_TIMEOUT,
     dedupe: bool = True,
     storage_options: dict[str, Any] | None = None,
+    on_created: Callable[[str], None] | None = None,
 ) -> m.JobStatus:
     """Submit `input_path` as `job` and wait until the sink has every row.
 
@@ -507,7 +519,8 @@ async def submit(
     `JobMismatch` when `job` was asked another input or spec; `adopt` (no job id given:
     `job` is a new one): the job bound to `out_dir` is run instead if it was asked the same
     (see the module docstring). `dedupe` False: every row generated on its own
-    (`JobSpec.dedupe`)."""
+    (`JobSpec.dedupe`). `on_created(job)` is called once the job's spec is in the cluster
+    (`job`: the id it runs under, an adopted one included), before its rows are sent."""
     if (why := subjects.job_id_error(job)) is not None:
         raise usage_error(why)
     # `resolve_out=False`: a path relative to the sink's output root, as it is (the batch service's)
@@ -560,6 +573,8 @@ async def submit(
             print(f"job {job} was submitted before jobs recorded what they were asked (no fingerprint): "
                   "taken as the same job", flush=True)
         await client.create(spec)
+        if on_created is not None:
+            on_created(job)
         seen = IdSet()  # compact for integer ids: a 100M-row job's ids need ~12 MiB, not GBs
         # Resume: rows the sink has written already are not sent again (asked per chunk;
         # also for a job new to this cluster, whose directory may hold an earlier run's

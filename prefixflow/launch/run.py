@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -16,7 +17,7 @@ import pyarrow.fs as pafs
 
 from prefixflow.client.sources import InputError, Source, access_hint, resolve
 from prefixflow.shared import outputs
-from prefixflow.shared.outcomes import Exit, interrupted, usage_error
+from prefixflow.shared.outcomes import ClusterError, Exit, interrupted, usage_error
 from prefixflow.shared.outputs import is_output_uri
 from prefixflow.shared.process import config as cfgmod
 from prefixflow.shared.wire import fingerprint
@@ -105,11 +106,11 @@ def plan(out: str | Path, input_path: str | Path | Source | None, job: str | Non
     (`_job.json`, written by the sink) names, if it was asked the same input and spec
     (`asked`), resumed, or reported if `_summary.json` shows it has every row (against
     INPUT's row count when the file says it cheaply: Parquet; else the summary is
-    trusted). `--job` naming another job, or a job asked something else: exit code 2,
-    unless `overwrite` (then `job` or `new_job` replaces it). A manifest without a
+    trusted). `--job` naming another job, or a job asked something else: `OutputConflict`
+    (exit code 2), unless `overwrite` (then `job` or `new_job` replaces it). A manifest without a
     fingerprint (written before them): the same job, as before. No manifest: `job` or
     `new_job`."""
-    from prefixflow.client.submit import count_rows, mismatch_text
+    from prefixflow.client.submit import JobMismatch, OutputConflict, count_rows, mismatch_text
 
     manifest = output_json(out, "_job.json") or {}
     out = shown_out(out)
@@ -119,8 +120,8 @@ def plan(out: str | Path, input_path: str | Path | Source | None, job: str | Non
     if job is not None and job != owner:
         if overwrite:
             return Plan(job, False)
-        raise usage_error(f"{out} holds the output of job {owner}: pass --job {owner} (or no --job) to resume that "
-                          f"job, --overwrite to replace its output with job {job}'s, or another --out")
+        raise OutputConflict(f"{out} holds the output of job {owner}: pass --job {owner} (or no --job) to resume "
+                             f"that job, --overwrite to replace its output with job {job}'s, or another --out")
     recorded = fingerprint.decode(manifest.get("fingerprint"))
     if recorded is None:
         print(f"note: {out}/_job.json records no fingerprint of what job {owner} was asked (written before "
@@ -128,7 +129,7 @@ def plan(out: str | Path, input_path: str | Path | Source | None, job: str | Non
     elif (diff := fingerprint.difference(recorded, asked)) is not None:
         if overwrite:
             return Plan(job or new_job, False)  # the sink replaces the output (another job, or another fingerprint)
-        raise usage_error(mismatch_text(out, owner, diff))
+        raise JobMismatch(mismatch_text(str(out), owner, diff))
     summary = output_json(out, "_summary.json")
     if summary is not None and summary.get("job") == owner:
         expected = None
@@ -139,12 +140,31 @@ def plan(out: str | Path, input_path: str | Path | Source | None, job: str | Non
     return Plan(owner, True)
 
 
-def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[str, Any],
-              print_summary: Callable[[dict[str, Any]], None], new_job: str,
-              storage_options: dict[str, Any] | None = None) -> None:
-    """`prefixflow run`: start the local cluster, submit INPUT while the engines load,
-    supervise, print the summary and write the report, stop; exit codes as docs/outcomes.md says.
-    OUT holding this job's finished output: print its summary, start nothing."""
+class RunResult(NamedTuple):
+    """What `run_job` did: the job, its final status (None: OUT held it done already), its summary."""
+
+    job: str
+    status: m.JobStatus | None
+    summary: dict[str, Any] | None
+    model: str
+    already_done: bool = False
+
+
+class RunFailed(ClusterError):
+    """The local cluster failed to start or gave up (a process out of restarts)."""
+
+
+def run_job(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[str, Any], new_job: str,
+            storage_options: dict[str, Any] | None = None, source: Source | None = None) -> RunResult:
+    """What `prefixflow run` does, raising instead of exiting: start the local cluster,
+    submit the input (`source`, else `args.input` resolved with `storage_options`) while
+    the engines load, supervise, stop. OUT holding this job's finished output: its summary,
+    nothing started. Raises `InputError` (the input cannot be read), `OutputConflict` (OUT
+    bound to another job, input or spec) or a `CommandError` of exit code 2 (a bad job id,
+    replicas that do not fit the devices) before anything starts; one of `submit`'s
+    `ENDINGS`, `RunFailed`, `TimeoutError` (`--timeout`, or no replica ready in
+    time) and `Interrupted` (SIGTERM/SIGINT; handled only on the main thread), each after
+    the cluster stopped."""
     from prefixflow.client.fingerprint import of_job
     from prefixflow.client.submit import count_rows
     from prefixflow.shared.wire.subjects import job_id_error
@@ -152,12 +172,11 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     if args.job is not None and (why := job_id_error(args.job)) is not None:
         raise usage_error(why)
     model = model_of(args.model)
-    try:  # the input is read before a cluster starts: a bad one fails at once, nothing written
-        source = resolve(args.input, storage_options)
-        asked = of_job(source, m.JobSpec(job=new_job, out_dir="", sampling=sampling, model=model, **chat))
-        count_rows(source)
-    except InputError as exc:  # missing, no data files, no access, not its format: exit code 2
-        raise usage_error(str(exc)) from None
+    # The input is read before a cluster starts: a bad one fails at once, nothing written
+    # (missing, no data files, no access, not its format).
+    source = source if source is not None else resolve(args.input, storage_options)
+    asked = of_job(source, m.JobSpec(job=new_job, out_dir="", sampling=sampling, model=model, **chat))
+    count_rows(source)
     try:
         todo = plan(args.out, source, args.job, new_job, overwrite=args.overwrite, asked=asked)
     except (OSError, outputs.OutputLocationError) as exc:  # an s3:// OUT: no such bucket, no access, a bad URI
@@ -165,8 +184,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     if todo.done is not None:
         print(f"job {todo.job} is already done: {todo.done.get('rows')} rows ({todo.done.get('errors')} errors) "
               f"in {args.out}; nothing to run (another --out runs it again)", flush=True)
-        print_summary(todo.done)
-        return
+        return RunResult(todo.job, None, todo.done, model, already_done=True)
     if todo.resume:
         print(f"{args.out} holds job {todo.job}'s unfinished output: resuming it", flush=True)
     from tqdm import tqdm
@@ -174,7 +192,7 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     from prefixflow.launch.local_cluster import ClusterFailed, LocalCluster, ProcessExited, wait_replicas_ready
     from prefixflow.launch.processes import describe_placement, machine_devices, processes
     from prefixflow.datagen.make_model import make_model
-    from prefixflow.client.submit import ENDINGS, AlreadyDone, ending, submit
+    from prefixflow.client.submit import AlreadyDone, JobFailed, submit
 
     if args.model == cfgmod.DEFAULT_MODEL:
         make_model(args.model)
@@ -256,51 +274,75 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     for p in procs:
         if p.is_engine:
             print(f"{p.name}: {describe_placement(p.env)}", flush=True)
-    error: str | None = None
-    code: int = Exit.OK
-    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
-        cluster.start()
-        status = asyncio.run(run_job())
-    except ENDINGS as exc:  # failed, cancelled, expired; paused; OUT or the id bound to another job
-        end = ending(exc, cluster_stays=False)
-        error, code = end.message, end.code
-    except InputError as exc:  # a file of the input found bad while reading it
-        error, code = f"error: {exc}", Exit.FAILED
-    except AlreadyDone as done:  # a --workdir whose cluster finished the job
-        status = done.status
-    except ClusterFailed as exc:
-        error, code = f"giving up: {exc}", Exit.FAILED
-    except ProcessExited as exc:  # a process died during start-up (check_alive)
-        error, code = f"cluster failed to start: {exc}", Exit.FAILED
-    except TimeoutError as exc:  # --timeout, or replicas not ready in time
-        error, code = str(exc), Exit.FAILED
-    except (Interrupted, KeyboardInterrupt) as exc:
-        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
-        error, code = f"interrupted ({signal.Signals(signum).name}): stopped the cluster", interrupted(signum)
+        try:
+            cluster.start()
+            status = asyncio.run(run_job())
+        except AlreadyDone as done:  # a --workdir whose cluster finished the job
+            status = done.status
+        except InputError as exc:  # a file of the input found bad while reading it (exit code 1, not 2)
+            raise JobFailed(job, f"its input: {exc}") from None
+        except ClusterFailed as exc:
+            raise RunFailed(f"giving up: {exc}") from None
+        except ProcessExited as exc:  # a process died during start-up (check_alive)
+            raise RunFailed(f"cluster failed to start: {exc}") from None
+    except BaseException:  # NOTE: any ending but success (re-raised): say why the cluster goes away
+        print("stopping the local cluster ...", file=sys.stderr, flush=True)
+        raise
     finally:
         # Stopping is not interrupted by a second Ctrl-C (it has its own time limits).
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
-        if error is not None:
-            print("stopping the local cluster ...", file=sys.stderr, flush=True)
         cluster.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    restarts = {name: n for name, n in cluster.restart_counts().items() if n}
-    print("restarts: " + (", ".join(f"{name} {n}" for name, n in restarts.items()) if restarts else "none"), flush=True)
-    if error is not None:
-        print(error if error.startswith("error: ") else f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(code)
-    print(f"job {job}: {status.rows} rows ({status.errors} errors) in {args.out}")
+        restarts = {name: n for name, n in cluster.restart_counts().items() if n}
+        print("restarts: " + (", ".join(f"{name} {n}" for name, n in restarts.items()) if restarts else "none"),
+              flush=True)
     # The summary on disk has the per-replica totals (the status keeps only the overall ones).
     try:
         summary = output_json(args.out, "_summary.json") or status.summary
     except OSError:  # an s3:// OUT gone unreadable since: the status has the overall totals
         summary = status.summary
-    if summary:
-        print_summary(summary)
+    return RunResult(job, status, summary, model)
+
+
+def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[str, Any],
+              print_summary: Callable[[dict[str, Any]], None], new_job: str,
+              storage_options: dict[str, Any] | None = None) -> None:
+    """`prefixflow run` (`run_job`), its outcome printed: the summary and the report, or the
+    error and its exit code as docs/outcomes.md says."""
+    from prefixflow.client.submit import ENDINGS, ending
+
+    error: str | None = None
+    code: int = Exit.OK
+    try:
+        result = run_job(args, sampling=sampling, chat=chat, new_job=new_job, storage_options=storage_options)
+    except InputError as exc:  # before a cluster started: exit code 2
+        raise usage_error(str(exc)) from None
+    except ENDINGS as exc:  # failed, cancelled, expired; paused; OUT or the id bound to another job
+        end = ending(exc, cluster_stays=False)
+        error, code = end.message, end.code
+    except RunFailed as exc:
+        error, code = str(exc), Exit.FAILED
+    except TimeoutError as exc:  # --timeout, or replicas not ready in time
+        error, code = str(exc), Exit.FAILED
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        error, code = f"interrupted ({signal.Signals(signum).name}): stopped the cluster", interrupted(signum)
+    if error is not None:
+        print(error if error.startswith("error: ") else f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(code)
+    if result.already_done:
+        print_summary(result.summary)
+        return
+    status = result.status
+    print(f"job {result.job}: {status.rows} rows ({status.errors} errors) in {args.out}")
+    if result.summary:
+        print_summary(result.summary)
     if not args.no_report:
         from prefixflow.report.job_report import auto_report
 
-        auto_report(args.out, status.rows, model)
+        auto_report(args.out, status.rows, result.model)

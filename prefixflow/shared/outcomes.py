@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from enum import IntEnum, StrEnum
 from http import HTTPStatus
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 T = TypeVar("T")
 
@@ -66,6 +66,26 @@ class CommandError(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class PrefixflowError(Exception):
+    """Base of the typed errors a job can end with (`prefixflow.JobFailed`, `JobPaused`,
+    `InputError`, `OutputConflict`, ...): what the Python API raises where the commands
+    exit. `code` is the exit code a command ends with for it (the classification above):
+    `USAGE` refused before anything ran, `FAILED` tried and failed, `PAUSED` try again."""
+
+    code: ClassVar[Exit] = Exit.FAILED
+
+
+class OptionError(PrefixflowError, ValueError):
+    """A job option (a flag, or a keyword of the Python API) that is unknown or whose value
+    is refused: nothing ran."""
+
+    code = Exit.USAGE
+
+
+class ClusterError(PrefixflowError):
+    """NATS or the local cluster could not be reached, refused us, or gave up."""
 
 
 def usage_error(message: str) -> CommandError:

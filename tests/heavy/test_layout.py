@@ -106,6 +106,7 @@ LAYERS: dict[str, set[str]] = {
     "torture": {"shared", "services", "client", "launch", "datagen"},
     "bench": {"shared", "services", "client", "launch", "datagen", "report", "torture"},
     "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench", "batchapi", "torture"},
+    "api": {"shared", "client", "launch", "report", "cli"},
 }
 """Each package (under prefixflow/) and the packages it may import (function-level imports included): the
 layers of docs/architecture.md's map. Nothing imports upward, and `tests` is imported by

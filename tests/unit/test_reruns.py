@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from prefixflow.client.submit import DONE_QUERY_FAILURES, DoneQueries
+from prefixflow.client.submit import DONE_QUERY_FAILURES, DoneQueries, OutputConflict
 from prefixflow.launch.run import Plan, plan
 from prefixflow.report.rows import bucket_sizes, load
 from prefixflow.shared.wire import messages as m
@@ -55,7 +55,7 @@ def test_plan_reports_a_finished_job_and_resumes_an_unfinished_one(tmp_path):
 def test_plan_refuses_another_job_unless_overwrite(tmp_path):
     data = _input(tmp_path)
     out = _out(tmp_path, "j", rows=10)
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(OutputConflict) as exc:
         plan(out, data, "other", "new")
     assert exc.value.code == 2
     assert "holds the output of job j" in str(exc.value)
@@ -77,11 +77,11 @@ def test_plan_refuses_the_same_directory_asked_another_input_or_spec(tmp_path):
     other = tmp_path / "other.parquet"
     pq.write_table(pa.table({"id": list(range(20)), "prompt": ["q"] * 20}), other)
     for job in (None, "j"):
-        with pytest.raises(SystemExit) as exc:
+        with pytest.raises(OutputConflict) as exc:
             plan(out, other, job, "new", asked=_asked(other))
         assert exc.value.code == 2
         assert "holds the output of job j, which was asked something else (input: another input" in str(exc.value)
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(OutputConflict) as exc:
         plan(out, data, None, "new", asked=_asked(data, max_tokens=8))
     assert "spec: sampling.max_tokens 4 -> 8" in str(exc.value)
     assert plan(out, other, None, "new", overwrite=True, asked=_asked(other)) == Plan("new", False)
