@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
     cal.add_argument("--engine", choices=cfgmod.ENGINES, default="vllm", help="engine of the calibration job (default vllm)")
     cal.add_argument("--kv-cache-blocks", type=int, default=0,
                      help="each replica's KV blocks, as the run to predict will have them (default: the profile's)")
+    cal.add_argument("--nats", default=None, metavar="URL",
+                     help="calibrate on this running cluster instead (`prefixflow submit` the calibration job to it; "
+                          "the prediction is for its replicas)")
     cal.add_argument("--workdir", default=None, help="where the calibration job runs and writes (default: a temporary directory)")
     add_sampling_args(p)
     p.set_defaults(fn=cmd_plan)
@@ -107,9 +110,12 @@ def cmd_plan(args: argparse.Namespace) -> None:
         fleet, profile, fit = calibrated_fleet(args, rows, wl, model)
         report["calibration"] = fit
         report["fleets"] = [plan_fleet(fleet, profile, wl, ok_rows, args.sample_rows, None, args.sample_seed)]
+        if not args.fleet:
+            fleets, prices = [], []  # only this machine, unless fleets were asked too
     else:
-        report["fleets"] = [plan_fleet(f, f.load(), wl, ok_rows, args.sample_rows, price, args.sample_seed)
-                            for f, price in zip(fleets, prices)]
+        report["fleets"] = []
+    report["fleets"] += [plan_fleet(f, f.load(), wl, ok_rows, args.sample_rows, price, args.sample_seed)
+                         for f, price in zip(fleets, prices)]
     report["plan_seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -170,8 +176,10 @@ def print_plan(report: dict[str, Any]) -> None:
         console.print(f"[yellow]{report['error_rows_in_sample']} sampled rows would be error rows[/]: "
                       f"{report['error_reasons']}")
     if cal := report.get("calibration"):
-        console.print(f"calibrated on a real job here: {cal['rows']} rows in {cal['measured_wall_seconds']} s "
-                      f"(the fitted profile predicted {cal['predicted_wall_seconds']} s of it)")
+        console.print(f"calibrated on a real job ({cal['job']}): {cal['rows']} rows on {cal['replicas']} replicas in "
+                      f"{cal['measured_wall_seconds']} s (the fitted profile predicts {cal['predicted_wall_seconds']} s "
+                      f"of it; profile: {cal['profile']}). The full job as `prefixflow run` runs it here: the "
+                      "prefix-aware row of the first table.")
     for f in report["fleets"]:
         t = Table(title=f"{f['fleet']} ({f['profile']}): {f['sample']}", title_justify="left", header_style="bold")
         for col in ("method", "wall time", "wall s", "GPU-hours", "cost", "hit rate"):

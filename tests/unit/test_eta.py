@@ -77,3 +77,23 @@ def test_job_status_uses_the_model_and_the_fleets_decode_cost():
     assert cheap == pytest.approx((750 * 50 + 36000) / (2000 + 640))
     assert dear == pytest.approx((750 * 50 + 360000) / (2000 + 6400))
     assert m.JobStatus("j", rows=5, total=5, done=True).eta_seconds() == 0.0
+
+
+def test_the_sink_reports_token_rates_over_its_window_and_the_jobs_plan(monkeypatch):
+    from types import SimpleNamespace
+
+    from prefixflow.services.sink import progress as sink_progress
+
+    clock = [100.0]
+    monkeypatch.setattr(sink_progress.time, "monotonic", lambda: clock[0])
+    prog = sink_progress.Progress()
+    spec = m.JobSpec("j", "/out", total=1000, planned_output_tokens=40000)
+    out = SimpleNamespace(rows=0, errors=0, duplicates=0, tokens=(0, 0, 0))
+    first = prog.status("j", out, spec, None)
+    assert (first.rate, first.uncached_rate, first.output_rate) == (0.0, 0.0, 0.0)  # no second of history yet
+    clock[0] += 10.0
+    out.rows, out.tokens = 200, (20000, 8000, 3200)
+    st_ = prog.status("j", out, spec, None)
+    assert (st_.rate, st_.uncached_rate, st_.output_rate) == (20.0, 1200.0, 320.0)
+    assert st_.planned_output_tokens == 40000
+    assert st_.eta_seconds() == pytest.approx((800 * 60 + 36800) / (1200 + 320))
