@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
     cal.add_argument("--replicas", type=int, default=2, help="replicas of the calibration job and of the predicted run (default 2)")
     cal.add_argument("--engine", choices=cfgmod.ENGINES, default="vllm", help="engine of the calibration job (default vllm)")
     cal.add_argument("--kv-cache-blocks", type=int, default=0,
-                     help="each replica's KV blocks, as the run to predict will have them (default: the profile's)")
+                     help="each replica's KV blocks in the calibration job and the prediction, as the run to predict "
+                          "will cap them (default: uncapped, taken as 4,096 blocks)")
     cal.add_argument("--nats", default=None, metavar="URL",
                      help="calibrate on this running cluster instead (`prefixflow submit` the calibration job to it; "
                           "the prediction is for its replicas)")
