@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from prefixflow.shared.eta import fleet_decode_cost
 from prefixflow.shared.wire import messages as m
 
 RATE_SPAN = 10.0
@@ -40,8 +41,7 @@ class FleetProgress:
     def decode_cost(self) -> float | None:
         """What an output token costs the engines in uncached prompt tokens, as they
         measured it (the replicas' mean; None: none measured yet)."""
-        costs = [s.decode_cost for s in self.latest.values() if s.decode_cost > 0]
-        return sum(costs) / len(costs) if costs else None
+        return fleet_decode_cost(s.decode_cost for s in self.latest.values())
 
     def tokens_per_second(self) -> float:
         if len(self.samples) < 2:

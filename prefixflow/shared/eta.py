@@ -88,3 +88,10 @@ def output_budget(rows: list[dict], default: int) -> int:
         value = (own.get("max_tokens") or own.get("max_completion_tokens")) if isinstance(own, dict) else None
         total += value if isinstance(value, int) and value > 0 else default
     return total
+
+
+def fleet_decode_cost(measured) -> float | None:
+    """The replicas' mean measured cost of an output token (their statuses' `decode_cost`;
+    0: not measured), or None if none has measured it."""
+    costs = [c for c in measured if c > 0]
+    return sum(costs) / len(costs) if costs else None

@@ -97,3 +97,18 @@ def test_the_sink_reports_token_rates_over_its_window_and_the_jobs_plan(monkeypa
     assert (st_.rate, st_.uncached_rate, st_.output_rate) == (20.0, 1200.0, 320.0)
     assert st_.planned_output_tokens == 40000
     assert st_.eta_seconds() == pytest.approx((800 * 60 + 36800) / (1200 + 320))
+
+
+def test_the_progress_bar_and_top_take_the_engines_measured_decode_cost():
+    from prefixflow.client.progress import FleetProgress, progress_note
+
+    fleet = FleetProgress()
+    assert fleet.decode_cost() is None
+    fleet.update(m.EngineStatus("r0", 0.0, ready=True, decode_cost=4.0), 1.0)
+    fleet.update(m.EngineStatus("r1", 0.0, ready=True, decode_cost=0.0), 1.0)  # not measured: left out
+    fleet.update(m.EngineStatus("r2", 0.0, ready=True, decode_cost=8.0), 1.0)
+    assert fleet.decode_cost() == 6.0
+    st_ = m.JobStatus("j", rows=250, total=1000, rate=40.0, prompt_tokens=25000, cached_tokens=12500,
+                      output_tokens=4000, planned_output_tokens=40000, uncached_rate=2000.0, output_rate=640.0)
+    # (750 rows x 50 uncached + 6 x 36000 output tokens) / (2000 + 6 x 640) per second = 43.4 s
+    assert "ETA 0:43" in progress_note(st_, fleet, "j")
