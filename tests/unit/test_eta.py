@@ -112,3 +112,22 @@ def test_the_progress_bar_and_top_take_the_engines_measured_decode_cost():
                       output_tokens=4000, planned_output_tokens=40000, uncached_rate=2000.0, output_rate=640.0)
     # (750 rows x 50 uncached + 6 x 36000 output tokens) / (2000 + 6 x 640) per second = 43.4 s
     assert "ETA 0:43" in progress_note(st_, fleet, "j")
+
+
+def test_the_echo_engines_token_delay_makes_longer_outputs_slower():
+    # What `prefixflow bench eta` runs on: work that grows with the output.
+    import asyncio
+    import time
+
+    from prefixflow.services.engine_worker.engines.echo import EchoEngine
+
+    engine = EchoEngine(0.0, token_delay=0.01)
+
+    async def one(k: int) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        done = await engine.generate("r", 0, list(range(100)), m.SamplingSpec(max_tokens=k, min_tokens=k))
+        return time.perf_counter() - t0, done.output_tokens
+
+    (short, n_short), (long, n_long) = asyncio.run(one(2)), asyncio.run(one(12))
+    assert (n_short, n_long) == (2, 12)
+    assert short >= 0.02 and long >= 0.12 and long > short
