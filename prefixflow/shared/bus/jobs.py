@@ -165,8 +165,9 @@ async def follow_cancel(nc, kv: KeyValue, job: str, on_cancelled: Callable[[m.Jo
 
 
 async def seal(js, spec: m.JobSpec, total: int, planned_output_tokens: int = 0) -> m.JobSpec:
-    """Seal `spec.job` with `total` rows (and their output budget, for the ETA), unless it was cancelled meanwhile (then its
-    cancelled spec is returned, unsealed). A compare-and-set: never undoes a cancel."""
+    """Seal `spec.job` with `total` rows (and their output budget `planned_output_tokens`,
+    for the ETA), unless it was cancelled meanwhile (then its cancelled spec is returned,
+    unsealed). A compare-and-set: never undoes a cancel."""
     kv = await js.key_value(subjects.JOBS_KV)
     while True:
         try:
