@@ -73,7 +73,9 @@ def calibrated_fleet(args: argparse.Namespace, rows: list[dict[str, Any]], wl, m
         if args.kv_cache_blocks:
             cmd += ["--kv-cache-blocks", str(args.kv_cache_blocks)]
     print(f"calibrating: a real job of {args.calibrate_rows} rows ({' '.join(cmd[3:])})", file=sys.stderr, flush=True)
+    started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True)
+    job_seconds = time.monotonic() - started
     if done.returncode != 0:
         raise CommandError(f"the calibration job failed (exit {done.returncode}; its work directory: {workdir}): "
                            f"{done.stderr.strip()[-600:]}", Exit.FAILED)
@@ -87,7 +89,7 @@ def calibrated_fleet(args: argparse.Namespace, rows: list[dict[str, Any]], wl, m
     profile.save(workdir / "profile.json")
     check = compare(profile, run, kv, "prefix-aware", opts)
     detail = {
-        "job": job, "rows": len(run.workload), "replicas": replicas, "engine": args.engine, "kv_blocks": kv,
+        "job": job, "job_seconds": round(job_seconds, 1), "rows": len(run.workload), "replicas": replicas, "engine": args.engine, "kv_blocks": kv,
         "output_lens": check["output_lens"], "measured_wall_seconds": check["measured_wall_seconds"],
         "predicted_wall_seconds": check["predicted_wall_seconds"], "fit": fit,
         "profile": str(workdir / "profile.json"), "run": str(out),

@@ -140,7 +140,8 @@ class Prediction:
     hit_rate: float
 
     def row(self) -> dict:
-        return {"fleet": self.fleet, "method": self.method, "wall_seconds": round(self.wall_seconds, 1),
+        # NOTE: wall times rounded as the limit's (limit.Limit.row): the order survives it.
+        return {"fleet": self.fleet, "method": self.method, "wall_seconds": round(self.wall_seconds, 2),
                 "gpu_hours": round(self.gpu_hours, 4), "cost": None if self.cost is None else round(self.cost, 4),
                 "hit_rate": round(self.hit_rate, 4)}
 
