@@ -43,7 +43,7 @@ def add_eta_parser(sub) -> None:
     p.add_argument("--num-prefixes", type=int, default=32)
     p.add_argument("--echo-delay", type=float, default=0.002, help="echo: seconds per prompt")
     p.add_argument("--echo-token-delay", type=float, default=0.0005, help="echo: seconds per output token")
-    p.add_argument("--window", type=int, default=0, help="engine-worker window (echo; 0: the default)")
+    p.add_argument("--window", type=int, default=4, help="engine-worker window (echo: small, so the engines, not the pipeline, set the pace)")
     p.add_argument("--poll", type=float, default=0.5)
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None, help="write the report here")
@@ -73,7 +73,17 @@ async def follow(url: str, poll: float, proc: subprocess.Popen) -> list[dict]:
     from prefixflow.shared.wire import messages as m
     from prefixflow.shared.wire import subjects
 
-    nc = await nats.connect(url)
+    async def quiet(_exc: Exception) -> None:  # the cluster's NATS may not be up yet: retried below
+        return None
+
+    nc = None
+    while nc is None:
+        if proc.poll() is not None:
+            return []
+        try:
+            nc = await nats.connect(url, error_cb=quiet, allow_reconnect=False, connect_timeout=2)
+        except (OSError, asyncio.TimeoutError, nats.errors.NoServersError):
+            await asyncio.sleep(poll)
     readings: list[dict] = []
     try:
         kv = await nc.jetstream().key_value(subjects.JOB_STATUS_KV)
