@@ -6,6 +6,7 @@ from __future__ import annotations
 def add_parsers(sub) -> None:
     from prefixflow.bench.batch_limits import add_batch_limits_parser
     from prefixflow.bench.batching import add_batching_parser
+    from prefixflow.bench.eta import add_eta_parser
     from prefixflow.bench.fairness import add_fairness_parser
     from prefixflow.bench.lora import add_lora_parser
     from prefixflow.bench.methods import add_methods_parser
@@ -24,4 +25,5 @@ def add_parsers(sub) -> None:
     add_fairness_parser(sub)
     add_lora_parser(sub)
     add_batch_limits_parser(sub)
+    add_eta_parser(sub)  # the ETA of a running job against its real end (docs/plan.md)
     add_torture_parser(sub, minutes=60.0)  # the long torture run (docs/torture.md)

@@ -13,6 +13,7 @@
     prefixflow top [--nats URL]                     live view of replicas, bucketers, jobs
     prefixflow report OUTDIR                        plots of a job (OUTDIR/_report/)
     prefixflow torture --seed N [--minutes M]       seeded torture rounds, checked (docs/torture.md)
+    prefixflow plan INPUT --fleet 16xL4 [...]       predicted wall time, GPU-hours and cost per fleet (docs/plan.md)
 """
 
 from __future__ import annotations
@@ -396,6 +397,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_torture_parser(sub)  # prefixflow torture (docs/torture.md)
 
     add_simulate_parser(sub)  # prefixflow simulate (docs/simulator.md)
+
+    from prefixflow.cli.plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)  # prefixflow plan (docs/plan.md)
 
     from prefixflow.launch.fleet_config import add_parsers as add_cluster_parsers
 

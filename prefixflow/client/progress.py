@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from prefixflow.shared.eta import fleet_decode_cost
 from prefixflow.shared.wire import messages as m
 
 RATE_SPAN = 10.0
@@ -36,6 +37,11 @@ class FleetProgress:
     def held(self, job: str) -> int:
         """Prompts of `job` the replicas hold now (in their engines or next in line)."""
         return sum(s.jobs.get(job, 0) for s in self.latest.values())
+
+    def decode_cost(self) -> float | None:
+        """What an output token costs the engines in uncached prompt tokens, as they
+        measured it (the replicas' mean; None: none measured yet)."""
+        return fleet_decode_cost(s.decode_cost for s in self.latest.values())
 
     def tokens_per_second(self) -> float:
         if len(self.samples) < 2:
@@ -68,5 +74,8 @@ def progress_note(st: m.JobStatus | None, fleet: FleetProgress | None = None, jo
         parts.append(f"{fleet.held(job):,} generating, {fleet.tokens_per_second():,.0f} tok/s")
     if st is not None:
         hit = f"{st.hit_rate:.1%}" if st.prompt_tokens else "-"
-        parts.append(f"{st.rate:,.1f} rows/s, hit rate {hit}, ETA {fmt_duration(st.eta_seconds())}, errors {st.errors}")
+        # The ETA by the model of the remaining work (prefixflow/shared/eta.py), an output
+        # token at what the engines measured it costs.
+        eta = st.eta_seconds(fleet.decode_cost() if fleet is not None else None)
+        parts.append(f"{st.rate:,.1f} rows/s, hit rate {hit}, ETA {fmt_duration(eta)}, errors {st.errors}")
     return ", ".join(parts)

@@ -289,6 +289,13 @@ class Top:
         shown = [s for s in self.jobs.values() if (not s.done and not s.failed and now - s.updated_at < 600) or now - s.updated_at < 60]
         return sorted(shown, key=lambda s: s.updated_at, reverse=True)[:8]
 
+    def decode_cost(self) -> float | None:
+        """What an output token costs the replicas in uncached prompt tokens (their mean;
+        None: none measured)."""
+        from prefixflow.shared.eta import fleet_decode_cost
+
+        return fleet_decode_cost(v.status.decode_cost for v in self.replicas.values())
+
     def render(self, now: float | None = None):
         from rich.console import Group
         from rich.progress_bar import ProgressBar
@@ -349,8 +356,8 @@ class Top:
                 eta = "[red]paused[/]"
             elif st.done:
                 eta = "[green]done[/]"
-            else:
-                eta = f"ETA {fmt_duration(st.eta_seconds())}"
+            else:  # by the model of the remaining work, an output token at what the engines measured
+                eta = f"ETA {fmt_duration(st.eta_seconds(self.decode_cost()))}"
             jobs.add_row(
                 st.job, bar, f"{st.rows:,}/{'?' if st.total is None else f'{total:,}'}", f"{st.errors:,}",
                 f"{st.rate:,.1f}", f"{st.hit_rate:.1%}" if st.prompt_tokens else "-", eta,

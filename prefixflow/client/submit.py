@@ -46,6 +46,7 @@ from prefixflow.client.sources import InputError, Source, resolve
 from prefixflow.shared.outputs import canonical, is_output_uri
 from prefixflow.client.progress import FleetProgress, engines_note, progress_note
 from prefixflow.shared.bus.jobs import follow_cancel, seal
+from prefixflow.shared.eta import output_budget
 from prefixflow.client.window import IN_FLIGHT_ROWS, Window
 from prefixflow.shared.bus.blobs import put_blob
 from prefixflow.shared.wire import messages as m
@@ -583,13 +584,14 @@ async def submit(
         window = Window(max(max_in_flight, 1))  # publish no further ahead of the sink than this
         window.observe(before.rows + before.duplicates if before is not None else 0, time.monotonic())
         bar = tqdm(total=expected, desc="publish", unit="row", disable=not progress, dynamic_ncols=True)
-        skipped = 0
+        skipped = planned = 0
         ended = False  # cancelled or past its deadline: stop publishing; `wait` reports it
         for chunk in read_chunks(job, source):
             if ended or client.ended(spec):
                 ended = True
                 break
             seen.update(chunk.ids)
+            planned += output_budget(chunk.rows, spec.sampling.max_tokens)
             todo = await queries.missing(chunk.rows)
             skipped += len(chunk.rows) - len(todo)
             if todo:
@@ -607,7 +609,7 @@ async def submit(
             note = f" (the sink did not answer: {queries.problem}; it drops the duplicates)" if queries.problem else ""
             print(f"resuming job {job}: {skipped} rows already done, {len(seen) - skipped} sent{note}", flush=True)
         if not ended:
-            await seal(client.js, spec, len(seen))  # not if cancelled meanwhile: `wait` then says so
+            await seal(client.js, spec, len(seen), planned)  # not if cancelled meanwhile: `wait` then says so
         # Ended: the sink completes the job as cancelled (or expired) once its rows land.
         status = await client.wait(job, len(seen), progress=progress, timeout=timeout, check=check)
         if note := engines_note(client.fleet):

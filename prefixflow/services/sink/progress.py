@@ -18,10 +18,11 @@ RATE_WINDOW = 30.0
 
 
 class Progress:
-    """Open jobs -> (monotonic time, rows on disk) over the last RATE_WINDOW seconds."""
+    """Open jobs -> (monotonic time, rows, uncached prompt tokens, output tokens on disk)
+    over the last RATE_WINDOW seconds."""
 
     def __init__(self) -> None:
-        self.seen: dict[str, deque[tuple[float, int]]] = {}
+        self.seen: dict[str, deque[tuple[float, int, int, int]]] = {}
 
     def forget(self, job: str) -> None:
         self.seen.pop(job, None)
@@ -31,24 +32,28 @@ class Progress:
         now = time.time()
         done = summary is not None
         prompt, cached, output = out.tokens
+        rates = (0.0, 0.0, 0.0) if done else self.rates(job, out.rows, prompt - cached, output)
         return m.JobStatus(
             job, out.rows, out.errors, spec.total, done, now, lifecycle.status_summary(summary),
-            created_at=spec.created_at, rate=0.0 if done else self.rate(job, out.rows),
+            created_at=spec.created_at, rate=rates[0], uncached_rate=rates[1], output_rate=rates[2],
+            planned_output_tokens=spec.planned_output_tokens,
             prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, expires_at=now + job_retention(),
             duplicates=out.duplicates,
             cancelled=done and bool(spec.ended_at(now)) and (spec.total is None or out.rows < spec.total),
         )
 
-    def rate(self, job: str, rows: int) -> float:
-        """Rows per second the job made over the last RATE_WINDOW seconds (0 until there
-        is a second of history)."""
+    def rates(self, job: str, rows: int, uncached: int, output: int) -> tuple[float, float, float]:
+        """Rows, uncached prompt tokens and output tokens per second the job made over the
+        last RATE_WINDOW seconds (0 until there is a second of history)."""
         now = time.monotonic()
         seen = self.seen.setdefault(job, deque())
-        seen.append((now, rows))
+        seen.append((now, rows, uncached, output))
         while len(seen) > 2 and now - seen[1][0] >= RATE_WINDOW:
             seen.popleft()
-        t0, rows0 = seen[0]
-        return round((rows - rows0) / (now - t0), 2) if now - t0 >= 1.0 else 0.0
+        t0, *first = seen[0]
+        if now - t0 < 1.0:
+            return 0.0, 0.0, 0.0
+        return tuple(round((x - x0) / (now - t0), 2) for x, x0 in zip((rows, uncached, output), first))
 
 
 def count_part(stats) -> None:

@@ -164,21 +164,22 @@ async def follow_cancel(nc, kv: KeyValue, job: str, on_cancelled: Callable[[m.Jo
                               pending_bytes_limit=NOTICE_BACKLOG * 1024)
 
 
-async def seal(js, spec: m.JobSpec, total: int) -> m.JobSpec:
-    """Seal `spec.job` with `total` rows, unless it was cancelled meanwhile (then its
-    cancelled spec is returned, unsealed). A compare-and-set: never undoes a cancel."""
+async def seal(js, spec: m.JobSpec, total: int, planned_output_tokens: int = 0) -> m.JobSpec:
+    """Seal `spec.job` with `total` rows (and their output budget `planned_output_tokens`,
+    for the ETA), unless it was cancelled meanwhile (then its cancelled spec is returned,
+    unsealed). A compare-and-set: never undoes a cancel."""
     kv = await js.key_value(subjects.JOBS_KV)
     while True:
         try:
             entry = await kv.get(spec.job)
             current = m.job_spec_decoder.decode(entry.value)
         except KeyNotFoundError:  # expired or deleted meanwhile: write it whole
-            sealed = msgspec.structs.replace(spec, total=total)
+            sealed = msgspec.structs.replace(spec, total=total, planned_output_tokens=planned_output_tokens)
             await kv.put(spec.job, m.encode_json(sealed))
             return sealed
         if current.cancelled_at:
             return current
-        sealed = msgspec.structs.replace(current, total=total)
+        sealed = msgspec.structs.replace(current, total=total, planned_output_tokens=planned_output_tokens)
         try:
             await kv.update(spec.job, m.encode_json(sealed), last=entry.revision)
             return sealed

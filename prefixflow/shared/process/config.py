@@ -226,6 +226,9 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     result_batch: Annotated[int, _d("results per published message", gt=0)] = 64
     result_linger: Annotated[float, _d("seconds a partial result batch may wait", gt=0)] = 0.05
     echo_delay: Annotated[float, _d("echo engine: seconds per prompt (to simulate work)", ge=0)] = 0.0
+    echo_token_delay: Annotated[
+        float, _d("echo engine: seconds per output token, on top of --echo-delay (work that grows with the output)", ge=0)
+    ] = 0.0
     echo_start_seconds: Annotated[
         float, _d("echo engine: seconds each start takes, like a real engine loading its model (tests of start-up)", ge=0)
     ] = 0.0

@@ -52,6 +52,8 @@ from typing import Annotated, Any, NamedTuple
 import msgspec
 from msgspec import Meta
 
+from prefixflow.shared.eta import DEFAULT_DECODE_COST, EtaModel
+from prefixflow.shared.eta import Progress as EtaProgress
 from prefixflow.shared.wire.fingerprint import Fingerprint
 from prefixflow.shared.wire.structured import check_structured
 from prefixflow.shared.wire.limits import ROW_TIMEOUT, sampling_error
@@ -184,6 +186,10 @@ class JobSpec(msgspec.Struct, omit_defaults=True):
     same model input and sampling share one request in an engine-worker
     (`prefixflow/services/engine_worker/dedupe.py`): deterministic ones get a copy of its
     completion, sampled ones one completion each of a request with `n` = their count."""
+    planned_output_tokens: int = 0
+    """Output tokens the job was asked for at most: every row's `max_tokens` (its own or
+    the job's), summed by the client as it publishes and set with `total` when it seals
+    the job (0: unknown). The ETA's model of the remaining work (`prefixflow/shared/eta.py`)."""
 
     def ended_at(self, now: float) -> float:
         """When the cluster stopped feeding this job: `cancelled_at`, or `expires_at` once
@@ -268,20 +274,28 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     write again."""
     paused_path: str | None = None
     """The directory whose file system lacks it (the job's output directory)."""
+    planned_output_tokens: int = 0
+    """The job's output budget (`JobSpec.planned_output_tokens`; 0: unknown)."""
+    uncached_rate: float = 0.0
+    """Uncached prompt tokens of rows written per second, over the same window as `rate`."""
+    output_rate: float = 0.0
+    """Output tokens of rows written per second, over the same window as `rate`."""
 
     @property
     def hit_rate(self) -> float:
         """Prefix-cache hit rate so far (cached / prompt tokens of the ok rows)."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    def eta_seconds(self) -> float | None:
-        """Seconds until every row is written at the current rate; None while the total
-        is unknown (not sealed) or nothing is being written; 0 once done."""
+    def eta_seconds(self, decode_cost: float | None = None) -> float | None:
+        """Seconds until every row is written, by the model of the remaining work
+        (`prefixflow/shared/eta.py`: remaining rows' tokens / the token rate, an output token
+        at `decode_cost` prompt tokens, default the router's), else at the current rows/s;
+        None while the total is unknown (not sealed) or nothing is being written; 0 once done."""
         if self.done:
             return 0.0
-        if self.total is None or self.rate <= 0:
-            return None
-        return max(self.total - self.rows, 0) / self.rate
+        progress = EtaProgress(self.rows, self.total, self.prompt_tokens, self.cached_tokens, self.output_tokens,
+                            self.planned_output_tokens, self.rate, self.uncached_rate, self.output_rate)
+        return EtaModel(decode_cost or DEFAULT_DECODE_COST).eta_seconds(progress)
 
 
 # --- data plane (msgpack) ------------------------------------------------------------

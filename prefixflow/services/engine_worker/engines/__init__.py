@@ -35,9 +35,9 @@ def make_engine(cfg) -> Engine:
     if cfg.engine == "echo":
         from prefixflow.services.engine_worker.engines.echo import EchoEngine, InstantEchoEngine
 
-        cls = EchoEngine if cfg.echo_delay else InstantEchoEngine
+        cls = EchoEngine if cfg.echo_delay or cfg.echo_token_delay else InstantEchoEngine
         return cls(cfg.echo_delay, crash_token=cfg.echo_crash_token, crash_after=cfg.echo_crash_after,
-                   start_seconds=cfg.echo_start_seconds)
+                   start_seconds=cfg.echo_start_seconds, token_delay=cfg.echo_token_delay)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # Let vLLM's log records reach our structlog handler instead of its own.
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")

@@ -7,7 +7,8 @@ after `crash_after` prompts.
 
 A test knob with no configuration: a row whose sampling has the stop string `STALL`
 (`{"sampling": {"stop": ["<pfx:echo-stall>"]}}`) never finishes on the echo engine with
-a delay (`--echo-delay`; the instant one answers whole batches at once and ignores it)
+a delay (`--echo-delay`, and `--echo-token-delay` per output token; the instant one
+answers whole batches at once and ignores them)
 until its request is cancelled, as a vLLM request that generates for ever would (the
 row deadline's test: `--row-timeout`, docs/limits.md).
 
@@ -37,13 +38,18 @@ EMBED_DIM = 256
 """Embedding width without `PFX_ECHO_EMBED_DIM` (the local tiny model's hidden size)."""
 
 
+def echo_length(tokens: list[int], sampling: SamplingSpec) -> int:
+    """Output tokens of an echo completion: the prompt's length within min/max_tokens."""
+    return max(sampling.min_tokens, min(len(tokens), sampling.max_tokens))
+
+
 def echo_completion(tokens: list[int], sampling: SamplingSpec, task: str = "generate", embed_dim: int = EMBED_DIM) -> Completion:
     """What the echo engines answer for one prompt, with the vLLM engine's fields and sizes."""
     if task == "embed":
         base = sum(tokens) % 997
         return Completion("", FinishReason.STOP, len(tokens), 0, 0,
                           embedding=[((base + i * 31) % 1009) / 1009.0 - 0.5 for i in range(embed_dim)])
-    k = max(sampling.min_tokens, min(len(tokens), sampling.max_tokens))
+    k = echo_length(tokens, sampling)
     source = tokens or [0]
     out = (source * (k // len(source) + 1))[-k:] if k else []  # the prompt's last k tokens, repeated as needed
     text = " ".join(map(str, out))
@@ -72,11 +78,13 @@ class EchoEngine:
 
     def __init__(
         self, delay: float = 0.0, *, crash_token: int = -1, crash_after: int = 0, start_seconds: float = 0.0,
-        task: str | None = None, embed_dim: int | None = None,
+        task: str | None = None, embed_dim: int | None = None, token_delay: float = 0.0,
     ) -> None:
         self.task = task if task is not None else os.environ.get("PFX_TASK", "generate")
         self.embed_dim = embed_dim if embed_dim is not None else int(os.environ.get("PFX_ECHO_EMBED_DIM") or EMBED_DIM)
         self.delay = delay
+        self.token_delay = token_delay
+        """Seconds per output token, on top of `delay` (`--echo-token-delay`)."""
         self.start_seconds = start_seconds
         self.crash_token = crash_token
         self.crash_after = crash_after
@@ -110,8 +118,8 @@ class EchoEngine:
         self._check(tokens)
         self.running += 1
         try:
-            if self.delay:
-                await asyncio.sleep(self.delay)
+            if self.delay or self.token_delay:
+                await asyncio.sleep(self.delay + self.token_delay * echo_length(tokens, sampling))
             if STALL in sampling.stop:
                 await asyncio.Event().wait()  # until cancelled (the row's deadline)
             if self.dead:  # died meanwhile: every request in flight is lost
