@@ -286,7 +286,7 @@ class Client:
         return self._started(job_handle, created)
 
     def _launch(self, src: Any, out: str, opts) -> tuple[concurrent.futures.Future, Job]:
-        from prefixflow.cli.main import default_job_id
+        from prefixflow.cli.options import default_job_id
         from prefixflow.shared.wire import subjects
 
         name = opts.args.job

@@ -44,7 +44,7 @@ async def run_async(source: Any, *, out: str | Path, **job: Any) -> Result:
 
 
 def _run(source: Any, out: str | Path, job: dict[str, Any]) -> Result:
-    from prefixflow.cli.main import default_job_id
+    from prefixflow.cli.options import default_job_id
     from prefixflow.launch.run import run_job
 
     opts = job_options("run", given_name(source), str(out), job)

@@ -41,7 +41,7 @@ class JobOptions(NamedTuple):
 
 def parser(command: str) -> argparse.ArgumentParser:
     """The options of `prefixflow run` or `prefixflow submit` (the CLI's own definitions)."""
-    from prefixflow.cli.main import add_job_args, add_run_args
+    from prefixflow.cli.options import add_job_args, add_run_args
 
     p = argparse.ArgumentParser(prog=f"prefixflow {command}", add_help=False)
     add_job_args(p, command)
@@ -103,7 +103,7 @@ def refused(fn: Callable[[], T]) -> T:
 
 def job_options(command: str, source: str, out: str, given: dict[str, Any]) -> JobOptions:
     """The options of a job of `command` (`run`, `submit`) from the API's keywords."""
-    from prefixflow.cli.main import chat_from, sampling_from, storage_options
+    from prefixflow.cli.options import chat_from, sampling_from, storage_options
 
     given = dict(given)
     extra_storage = given.pop("storage_options", None) or {}

@@ -103,9 +103,11 @@ LAYERS: dict[str, set[str]] = {
     "batchapi": {"shared", "client"},
     "launch": {"shared", "services", "client", "datagen", "report"},
     "sim": {"shared", "services", "datagen"},
+    "planner": {"shared", "services", "client", "launch", "datagen", "sim"},
     "torture": {"shared", "services", "client", "launch", "datagen"},
     "bench": {"shared", "services", "client", "launch", "datagen", "report", "torture"},
-    "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench", "batchapi", "torture"},
+    "cli": {"shared", "services", "client", "launch", "datagen", "report", "sim", "bench", "batchapi", "torture",
+            "planner"},
     "api": {"shared", "client", "launch", "report", "cli"},
 }
 """Each package (under prefixflow/) and the packages it may import (function-level imports included): the

@@ -16,7 +16,7 @@ from prefixflow.sim import plan as P
 from prefixflow.sim.cluster import Options, simulate
 from prefixflow.sim.cost import load_profile
 from prefixflow.sim.limit import ideal_prefill_tokens, workload_limit
-from prefixflow.sim.sample import Reservoir
+from prefixflow.planner.sample import Reservoir
 from prefixflow.sim.workload import prefix_repetition
 
 

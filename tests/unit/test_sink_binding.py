@@ -14,7 +14,8 @@ import pytest
 from prefixflow.services.sink import binding
 from prefixflow.services.sink.binding import MANIFEST, Action, DirState, decide
 from prefixflow.services.sink import lifecycle
-from prefixflow.services.sink.lifecycle import Reconciler, status_summary, write_empty_part
+from prefixflow.services.sink.lifecycle import Reconciler, status_summary
+from prefixflow.services.sink.parts import write_empty_part
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.fingerprint import Fingerprint

@@ -26,14 +26,10 @@ from typing import Any
 
 import msgspec
 import nats.errors
-import pyarrow as pa
-import pyarrow.parquet as pq
 import structlog
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
-from prefixflow.services.sink.parts import fsync_dir
-from prefixflow.services.sink.writer import OUTPUT_TYPES
 from prefixflow.shared.outcomes import Exit
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
@@ -182,27 +178,6 @@ def status_summary(summary: dict[str, Any] | None) -> dict[str, Any] | None:
     if summary is None:
         return None
     return {k: v for k, v in summary.items() if k != "replicas"}
-
-
-def empty_part_schema(schema: pa.Schema | None) -> pa.Schema:
-    """The schema of a job's empty part: the job's own if a part fixed it, else `id` and
-    the generated columns."""
-    if schema is not None:
-        return schema
-    return pa.schema([("id", pa.int64()), *OUTPUT_TYPES.items()])
-
-
-def write_empty_part(out_dir: Path, schema: pa.Schema | None = None, name: str = "part-000000.parquet") -> Path:
-    """A Parquet part with no rows (a job of 0 prompts), so `pyarrow.parquet.read_table`
-    of the directory gives an empty table with the job's columns. tmp, fsync, rename."""
-    final = out_dir / name
-    tmp = final.with_suffix(".tmp")
-    pq.write_table(empty_part_schema(schema).empty_table(), tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(out_dir)
-    return final
 
 
 def claim_exit(root: Path) -> bool:

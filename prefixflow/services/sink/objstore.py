@@ -185,9 +185,7 @@ class ObjectStore:
         return Part(n, n, self._path(name), False)
 
     def write_empty(self, schema: pa.Schema | None, name: str) -> None:
-        from prefixflow.services.sink.lifecycle import empty_part_schema  # NOTE: lifecycle imports the writer
-
-        self._put(name, parquet_bytes(empty_part_schema(schema).empty_table()))
+        self._put(name, parquet_bytes(files.empty_part_schema(schema).empty_table()))
         with self._lock:
             self._commit([*self.files, name])
 

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prefixflow.services.sink.growth import RECORD, int_id_mask, with_int_ids
+from prefixflow.services.sink.schema import OUTPUT_TYPES
 from prefixflow.shared.widening import conform
 
 PART_NAME = re.compile(r"part-(\d+)(?:-(\d+))?\.parquet")
@@ -239,3 +240,23 @@ def _write_group(writer: pq.ParquetWriter, tables: list[pa.Table]) -> None:
     table = pa.concat_tables(tables)
     if table.num_rows:
         writer.write_table(table, row_group_size=table.num_rows)
+
+
+def empty_part_schema(schema: pa.Schema | None) -> pa.Schema:
+    """The schema of a job's empty part: the job's own if a part fixed it, else `id` and
+    the generated columns."""
+    if schema is not None:
+        return schema
+    return pa.schema([("id", pa.int64()), *OUTPUT_TYPES.items()])
+
+
+def write_empty_part(out_dir: Path, schema: pa.Schema | None = None, name: str = "part-000000.parquet") -> Path:
+    """A Parquet part with no rows (a job of 0 prompts), so `pyarrow.parquet.read_table`
+    of the directory gives an empty table with the job's columns. tmp, fsync, rename."""
+    final = out_dir / name
+    tmp = final.with_suffix(".tmp")
+    pq.write_table(empty_part_schema(schema).empty_table(), tmp)
+    _fsync(tmp)
+    os.replace(tmp, final)
+    fsync_dir(out_dir)
+    return final

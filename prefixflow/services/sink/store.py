@@ -81,9 +81,7 @@ class LocalStore:
         return files.write_part(table, self.local_dir, n)
 
     def write_empty(self, schema: pa.Schema | None, name: str) -> None:
-        from prefixflow.services.sink import lifecycle  # NOTE: lifecycle imports the writer, which imports this
-
-        lifecycle.write_empty_part(self.local_dir, schema, name)
+        files.write_empty_part(self.local_dir, schema, name)
 
     def merge(self, smalls: list[Part], schema: pa.Schema) -> Part:
         return files.merge(smalls, self.local_dir, schema)
