@@ -18,7 +18,7 @@ from __future__ import annotations
 from prefixflow.api.jobs import Client, Job, Result
 from prefixflow.api.local import run, run_async
 from prefixflow.client.sources import InputError
-from prefixflow.client.submit import DirTaken, JobCancelled, JobFailed, JobMismatch, JobPaused, OutputConflict
+from prefixflow.client.endings import DirTaken, JobCancelled, JobFailed, JobMismatch, JobPaused, OutputConflict
 from prefixflow.shared.outcomes import ClusterError, OptionError, PrefixflowError
 
 __all__ = ["Client", "ClusterError", "DirTaken", "InputError", "Job", "JobCancelled", "JobFailed", "JobMismatch",

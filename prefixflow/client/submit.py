@@ -29,198 +29,37 @@ already done), and one asked something else is refused (`JobMismatch`) unless
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
-import nats.errors
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from tqdm import tqdm
 
 from prefixflow.client import columns, readers
 from prefixflow.client.fingerprint import of_job
 from prefixflow.client.sources import InputError, Source, resolve
 from prefixflow.shared.outputs import canonical, is_output_uri
-from prefixflow.client.progress import FleetProgress, engines_note, progress_note
-from prefixflow.shared.bus.jobs import follow_cancel, seal
+from prefixflow.client.progress import engines_note
+from prefixflow.shared.bus.jobs import seal
 from prefixflow.shared.eta import output_budget
 from prefixflow.client.window import IN_FLIGHT_ROWS, Window
-from prefixflow.shared.bus.blobs import put_blob
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
-from prefixflow.shared.wire.fingerprint import Fingerprint, difference
+from prefixflow.shared.wire.fingerprint import difference
 from prefixflow.shared.wire.ids import IdSet
 from prefixflow.shared.wire.limits import ROW_TIMEOUT
-from prefixflow.shared.bus.connection import close, connect
-from prefixflow.shared.bus.provision import provision
-from prefixflow.shared.outcomes import CommandError, Exit, PrefixflowError, usage_error
-from prefixflow.shared.bus.publish import message_limit, publish
+from prefixflow.shared.outcomes import usage_error
+
+from prefixflow.client.done_queries import DONE_QUERY_FAILURES, DONE_QUERY_TIMEOUT, DoneQueries  # noqa: F401
+from prefixflow.client.endings import (  # noqa: F401 - where callers have always found them
+    ENDINGS, PAUSED_GRACE, AlreadyDone, DirTaken, JobCancelled, JobFailed, JobMismatch, JobPaused, OutputConflict,
+    PauseWatch,
+    ending, mismatch_text,
+)
+from prefixflow.client.submitter import EMPTY_JOB_WAIT, PUBLISH_CONCURRENCY, ROWS_PER_MESSAGE, Submitter  # noqa: F401
 
 READ_BATCH = 4096
-PUBLISH_CONCURRENCY = 256
-ROWS_PER_MESSAGE = 64
-DONE_QUERY_TIMEOUT = 5.0
-"""Seconds a done query waits for the sink's answer (then the chunk's rows are sent)."""
-DONE_QUERY_FAILURES = 2
-"""Consecutive unanswered done queries after which a resume stops asking (a sink that
-does not answer them): every remaining row is sent, and the sink drops duplicates."""
-EMPTY_JOB_WAIT = 60.0
-"""Seconds to wait for the sink to complete a job of no rows before giving up."""
-
-
-class JobFailed(PrefixflowError):
-    """The cluster marked the job failed (its status says why)."""
-
-    def __init__(self, job: str, reason: str | None) -> None:
-        super().__init__(f"job {job} failed: {reason or 'no reason given'}")
-        self.job = job
-        self.reason = reason
-
-
-class JobCancelled(JobFailed):
-    """The job was cancelled (`prefixflow cancel`) or expired: the rows written stay."""
-
-    def __init__(self, job: str, status: m.JobStatus | None = None, note: str = "") -> None:
-        rows = f": {status.rows} rows written ({status.errors} errors), they stay" if status is not None else ""
-        how = "expired" if status is not None and (status.summary or {}).get("expired") else "cancelled"
-        Exception.__init__(self, f"job {job} {how}{rows}{note}")
-        self.job, self.reason, self.status = job, "cancelled", status
-
-
-PAUSED_GRACE = 5.0
-"""Seconds a job stays paused before the client gives up waiting (`JobPaused`): a pause
-the sink resolves at its next probe does not end the command."""
-
-
-class JobPaused(PrefixflowError):
-    """The job is paused: its output lacks a resource (disk full, quota, read-only file
-    system, no permission). Not failed: its results wait in the cluster and it resumes by
-    itself once the sink can write; the same command then completes it. Exit code 75
-    (`Exit.PAUSED`)."""
-
-    code = Exit.PAUSED
-
-    def __init__(self, job: str, status: m.JobStatus) -> None:
-        super().__init__(f"job {job} paused: {status.paused} ({status.rows} rows written)")
-        self.job, self.status = job, status
-        self.path = status.paused_path or "its output directory"
-
-
-class PauseWatch:
-    """Raises `JobPaused` once a job has been paused for `PAUSED_GRACE` seconds."""
-
-    def __init__(self, grace: float = PAUSED_GRACE) -> None:
-        self.grace = grace
-        self.since: float | None = None
-
-    def observe(self, job: str, st: m.JobStatus | None, now: float) -> None:
-        if st is None or not st.paused or st.done or st.failed:
-            self.since = None
-            return
-        self.since = now if self.since is None else self.since
-        if now - self.since >= self.grace:
-            raise JobPaused(job, st)
-
-
-class OutputConflict(PrefixflowError):
-    """The output directory (or the job id) belongs to another job, or to one asked another
-    input or spec: refused before anything ran (exit code 2)."""
-
-    code = Exit.USAGE
-
-
-class DirTaken(OutputConflict):
-    """The output directory is bound to another job (`prefixflow` exits with code 2)."""
-
-    def __init__(self, out_dir: str, owner: str, job: str) -> None:
-        super().__init__(
-            f"{out_dir} holds the output of job {owner}: pass --job {owner} to resume that job, "
-            f"--overwrite to replace its output with job {job}'s, or another --out"
-        )
-        self.out_dir, self.owner, self.job = out_dir, owner, job
-
-
-class JobMismatch(OutputConflict):
-    """The job id, or the job bound to the output directory, was asked another input or
-    spec than this one (`prefixflow` exits with code 2); the message names the difference."""
-
-
-def mismatch_text(out_dir: str, owner: str, diff: str) -> str:
-    """The refusal of another job into `owner`'s directory (`run` and `submit` say the same)."""
-    return (f"{out_dir} holds the output of job {owner}, which was asked something else ({diff}): pass --overwrite "
-            "to replace that output with this job's, or another --out")
-
-
-class AlreadyDone(Exception):
-    """The job is done already (every row written, `status.summary` its summary): nothing
-    was published."""
-
-    def __init__(self, status: m.JobStatus) -> None:
-        super().__init__(f"job {status.job} is already done: {status.rows} rows ({status.errors} errors)")
-        self.status = status
-
-
-done_reply_decoder = msgspec.msgpack.Decoder(m.DoneReply)
-
-
-class DoneQueries:
-    """Resume: which rows of a chunk the sink has written already (`DoneQuery` on
-    `subjects.done_query(job)`). A query not answered (timeout, no sink listening, an
-    error reply) sends the chunk's rows as they are (the sink drops duplicates); after
-    `DONE_QUERY_FAILURES` in a row it stops asking. No sink listening yet (a cluster just
-    started: the sink subscribes after it is up) is asked again for `wait_for_sink` seconds
-    first, so a job resumed at once does not recompute its finished rows."""
-
-    def __init__(self, nc, job: str, *, timeout: float = DONE_QUERY_TIMEOUT,
-                 wait_for_sink: float = DONE_QUERY_TIMEOUT) -> None:
-        self.nc, self.job, self.timeout = nc, job, timeout
-        self.wait_for_sink = wait_for_sink
-        self.failures = 0
-        self.problem: str | None = None
-        """Why the last query went unanswered."""
-        self.none_done = False
-        """The sink said no row of the job was on disk: later chunks need no query."""
-
-    async def missing(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        if self.failures >= DONE_QUERY_FAILURES or self.none_done or not rows:
-            return rows
-        try:
-            done = await self._ask_when_listened([r["id"] for r in rows])
-        except (nats.errors.Error, asyncio.TimeoutError, msgspec.DecodeError, ValueError) as exc:
-            self.failures += 1
-            self.problem = str(exc) or type(exc).__name__
-            return rows
-        self.failures = 0
-        return [r for r, d in zip(rows, done) if not d]
-
-    async def _ask_when_listened(self, ids: list[Any]) -> list[bool]:
-        """`_ask`, again while no sink listens, for `wait_for_sink` seconds (the first time)."""
-        deadline = time.monotonic() + self.wait_for_sink
-        while True:
-            try:
-                return await self._ask(ids)
-            except nats.errors.NoRespondersError:
-                if time.monotonic() >= deadline:
-                    raise
-                await asyncio.sleep(0.2)
-            finally:
-                self.wait_for_sink = 0.0  # only a cluster that just started is waited for
-
-    async def _ask(self, ids: list[Any]) -> list[bool]:
-        data = m.encode(m.DoneQuery(ids))
-        if len(data) > message_limit(self.nc) and len(ids) > 1:  # long string ids: ask in halves
-            half = len(ids) // 2
-            return await self._ask(ids[:half]) + await self._ask(ids[half:])
-        reply = done_reply_decoder.decode((await self.nc.request(subjects.done_query(self.job), data, timeout=self.timeout)).data)
-        if reply.error is not None:
-            raise ValueError(f"the sink cannot tell: {reply.error}")
-        if len(reply.done) != len(ids):
-            raise ValueError(f"the sink answered {len(reply.done)} of {len(ids)} ids")
-        self.none_done = reply.on_disk == 0
-        return reply.done
 
 
 def count_rows(source: str | Path | Source, options: dict[str, Any] | None = None) -> int | None:
@@ -246,210 +85,6 @@ def count_rows(source: str | Path | Source, options: dict[str, Any] | None = Non
     return total if len(parquet) == len(source.shards) else None
 
 
-class Submitter:
-    def __init__(self, nats_url: str) -> None:
-        self.nats_url = nats_url
-
-    async def __aenter__(self) -> Submitter:
-        self.nc = await connect(self.nats_url, "prefixflow-client")
-        self.js = self.nc.jetstream()
-        await provision(self.js)
-        self.jobs_kv = await self.js.key_value(subjects.JOBS_KV)
-        self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
-        self.cancelled: set[str] = set()
-        """Jobs of this client (`follow_cancel`) whose spec says cancelled after a notice."""
-        return self
-
-    async def follow_cancel(self, job: str) -> None:
-        """Stop publishing `job` once it is cancelled: its own notices, each confirmed by
-        its spec (`prefixflow.shared.bus.jobs.follow_cancel`: no other job's, no spoof)."""
-        await follow_cancel(self.nc, self.jobs_kv, job, lambda spec: self.cancelled.add(spec.job))
-
-    async def __aexit__(self, *exc: object) -> None:
-        await close(self.nc)
-
-    async def create(self, spec: m.JobSpec) -> None:
-        await self.jobs_kv.put(spec.job, m.encode_json(spec))
-
-    async def put_columns(self, job: str, chunk: columns.Chunk) -> None:
-        """Store a chunk's input columns (before its rows are published: the sink reads them)."""
-        if chunk.kept:
-            await put_blob(self.js, self.nc, job, columns.blob_key(chunk.src), chunk.kept)
-
-    async def publish_rows(self, job: str, rows: list[dict[str, Any]], *, batch: int = ROWS_PER_MESSAGE) -> list:
-        """Publish rows as msgpack arrays of up to `batch` rows, cut by their encoded size
-        under the server's limit (`message_limit`); `batch=1` sends one map per row with
-        its id in the `Pfx-Id` header."""
-        subject = subjects.ingest(job)
-        ids = [row["id"] for row in rows]
-        coros = []
-        if batch == 1:
-            for row in rows:
-                rid = msgspec.json.encode(row["id"]).decode()
-                coros.append(publish(self.js, subject, m.msgpack_encoder.encode(row), headers={"Pfx-Id": rid, "Nats-Msg-Id": f"{job}:{rid}"}))
-        else:
-            # NOTE: a single row over the limit goes alone and the server refuses it
-            # (`MessageTooLarge`): a prompt that large cannot be a model input anyway.
-            for b in m.encode_batches(rows, list, message_limit(self.js), batch):
-                msg_id = f"{job}:{rows[b.start]['id']}:{rows[b.stop - 1]['id']}:{b.stop - b.start}"
-                coros.append(publish(self.js, subject, b.data, headers={"Nats-Msg-Id": msg_id}))
-        for i in range(0, len(coros), PUBLISH_CONCURRENCY):
-            await asyncio.gather(*coros[i : i + PUBLISH_CONCURRENCY])
-        return ids
-
-    async def spec(self, job: str) -> m.JobSpec | None:
-        """The job's spec in the jobs bucket (None: never created, or expired)."""
-        try:
-            entry = await self.jobs_kv.get(job)
-        except KeyNotFoundError:
-            return None
-        try:
-            return m.job_spec_decoder.decode(entry.value)
-        except msgspec.DecodeError:
-            return None
-
-    async def claim_dir(self, out_dir: str, job: str, *, overwrite: bool = False) -> str | None:
-        """Bind `out_dir` to `job` in the jobs bucket (`subjects.dir_key`). Bound to
-        another job: `DirTaken`, or with `overwrite` rebound (returns the other job)."""
-        key = subjects.dir_key(out_dir, subjects.tenant_of(job))
-        try:
-            await self.jobs_kv.create(key, job.encode())
-            return None
-        except KeyWrongLastSequenceError:
-            pass  # bound already: to whom?
-        try:
-            owner = (await self.jobs_kv.get(key)).value.decode()
-        except KeyNotFoundError:  # expired or deleted meanwhile
-            owner = job
-        if owner != job:
-            if not overwrite:
-                raise DirTaken(out_dir, owner, job)
-        await self.jobs_kv.put(key, job.encode())
-        return owner if owner != job else None
-
-    async def dir_job(self, out_dir: str, job: str, asked: Fingerprint, overwrite: bool) -> str:
-        """The job to run into `out_dir` when no job id was given (`job` is a new one): the
-        job bound to it if it was asked the same (`asked`), else `job`. One asked something
-        else: `JobMismatch`, unless `overwrite`. A bound job whose fingerprint is unknown
-        (from before fingerprints, or gone from the bucket): `job` (`claim_dir` decides)."""
-        try:
-            owner = (await self.jobs_kv.get(subjects.dir_key(out_dir, subjects.tenant_of(job)))).value.decode()
-        except KeyNotFoundError:
-            return job
-        earlier = await self.spec(owner) if owner != job else None
-        if earlier is None or earlier.fingerprint is None:
-            return job
-        if (diff := difference(earlier.fingerprint, asked)) is None:
-            return owner
-        if overwrite:
-            return job
-        raise JobMismatch(mismatch_text(out_dir, owner, diff))
-
-    async def status(self, job: str) -> m.JobStatus | None:
-        try:
-            entry = await self.status_kv.get(job)
-        except KeyNotFoundError:
-            return None
-        return m.job_status_decoder.decode(entry.value)
-
-    def ended(self, spec: m.JobSpec) -> bool:
-        """The job was cancelled (a notice came and its spec confirmed it) or its deadline
-        passed: publish no more."""
-        return spec.job in self.cancelled or bool(spec.ended_at(time.time()))
-
-    async def make_room(self, spec: m.JobSpec, window: Window, rows: int, check: Callable[[], None] | None = None) -> bool:
-        """True once `rows` more may be published for the job (`prefixflow/client/window.py`),
-        following the sink's count in the job's status meanwhile; False if the job ended
-        (`ended`) meanwhile. Raises `JobFailed` when the status says the job failed;
-        `check()` runs each round."""
-        job = spec.job
-        paused = PauseWatch()
-        while not window.may_send(rows, time.monotonic()):
-            if self.ended(spec):
-                return False
-            try:
-                st = await self.status(job)
-            except (nats.errors.Error, TimeoutError, OSError):
-                st = None  # nats-server away: no news (the window's stall clock runs)
-            else:
-                if st is not None and st.failed:
-                    raise JobFailed(job, st.error)
-                paused.observe(job, st, time.monotonic())
-                window.observe(st.rows + st.duplicates if st is not None else 0, time.monotonic())
-            if window.may_send(rows, time.monotonic()):
-                break
-            if check is not None:
-                check()
-            await asyncio.sleep(0.25)
-        return not self.ended(spec)
-
-    async def wait(
-        self, job: str, total: int, *, progress: bool = True, timeout: float | None = None, check: Callable[[], None] | None = None
-    ) -> m.JobStatus:
-        """Follow the sink's progress until `total` rows are written; raise `JobFailed`
-        as soon as the status says the job failed (and `TimeoutError` when a job of no
-        rows is not completed within `EMPTY_JOB_WAIT`). `check()` runs each round (raise there
-        to stop waiting). `JobPaused` once the job has been paused for `PAUSED_GRACE`
-        seconds. A NATS outage (nats-server restarting) is waited out."""
-        # Rate and ETA are the sink's (rows per second over its last 30 s), as in `prefixflow status`;
-        # prompts under way and tokens/s come from the replicas' status messages (prefixflow/client/progress.py).
-        bar = tqdm(total=total, desc=f"job {job}", unit="row", disable=not progress, dynamic_ncols=True,
-                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        fleet = self.fleet = FleetProgress()
-        self.first_progress: float | None = None
-        """When the line first showed work under way (`prefixflow bench batching` reads it)."""
-
-        async def on_status(msg) -> None:
-            try:
-                fleet.update(m.engine_status_decoder.decode(msg.data), time.monotonic())
-            except msgspec.DecodeError:
-                return
-
-        # A tenant may not read the replicas' status (it names every tenant's jobs): its
-        # progress line shows rows only.
-        status_sub = None if subjects.tenant_of(job) else await self.nc.subscribe(subjects.ALL_STATUS, cb=on_status)
-        st = None
-        paused = PauseWatch()
-        try:
-            while True:
-                try:
-                    st = await self.status(job)
-                except (nats.errors.Error, TimeoutError, OSError):
-                    # NOTE: nats-server away or restarting (the client reconnects by
-                    # itself); the timeout below still applies.
-                    pass
-                if st is not None and st.failed:
-                    raise JobFailed(job, st.error)
-                if st is not None and st.done and st.cancelled:
-                    raise JobCancelled(job, st)
-                paused.observe(job, st, time.monotonic())
-                if self.first_progress is None and ((st is not None and st.rows) or fleet.held(job)):
-                    self.first_progress = time.time()
-                if st is not None:
-                    bar.n = min(st.rows, total)
-                bar.set_postfix_str(progress_note(st, fleet, job), refresh=False)
-                bar.refresh()
-                if st is not None and st.done and st.total == total:
-                    return st
-                if check is not None:
-                    check()
-                if total == 0 and time.monotonic() - started > EMPTY_JOB_WAIT:
-                    raise TimeoutError(f"job {job} has no rows and the cluster did not complete it within "
-                                       f"{EMPTY_JOB_WAIT:.0f} s (status: {st})")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"job {job} not done after {timeout} s (status: {st})")
-                await asyncio.sleep(0.5)
-        finally:
-            bar.close()
-            try:
-                if status_sub is not None:
-                    await status_sub.unsubscribe()
-            except nats.errors.Error:
-                pass
-
-
 def read_chunks(job: str, source: Source) -> Iterator[columns.Chunk]:
     """The input's chunks; a file of it found bad while it is read (the job was created,
     rows may be out): `JobFailed` naming the file and the reason (exit code 1, not the 2
@@ -458,25 +93,6 @@ def read_chunks(job: str, source: Source) -> Iterator[columns.Chunk]:
         yield from columns.chunks(source)
     except InputError as exc:
         raise JobFailed(job, f"its input: {exc}") from None
-
-
-
-def ending(exc: Exception, *, cluster_stays: bool) -> CommandError:
-    """The message and exit code (a `CommandError`) `submit` and `run` end with for one of `ENDINGS`
-    (docs/outcomes.md); `cluster_stays`: the job's cluster runs on after the command (`submit`),
-    not `run`'s own."""
-    if isinstance(exc, JobPaused):
-        then = (f"the job waits on the cluster and resumes by itself once {exc.path} takes writes again; "
-                "run the same command again to follow it to the end" if cluster_stays
-                else f"once {exc.path} takes writes again, run the same command to resume it")
-        return CommandError(f"{exc}\n{then}", Exit.PAUSED)
-    if isinstance(exc, OutputConflict):  # OUT (or the id) bound to another job, input or spec
-        return CommandError(str(exc), Exit.USAGE)
-    return CommandError(str(exc), Exit.FAILED)  # JobFailed: failed, cancelled or expired
-
-
-ENDINGS = (JobFailed, JobPaused, OutputConflict)
-"""`submit`'s exceptions that end a command with a documented code (`ending`)."""
 
 
 async def submit(

@@ -159,7 +159,7 @@ def test_import_prefixflow_loads_nothing_heavy():
     assert json.loads(out) == []
     code = "import prefixflow; print(prefixflow.JobFailed.__module__, prefixflow.run.__module__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["prefixflow.client.submit", "prefixflow.api.local"]
+    assert out.split() == ["prefixflow.client.endings", "prefixflow.api.local"]
 
 
 def test_run_inside_a_running_loop_refuses_a_bad_input_before_starting_anything(tmp_path):
