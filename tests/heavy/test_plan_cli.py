@@ -52,7 +52,8 @@ def test_plan_predicts_every_fleet_and_method_within_the_limit(dataset):
             assert m["wall_seconds"] > 0
             assert m["gpu_hours"] == pytest.approx(m["wall_seconds"] * gpus / 3600, rel=1e-3, abs=1e-4)
             assert m["cost"] == pytest.approx(m["gpu_hours"] * 0.80, rel=1e-3, abs=1e-4)
-            assert limit["wall_seconds"] <= m["wall_seconds"]
+            # <= up to the rows' rounding (2 decimals): on one sampled replica a method can meet the limit
+            assert limit["wall_seconds"] <= m["wall_seconds"] + 0.01
             assert 0 <= m["hit_rate"] <= limit["ideal_hit_rate"] + 1e-9
         assert limit["cost"] == pytest.approx(limit["gpu_hours"] * 0.80, rel=1e-3, abs=1e-4)
         # 16 prefixes of 256 tokens over 400 rows of 512: the ideal is near half the prompt
