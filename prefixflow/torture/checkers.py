@@ -18,6 +18,7 @@ typed as it was given (a text id column's footer says which ids were integers).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -209,6 +210,14 @@ def check_exit(outcome: Outcome, expected_rows: int, *, refused: bool = False) -
     if c == 75:
         return [] if "paused" in outcome.stderr else [Violation("exit", f"exit 75 without saying paused: {tail}")]
     return [Violation("exit", f"exit code {c}: {tail}")]
+
+
+def tree_digest(out: Path) -> str:
+    """A digest of every file under `out` (names and bytes): "the output is untouched"."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(out)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def check_summary(out_dir: Path, out: Output) -> list[Violation]:
