@@ -8,7 +8,8 @@ it), and checked on what came out (pure):
   that is not JSON (no custom_id) an error line of its own;
 - `batch-counts`: `request_counts` equal what the files hold and what was sent;
 - `batch-status`: the status the input calls for (`completed`; `failed` for a batch
-  with no good request or a duplicate custom_id, its `errors` naming the lines);
+  with no good request or a duplicate custom_id, its `errors` naming the lines), reached
+  without going back (validating, in_progress, finalizing, the end, as the polls saw it);
 - `batch-bodies`: every output line's body a ChatCompletion / Completion by the
   `openai` package's own types;
 - `batch-model`: the body's `model` the name the request asked for (a known failure:
@@ -37,6 +38,8 @@ BAD_LINES = ("not_json", "unserved_model", "other_url", "no_body", "empty_id", "
 HUGE_BYTES = 32 * 1024
 """A huge value in a request: in its `metadata` (a field without effect on the result)."""
 TERMINAL = ("completed", "failed", "cancelled", "expired")
+STAGES = {"validating": 0, "in_progress": 1, "finalizing": 2, "completed": 3, "failed": 3}
+"""The order a batch nobody cancels goes through (a status never goes back)."""
 POLL_SECONDS = 0.3
 
 
@@ -160,6 +163,8 @@ class BatchResult:
     """Why there is no final batch."""
     job: str = ""
     """The batch's job on the cluster (its id is the batch's), once the batch was created."""
+    seen: list[str] = field(default_factory=list)
+    """The statuses the polls saw, in order (each change once)."""
 
 
 async def retrying(call, deadline: float, what: str):
@@ -188,6 +193,7 @@ async def run_batch(api: ApiProcess, ds: BatchSet, path: Path, timeout: float) -
         f = await retrying(upload, deadline, "upload")
         batch = await retrying(lambda: client.batches.create(input_file_id=f.id, endpoint=ds.endpoint,
                                                              completion_window="24h"), deadline, "create")
+        seen = [batch.status]
         while batch.status not in TERMINAL:
             if time.monotonic() > deadline:
                 counts = batch.request_counts
@@ -196,7 +202,9 @@ async def run_batch(api: ApiProcess, ds: BatchSet, path: Path, timeout: float) -
                                            f"of {counts.total if counts else '?'})", job=batch.id)
             await asyncio.sleep(POLL_SECONDS)
             batch = await retrying(lambda: client.batches.retrieve(batch.id), deadline, "retrieve")
-        res = BatchResult(batch)
+            if batch.status != seen[-1]:
+                seen.append(batch.status)
+        res = BatchResult(batch, seen=seen)
         for fid, into in ((batch.output_file_id, res.output), (batch.error_file_id, res.errors)):
             if fid:
                 content = await retrying(lambda fid=fid: client.files.content(fid), deadline, "download")
@@ -221,6 +229,9 @@ def check(ds: BatchSet, res: BatchResult) -> dict[str, list[Violation]]:
                                                                     f"lines, {ds.duplicates} duplicates)")]
     if ds.fails and b.status == "failed" and not (b.errors and b.errors.data):
         status.append(Violation("batch-status", "a failed batch whose errors name no line"))
+    order = [STAGES.get(x, -1) for x in res.seen]
+    if order != sorted(order) or -1 in order:
+        status.append(Violation("batch-status", f"the statuses went {' -> '.join(res.seen)}"))
     c = b.request_counts
     got = (c.total, c.completed, c.failed) if c is not None else None
     total = len(ds.lines)

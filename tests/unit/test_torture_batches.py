@@ -46,7 +46,8 @@ def faithful(ds: BatchSet) -> BatchResult:
     counts = SimpleNamespace(total=total, completed=len(out), failed=total - len(out) if not ds.fails else ds.invalid)
     batch = SimpleNamespace(status="failed" if ds.fails else "completed", request_counts=counts,
                             errors=SimpleNamespace(data=[{"line": 1}]) if ds.fails else None)
-    return BatchResult(batch, out, errors)
+    return BatchResult(batch, out, errors, seen=["validating", batch.status] if ds.fails else
+                       ["validating", "in_progress", "finalizing", "completed"])
 
 
 def violations(ds: BatchSet, res: BatchResult) -> list:
@@ -120,5 +121,6 @@ def test_a_lost_doubled_or_misfiled_request_and_lying_counts_are_caught(seed, da
     other = "completed" if ds.fails else "failed"
     broken.append(BatchResult(SimpleNamespace(**{**vars(res.batch), "status": other}), res.output, res.errors))
     broken.append(BatchResult(problem="batch b still in_progress after 180 s"))
+    broken.append(BatchResult(res.batch, res.output, res.errors, seen=["in_progress", "validating", res.batch.status]))
     for res_ in broken:
         assert violations(ds, res_), (ds.features, res_)
