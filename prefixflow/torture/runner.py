@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import signal
 import time
 from collections import Counter
@@ -262,6 +263,8 @@ class Torture:
                 await self.second_input(plan, result, out)
         finally:
             if mount is not None:
+                if result.violations and out.is_dir():  # the evidence outlives the small disk
+                    shutil.copytree(out, rdir / "out-kept", dirs_exist_ok=True)
                 faults.unmount(mount)
         if plan.entry != "run":
             await self.check_api(result)
