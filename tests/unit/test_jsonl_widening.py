@@ -12,11 +12,12 @@ from unittest import mock
 
 import pyarrow as pa
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixflow.client import columns, readers
 from prefixflow.shared import widening
+from tests.tiers import COSTLY
 from tests.unit.test_widening import exact
 
 pytestmark = pytest.mark.unit
@@ -41,6 +42,7 @@ def kept_column(lines: list[dict], batch_rows: int, name: str = "f") -> tuple[li
     return [t.schema.field(name).type for t in tables], [v for t in tables for v in t.column(name).to_pylist()]
 
 
+@settings(COSTLY)  # each example writes a file and reads it through the client
 @given(st.lists(st.one_of(st.just(ABSENT), json_values), min_size=1, max_size=8), st.integers(1, 4))
 def test_a_field_whose_type_changes_between_lines_widens_as_the_raw_path_does(field_values, batch_rows):
     lines = [{"prompt": f"p{i}"} | ({} if v is ABSENT else {"f": v}) for i, v in enumerate(field_values)]
