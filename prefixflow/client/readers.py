@@ -1,7 +1,9 @@
 """Each data file of an input as Arrow record batches, in bounded memory, by its format.
 
 - Parquet: row groups read by range as they come (`iter_batches`, no pre-buffering);
-- JSON lines: one Arrow schema for the whole file (a first pass), then tables of that
+- JSON lines: one Arrow schema for the whole file (a first pass typing each field by the
+  job's widening rules, `prefixflow/shared/widening.py`, as the raw ingest path does: a
+  field whose type changes between lines widens, never fails), then tables of that
   schema, each with its rows as parsed (the model inputs as JSON gave them);
 - CSV: one schema for the whole file (a first pass reads every column as text and types
   each batch's values: int64, float64 or text; the batches' types joined by the job's
@@ -14,7 +16,6 @@ the file, wherever it lives. Pure apart from reading the shard.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from prefixflow.client.sources import InputError, Shard
-from prefixflow.shared.widening import NULL, STRING, Kind, join, kind_of_array
+from prefixflow.shared.widening import NULL, STRING, Kind, column_of, join, kind_of_array, kind_of_values
 
 CHUNK_ROWS = 4096
 """Input rows per read batch (and per stored blob)."""
@@ -102,48 +103,39 @@ def json_rows(shard: Shard) -> Iterator[list[dict[str, Any]]]:
         yield rows
 
 
-def _as_json_text(values: list[Any]) -> pa.Array:
-    return pa.array([None if v is None else v if isinstance(v, str) else json.dumps(v) for v in values], pa.string())
-
-
 def table_of(rows: list[dict[str, Any]], schema: pa.Schema | None = None) -> pa.Table:
-    """Rows as a table: with `schema`, every column of it (missing ones null, a string
-    column takes any value as JSON text); without, types inferred per column, and a column
-    whose values Arrow cannot hold as one type (a chat `messages` whose content is a
-    string in one row, a list in another) as JSON text."""
-    names = list(schema.names) if schema is not None else list(dict.fromkeys(k for r in rows for k in r))
-    arrays = []
-    for name in names:
-        values = [r.get(name) for r in rows]
-        want = schema.field(name).type if schema is not None else None
-        if want is not None and pa.types.is_string(want):
-            arrays.append(_as_json_text(values))
-            continue
-        try:
-            arrays.append(pa.array(values, type=want))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            arrays.append(_as_json_text(values))
+    """Rows as a table: with `schema` (a `jsonl_schema`), every column of it, missing
+    values null; without, the rows' own. Each column is typed and filled by the job's
+    widening rules (`prefixflow/shared/widening.py`, `column_of`): every value exact, or
+    its canonical text in a text column (docs/schema-growth.md)."""
+    kinds = row_kinds(rows) if schema is None else {f.name: Kind(f.type) for f in schema}
+    names = list(kinds)
+    arrays = [column_of([r.get(n) for r in rows], _declared(kinds[n])) for n in names]
     return pa.Table.from_arrays(arrays, names=names)
 
 
+def row_kinds(rows: list[dict[str, Any]]) -> dict[str, Kind]:
+    """Each field's kind over a batch of rows (`widening.kind_of_values`), in first-seen order."""
+    names = dict.fromkeys(k for r in rows for k in r)
+    return {n: kind_of_values([r.get(n) for r in rows]) for n in names}
+
+
+def _declared(kind: Kind) -> Kind:
+    """A column no row gave a value is text (a declared schema has no null columns)."""
+    return STRING if pa.types.is_null(kind.type) else kind
+
+
 def jsonl_schema(shard: Shard) -> pa.Schema:
-    """One schema for every line of a JSONL file (first pass): each batch's inferred
-    types, unified with Arrow's permissive promotion; a column whose types cannot be
-    unified (a number here, a string there) is text."""
-    fields: dict[str, pa.DataType] = {}
+    """One schema for every line of a JSONL file (first pass): each batch's kinds joined
+    by the job's widening rules (`widening.join`: int + string -> string, int + float ->
+    float64 while every int is exact in it, a nested value beside anything else -> JSON
+    text), the same rules the raw ingest path and the sink use; a field no line gives a
+    value is text."""
+    kinds: dict[str, Kind] = {}
     for rows in json_rows(shard):
-        for f in table_of(rows).schema:
-            have = fields.get(f.name)
-            if have is None or pa.types.is_null(have):
-                fields[f.name] = f.type
-            elif have != f.type and not pa.types.is_null(f.type):
-                try:
-                    fields[f.name] = pa.unify_schemas(
-                        [pa.schema([(f.name, have)]), pa.schema([(f.name, f.type)])], promote_options="permissive"
-                    ).field(f.name).type
-                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-                    fields[f.name] = pa.string()
-    return pa.schema([(n, pa.string() if pa.types.is_null(t) else t) for n, t in fields.items()])
+        for name, kind in row_kinds(rows).items():
+            kinds[name] = join(kinds.get(name, NULL), kind)
+    return pa.schema([(n, _declared(k).type) for n, k in kinds.items()])
 
 
 def jsonl_batches(shard: Shard) -> Iterator[Pair]:

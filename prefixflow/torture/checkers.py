@@ -18,6 +18,7 @@ typed as it was given (a text id column's footer says which ids were integers).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -127,12 +128,11 @@ def typed_value(value: Any, type_: pa.DataType) -> Any:
     return pa.array([value], type=type_).to_pylist()[0]
 
 
-def same_value(given: Any, got: Any, type_: pa.DataType | None, declared: pa.DataType | None,
-               json_text: bool = False) -> bool:
+def same_value(given: Any, got: Any, type_: pa.DataType | None, declared: pa.DataType | None) -> bool:
     """Whether `got` (read from a column of `type_`) is `given` kept exactly: the declared
-    type's value for a typed input column; else the value itself, the same number in a
-    float64 column, or its canonical text in a text column (`json_text`: or its JSON, the
-    README's rule for a JSONL column mixing shapes)."""
+    type's value for a typed input column; else (raw and JSONL rows: one widening rule)
+    the value itself, the same number in a float64 column, or its canonical text in a
+    text column."""
     if declared is not None:
         return type_ is not None and type_.equals(declared) and _exact(typed_value(given, declared), got)
     if given is None or got is None:
@@ -140,7 +140,7 @@ def same_value(given: Any, got: Any, type_: pa.DataType | None, declared: pa.Dat
     if _exact(given, got):
         return True
     if type_ is not None and (pa.types.is_string(type_) or pa.types.is_large_string(type_)):
-        return got == canonical_text(given) or (json_text and got == json.dumps(given))
+        return got == canonical_text(given)
     if isinstance(given, int) and not isinstance(given, bool) and isinstance(got, float):
         return float(given) == got
     if isinstance(given, dict) and isinstance(got, dict):  # one shape: absent fields are null
@@ -167,7 +167,7 @@ def check_columns(ds: Dataset, out: Output) -> list[Violation]:
                 if value is not None:
                     wrong.append(f"column {name!r} missing (id {row['id']!r})")
                 continue
-            if not same_value(value, got.get(name), out.types[name], declared.get(name), ds.kind == "jsonl"):
+            if not same_value(value, got.get(name), out.types[name], declared.get(name)):
                 wrong.append(f"id {row['id']!r} column {name!r}: sent {_short(value)}, got {_short(got.get(name))} "
                              f"({out.types[name]})")
     if wrong:
@@ -210,6 +210,14 @@ def check_exit(outcome: Outcome, expected_rows: int, *, refused: bool = False) -
     if c == 75:
         return [] if "paused" in outcome.stderr else [Violation("exit", f"exit 75 without saying paused: {tail}")]
     return [Violation("exit", f"exit code {c}: {tail}")]
+
+
+def tree_digest(out: Path) -> str:
+    """A digest of every file under `out` (names and bytes): "the output is untouched"."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(out)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def check_summary(out_dir: Path, out: Output) -> list[Violation]:

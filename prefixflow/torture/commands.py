@@ -9,13 +9,16 @@ from prefixflow.torture.entries import ENTRIES
 DESCRIPTION = """Seeded torture rounds on real processes (docs/torture.md). Each round draws, from
 the seed and its number alone, an entry point (run: `prefixflow run --engine echo`;
 submit: `prefixflow submit` to a local echo cluster the harness keeps and supervises;
-raw: publishing on pfx.ingest.<job>), a dataset (random Arrow schemas and values, ids
-of mixed types, empty and huge values, malformed messages, bad sampling/chat/structured
-rows, another input into the same --out) and faults (SIGKILL or SIGSTOP of any process,
-nats-server and the engine included; a full disk on a small tmpfs when run as root).
-Then it checks: each id exactly once (a generated row or an error row), every input
-column byte-exact, the exit code and the job's status agree, every process alive, a
-clean job after. A failure prints its seed and the command that replays it; the report
+raw: publishing on pfx.ingest.<job>; batch: the OpenAI Batch API, `prefixflow serve api`
+beside that cluster, driven with the openai client), a dataset (random Arrow schemas
+and values, ids of mixed types, empty and huge values, malformed messages, bad
+sampling/chat/structured rows, bad and duplicate batch lines, another input into the
+same --out) and faults (SIGKILL or SIGSTOP of any process, nats-server and the engine
+included; a restart of the batch API; a full disk on a small tmpfs when run as root).
+Then it checks: each id exactly once (a generated row or an error row; a batch's
+custom_ids once in its output or error file), every input column byte-exact, the exit
+code (a batch's status and request_counts) and the job's status agree, every process
+alive, a clean job after. A failure prints its seed and the command that replays it; the report
 is WORKDIR/torture.json. Exit code 1 if a round failed (other than a known failure)."""
 
 

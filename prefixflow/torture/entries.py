@@ -8,9 +8,11 @@ a user would use it.
 - `raw`: create the job in the jobs bucket, publish one message per row on
   `pfx.ingest.<job>` (README, "Publishing prompts yourself"), seal it with its total,
   wait for the sink's done status; in process.
+- `batch`: the OpenAI Batch API (`prefixflow serve api`, started by the harness against
+  its cluster) driven with the `openai` client (`prefixflow/torture/batches.py`).
 
-Each returns an `Outcome` (exit code, stderr, and the job's status after it).
-`batch` (the OpenAI batch API) is not an entry point yet: see docs/torture.md.
+The first three return an `Outcome` (exit code, stderr, and the job's status after it);
+`batch` a `BatchResult` (the final Batch object and its files).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from prefixflow.launch.local_cluster import prefixflow_argv
 from prefixflow.torture.checkers import Outcome
 from prefixflow.torture.datasets import Dataset
 
-ENTRIES = ("run", "submit", "raw")
+ENTRIES = ("run", "submit", "raw", "batch")
 MAX_TOKENS = "4"
 JOB_TIMEOUT = 180.0
 """Seconds a round's job may take (echo engines: a few; faults: some more)."""

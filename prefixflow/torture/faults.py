@@ -10,7 +10,9 @@ Kinds:
 - `disk_full`: the job's `--out` is on a small tmpfs from the start of the round until
   `hold` seconds in, when it grows (space returns). Needs root (`mount`); without it the
   kind is never drawn (the run says so once).
-- `api_restart` is not drawn: the batch API is not an entry point yet (docs/torture.md).
+- `api_restart` (batch rounds only): the batch API stopped (`target`: `sigterm`, as
+  systemd stops it, or `sigkill`, a crash), down for `hold` seconds, started again; it
+  resumes its batches from their records (`prefixflow/torture/api.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import random
 import signal
 import subprocess
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +31,7 @@ import structlog
 
 log = structlog.get_logger()
 
-KINDS = ("sigkill", "sigstop", "disk_full")
+KINDS = ("sigkill", "sigstop", "disk_full", "api_restart")
 SMALL_FS = "12k"
 """A full disk's size: a few parts' worth, then ENOSPC."""
 GROWN_FS = "256m"
@@ -41,21 +43,25 @@ class Fault:
     at: float
     """Seconds after the job starts (for `disk_full`: when the space returns)."""
     target: str = ""
-    """The process (its name in the cluster: `nats`, `sink`, `engine0`, ...)."""
+    """The process (its name in the cluster: `nats`, `sink`, `engine0`, ...); for
+    `api_restart` how it stops (`sigterm`, `sigkill`)."""
     hold: float = 0.0
-    """`sigstop`: seconds stopped."""
+    """`sigstop`: seconds stopped; `api_restart`: seconds down."""
 
     def __str__(self) -> str:
         if self.kind == "disk_full":
             return f"disk_full until {self.at:.1f}s"
+        if self.kind == "api_restart":
+            return f"api_restart ({self.target}) at {self.at:.1f}s, down {self.hold:.1f}s"
         extra = f" for {self.hold:.1f}s" if self.kind == "sigstop" else ""
         return f"{self.kind} {self.target} at {self.at:.1f}s{extra}"
 
 
-def plan(rng: random.Random, targets: list[str], *, disk: bool, max_faults: int = 3, within: float = 4.0) -> list[Fault]:
+def plan(rng: random.Random, targets: list[str], *, disk: bool, api: bool = False, max_faults: int = 3,
+         within: float = 4.0) -> list[Fault]:
     """The round's faults: none (a fifth of rounds: the contract holds without faults
     too), or 1..`max_faults` of sigkill/sigstop on `targets` within `within` seconds of
-    the start, and (`disk`) sometimes a full disk."""
+    the start, and (`disk`) sometimes a full disk, (`api`) often a restart of the API."""
     if rng.random() < 0.2:
         return []
     faults = []
@@ -65,6 +71,9 @@ def plan(rng: random.Random, targets: list[str], *, disk: bool, max_faults: int 
                             round(rng.uniform(0.2, 3.0), 2) if kind == "sigstop" else 0.0))
     if disk and rng.random() < 0.3:
         faults.append(Fault("disk_full", round(rng.uniform(1.0, 6.0), 2)))
+    if api and rng.random() < 0.6:
+        faults.append(Fault("api_restart", round(rng.uniform(0.0, within), 2), rng.choice(("sigterm", "sigkill")),
+                            round(rng.uniform(0.0, 2.0), 2)))
     return sorted(faults, key=lambda f: f.at)
 
 
@@ -94,10 +103,14 @@ class Injector:
     gives the current pid of each process (they change as the supervisor restarts them).
     Every stopped process is continued, also when the round is cut short."""
 
-    def __init__(self, counts: Counter) -> None:
+    def __init__(self, counts: Counter, restart_api: Callable[[int, float], Awaitable[str]] | None = None) -> None:
         self.counts = counts
         self.done: list[str] = []
         self.stopped: set[int] = set()
+        self.restart_api = restart_api
+        """`api_restart`: stop the API with a signal, wait, start it (what was done)."""
+        self.restarting = False
+        """An API restart is under way (cut short: the API may be down, by the harness's doing)."""
 
     async def run(self, faults: list[Fault], pids: Callable[[], dict[str, int]], mount: Path | None) -> None:
         loop = asyncio.get_running_loop()
@@ -114,6 +127,15 @@ class Injector:
             if mount is not None:
                 grow(mount)
                 self.done.append(f"{fault}: space returned")
+            return
+        if fault.kind == "api_restart":
+            if self.restart_api is None:
+                self.done.append(f"{fault}: no API (skipped)")
+                return
+            self.restarting = True
+            sig = signal.SIGKILL if fault.target == "sigkill" else signal.SIGTERM
+            self.note(fault, await self.restart_api(sig, fault.hold))
+            self.restarting = False
             return
         pid = pids().get(fault.target)
         if pid is None:

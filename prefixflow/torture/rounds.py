@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from prefixflow.torture import datasets, faults
+from prefixflow.torture import batches, datasets, faults
 from prefixflow.torture.checkers import Violation
+from prefixflow.torture.entries import ENTRIES
 from prefixflow.torture.known import known_for
 
 CLUSTER_PROCESSES = ("nats", "ingestor", "bucketer", "router", "engine0", "sink")
@@ -20,7 +21,7 @@ class RoundPlan:
     seed: int
     round: int
     entry: str
-    dataset: datasets.Dataset
+    dataset: datasets.Dataset | batches.BatchSet
     faults: list[faults.Fault]
     second: str | None
     """After a first job done: `refuse` (another input into its --out: exit 2, output
@@ -47,6 +48,10 @@ def rng_for(seed: int, round_: int) -> random.Random:
 def plan_round(seed: int, round_: int, entries: tuple[str, ...], *, disk: bool, max_rows: int = 200) -> RoundPlan:
     rng = rng_for(seed, round_)
     entry = rng.choice(entries)
+    if entry == "batch":  # the API chooses where the output goes: no full disk, no second input
+        ds = batches.draw(rng, max_rows=max_rows)
+        return RoundPlan(seed, round_, entry, ds, faults.plan(rng, list(CLUSTER_PROCESSES), disk=False, api=True),
+                         None, None, rng)
     kind = "raw" if entry == "raw" else rng.choice(("parquet", "jsonl"))
     ds = datasets.draw(rng, kind, max_rows=max_rows)
     plan = faults.plan(rng, list(CLUSTER_PROCESSES), disk=disk)
@@ -56,7 +61,7 @@ def plan_round(seed: int, round_: int, entries: tuple[str, ...], *, disk: bool, 
 
 
 def replay_command(seed: int, round_: int, entries: tuple[str, ...]) -> str:
-    extra = "" if set(entries) == {"run", "submit", "raw"} else f" --entries {','.join(entries)}"
+    extra = "" if set(entries) == set(ENTRIES) else f" --entries {','.join(entries)}"
     return f"prefixflow torture --seed {seed} --round {round_} --rounds 1{extra}"
 
 

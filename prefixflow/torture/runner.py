@@ -8,15 +8,20 @@ contract (docs/torture.md). The round's plan is `rounds.plan_round`; this carrie
 3. a paused job (exit 75) is run again by the same command once the space is back;
 4. check: exit code and status, ids, columns, summary;
 5. another input into the same --out (exit 2, output untouched; then --overwrite);
-6. the cluster: every process alive and ready, and a clean job through it.
+6. the cluster: every process alive and ready (the batch API too, once started), and a
+   clean job through it.
+
+A `batch` round (`play_batch`) uploads its file to the batch API the harness keeps
+beside its cluster, creates the batch, waits for its end while the faults (an API
+restart among them) land, and checks its files (`prefixflow/torture/batches.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import random
+import shutil
 import signal
 import time
 from collections import Counter
@@ -27,7 +32,8 @@ from typing import Any
 import structlog
 
 from prefixflow.shared.outcomes import Exit
-from prefixflow.torture import checkers, entries, faults
+from prefixflow.torture import batches, checkers, entries, faults
+from prefixflow.torture.api import ApiProcess
 from prefixflow.torture.checkers import Outcome, Violation
 from prefixflow.torture.datasets import Dataset, write
 from prefixflow.torture.known import known_for
@@ -42,14 +48,6 @@ ECHO_ENV = {"PFX_ECHO_DELAY": "0.1", "PFX_WINDOW": "4"}
 """Echo engines at ~40 prompts/s: a round's job lasts seconds, long enough for its faults."""
 
 
-def tree_digest(out: Path) -> str:
-    """A digest of every file under `out` (names and bytes): "the output is untouched"."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in out.rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(out)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
-
-
 class Torture:
     def __init__(self, seed: int, workdir: Path, *, rounds: int | None = None, minutes: float | None = None,
                  first_round: int = 0, entry_points: tuple[str, ...] = entries.ENTRIES, cluster=None,
@@ -60,6 +58,8 @@ class Torture:
         self.model = model
         self.cluster = cluster
         self.own_cluster = cluster is None
+        self.api: ApiProcess | None = None
+        """The batch API, started at the first batch round."""
         self.broken: Exception | None = None
         self.fault_counts: Counter = Counter()
         self.results: list[RoundResult] = []
@@ -131,7 +131,30 @@ class Torture:
             found += checkers.check_ids(clean, checkers.read_output(out))
         result.record("clean-job", [Violation("clean-job", str(v)) for v in found])
 
+    async def ensure_api(self) -> ApiProcess:
+        cluster = await self.ensure_cluster()
+        if self.api is None or self.api.url != cluster.url:
+            await self.stop_api()
+            self.api = ApiProcess(cluster.url, self.workdir / "api.log", self.env)
+            await self.api.start()
+        return self.api
+
+    async def stop_api(self) -> None:
+        if self.api is not None:
+            await self.api.stop()
+            self.api = None
+
+    async def check_api(self, result: RoundResult) -> None:
+        """The batch API (once started) is running and answers: it died only by a fault."""
+        if self.api is None:
+            return
+        why = await self.api.unanswered()
+        result.record("alive", [Violation("alive", why)] if why else [])
+        if why:  # the next rounds need an API: a new one
+            await self.stop_api()
+
     async def restart_cluster(self) -> None:
+        await self.stop_api()
         if self.cluster is not None and self.own_cluster:
             self.cluster.stop()
             self.cluster = None
@@ -145,7 +168,6 @@ class Torture:
         """One job of the round through its entry point, with the plan's faults (only
         for the round's first job: `name == "job"`)."""
         rdir = out.parent if mount is None else mount.parent
-        inj = faults.Injector(self.fault_counts)
         plan_faults = plan.faults if name == "job" else []
         if plan.entry == "raw":
             work = entries.publish_raw(self.cluster.url, plan.job, out, ds, plan.rng, entries.JOB_TIMEOUT)
@@ -160,19 +182,8 @@ class Torture:
             (rdir / f"{name}.cmd").write_text("prefixflow " + " ".join(argv) + "\n")
             work = entries.command(argv, rdir / f"{name}.log", env, entries.JOB_TIMEOUT + 30)
             pids = self.cluster_pids if plan.entry == "submit" else lambda: entries.pids_of_run(workdir)
-        task = asyncio.ensure_future(work)
-        if plan_faults:
-            if plan.entry == "run":  # faults once `run` supervises (before: a start-up failure, by design)
-                while not task.done() and not entries.run_submitted(rdir / f"{name}.log"):
-                    await asyncio.sleep(0.1)
-            injecting = asyncio.ensure_future(inj.run(plan_faults, pids, mount))
-            await asyncio.wait({task}, return_when=asyncio.ALL_COMPLETED)
-            injecting.cancel()
-            await asyncio.gather(injecting, return_exceptions=True)
-            if mount is not None:
-                faults.grow(mount)  # the space comes back in any case before the rerun
-        self.last_faults = inj.done
-        result = await task
+        ready = (lambda: entries.run_submitted(rdir / f"{name}.log")) if plan.entry == "run" else None
+        result = await self.with_faults(work, plan_faults, pids, mount, ready)
         if isinstance(result, Outcome):
             return result
         code, stderr = result
@@ -180,10 +191,56 @@ class Torture:
             return entries.outcome_of_run(code, stderr, out)
         return entries.outcome_of(code, stderr, await entries.status_of(self.cluster.url, job or plan.job))
 
+    async def with_faults(self, work, plan_faults: list[faults.Fault], pids, mount: Path | None,
+                          ready: Callable[[], bool] | None = None):
+        """`work`'s result, the faults injected while it runs (from when `ready()` holds:
+        `run` supervises its processes only once it has submitted). The injected faults
+        are left in `self.last_faults`."""
+        restart = self.api.restart if self.api is not None else None
+        inj = faults.Injector(self.fault_counts, restart_api=restart)
+        task = asyncio.ensure_future(work)
+        if plan_faults:
+            while ready is not None and not task.done() and not ready():
+                await asyncio.sleep(0.1)
+            injecting = asyncio.ensure_future(inj.run(plan_faults, pids, mount))
+            await asyncio.wait({task}, return_when=asyncio.ALL_COMPLETED)
+            injecting.cancel()
+            await asyncio.gather(injecting, return_exceptions=True)
+            if mount is not None:
+                faults.grow(mount)  # the space comes back in any case before the rerun
+            if inj.restarting and self.api is not None:  # a restart the round's end cut short (the
+                await self.api.stop()  # harness's doing, not a finding): stopped, started, ready
+                await self.api.start()
+                inj.done.append("api_restart cut short by the round's end: started again")
+        self.last_faults = inj.done
+        return await task
+
+    async def play_batch(self, plan: RoundPlan, result: RoundResult) -> None:
+        """A batch round: the batch through the API while the faults land, then its checks."""
+        assert isinstance(plan.dataset, batches.BatchSet)
+        api = await self.ensure_api()
+        rdir = self.workdir / "rounds" / f"r{plan.round}"
+        work = batches.run_batch(api, plan.dataset, rdir / "batch.jsonl", entries.JOB_TIMEOUT)
+        res = await self.with_faults(work, plan.faults, self.cluster_pids, None)
+        result.faults_done = self.last_faults
+        if res.batch is None and res.job:  # whose fault: the cluster's job, or the API that follows it?
+            st = await entries.status_of(self.cluster.url, res.job)
+            res.problem += ("; its job is done on the cluster" if st is not None and st.done else
+                            f"; its job on the cluster: {st.rows if st else '?'} rows, not done")
+        if res.batch is not None:
+            (rdir / "batch.json").write_text(res.batch.model_dump_json(indent=1))
+        for invariant, found in batches.check(plan.dataset, res).items():
+            result.record(invariant, found)
+
     async def play(self, plan: RoundPlan) -> RoundResult:
         result = RoundResult(plan.seed, plan.round, plan.entry, plan.describe())
         rdir = self.workdir / "rounds" / f"r{plan.round}"
         rdir.mkdir(parents=True, exist_ok=True)
+        if plan.entry == "batch":
+            await self.play_batch(plan, result)
+            await self.check_api(result)
+            await self.check_alive(result)
+            return result
         if plan.entry != "run":
             await self.ensure_cluster()
         mount = None
@@ -206,8 +263,11 @@ class Torture:
                 await self.second_input(plan, result, out)
         finally:
             if mount is not None:
+                if result.violations and out.is_dir():  # the evidence outlives the small disk
+                    shutil.copytree(out, rdir / "out-kept", dirs_exist_ok=True)
                 faults.unmount(mount)
         if plan.entry != "run":
+            await self.check_api(result)
             await self.check_alive(result)
         return result
 
@@ -225,10 +285,10 @@ class Torture:
         """Another input into the finished job's --out: refused (exit 2), the output
         untouched; with --overwrite (plan `overwrite`) the new job's rows."""
         assert plan.second_dataset is not None
-        before = tree_digest(out)
+        before = checkers.tree_digest(out)
         refused = await self.job(plan, plan.second_dataset, out, job=None, overwrite=False, name="second")
         found = checkers.check_exit(refused, 0, refused=True)
-        if tree_digest(out) != before:
+        if checkers.tree_digest(out) != before:
             found.append(Violation("refusal", "the refused input changed the first job's output"))
         result.record("refusal", found)
         if plan.second == "overwrite":
@@ -263,6 +323,7 @@ class Torture:
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
+            await self.stop_api()
             if self.cluster is not None and self.own_cluster:
                 self.cluster.stop()
         return self.summary(time.monotonic() - t0)

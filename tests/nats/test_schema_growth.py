@@ -114,3 +114,33 @@ def test_raw_rows_widen_the_schema_and_lose_nothing(clusters, tmp_path):
     summary = json.loads((tmp_path / "grow-types" / "_summary.json").read_text())
     assert summary["columns"]["score"] == "string" and summary["columns"]["f"] == "double"
     assert pq.read_schema(tmp_path / "grow-types" / "_common_metadata").equals(table.schema)
+
+
+def test_a_jsonl_file_whose_field_types_change_between_lines_widens_by_the_same_rules(clusters, tmp_path):
+    """Issue 39: JSONL lines whose field types change (int then string in one column; a
+    nested value beside a scalar; an int past 2^53 beside a float) through `prefixflow
+    submit`: the job done, every value its canonical text (docs/schema-growth.md), the
+    same column the same values published raw give (`widening.column_of`)."""
+    from prefixflow.shared.widening import column_of
+    from tests.conftest import run_cli
+
+    cluster = clusters.get(replicas=1)
+    lines = [{"id": 0, "prompt": "mixed 0", "n": 1, "x": {"k": [1, 2]}, "f": 3.0, "big": BIG, "ok": 1},
+             {"id": 1, "prompt": "mixed 1", "n": "two", "x": 5, "f": "s", "big": 0.5, "ok": 2.5},
+             {"id": "1", "prompt": "mixed 2", "n": 2**60, "x": [True], "f": None, "ok": 3}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out-mixed"
+    res = run_cli("submit", str(path), "--out", str(out), "--nats", cluster.url, "--job", "jsonl-mixed",
+                  "--max-tokens", "2", "--no-progress", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    table = read_out(out)
+    assert table.num_rows == 3 and all(e is None for e in table.column("error").to_pylist())
+    rows = sorted(table.to_pylist(), key=lambda r: r["prompt"])
+    assert [r["prompt"] for r in rows] == ["mixed 0", "mixed 1", "mixed 2"]
+    want = {"n": ["1", "two", str(2**60)], "x": ['{"k": [1, 2]}', "5", "[true]"], "f": ["3", "s", None],
+            "big": [str(BIG), "0.5", None], "ok": [1.0, 2.5, 3.0]}
+    for name, values in want.items():
+        assert [r[name] for r in rows] == values, name
+        raw = column_of([x.get(name) for x in lines])  # what the raw path makes of the same values
+        assert table.schema.field(name).type == raw.type and raw.to_pylist() == values, name

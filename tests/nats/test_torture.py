@@ -2,7 +2,9 @@
 submit and raw rounds on the session's shared echo cluster (the harness supervises it
 while it kills and stops its processes), a `run` round as the CLI (its own cluster).
 Every round must pass every invariant (or fail only as a recorded known failure); the
-faults must have been injected, the checks made."""
+faults must have been injected, the checks made. Batch rounds drive `prefixflow serve
+api` (started by the harness beside the shared cluster) with the openai client and
+restart it mid-batch."""
 
 from __future__ import annotations
 
@@ -38,3 +40,25 @@ def test_a_run_round_through_the_cli(tmp_path):
                   "--workdir", str(tmp_path), timeout=200)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 rounds" in res.stdout and "1 ok" in res.stdout, res.stdout
+
+
+BATCH_SEED = 523
+"""Rounds 0..1 of it on the batch API (chat): bad lines (cut before the custom_id, no
+body), a prompt past the model's positions and a temperature below 0 (the job's error
+rows), a 32 KiB value; the ingestor, sink and bucketer killed, the engine and nats-server
+stopped, and the API restarted by SIGTERM (round 0) and SIGKILL (round 1) mid-batch."""
+
+
+def test_batch_rounds_with_api_restarts_on_the_shared_cluster(clusters, tiny_model, tmp_path):
+    cluster = clusters.get(replicas=1)
+    lines: list[str] = []
+    torture = Torture(BATCH_SEED, tmp_path, rounds=2, entry_points=("batch",), cluster=cluster, model=str(tiny_model),
+                      say=lambda text: (lines.append(text), print(text)), max_rows=60)
+    summary = asyncio.run(torture.main())
+    report = "\n".join(lines)
+    assert summary["rounds"] == 2 and summary["failed"] == 0, report
+    assert summary["faults"].get("api_restart", 0) >= 1, report
+    checks = summary["checks_passed"]
+    assert checks.get("batch-ids") == checks.get("batch-counts") == checks.get("batch-status") == 2, report
+    assert checks.get("clean-job") == 2 and checks.get("alive") == 4, report  # the cluster and the API, each round
+    assert all(proc.poll() is None for proc in cluster.running.values())

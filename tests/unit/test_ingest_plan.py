@@ -10,8 +10,10 @@ import time
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from prefixflow.services.ingestor.plan import Incoming, Model, plan_batch, poison_rows
+from prefixflow.services.ingestor.plan import Incoming, Model, batch_src, plan_batch, poison_rows
 from prefixflow.services.ingestor.service import Ingestor
 from prefixflow.shared.prefix import tokens as tk
 from prefixflow.shared.prefix.sharding import Sharder
@@ -122,7 +124,7 @@ def test_ingestor_tokenizes_off_the_event_loop(monkeypatch):
     asyncio.run(ing.handle(msgs))
     assert threads == [False], "tokenized once, in a worker thread"
     # The rows' other fields (their `prompt`) are stored before the prompts that refer to them.
-    assert published == [f"blob j/in-{m.INGEST_SRC_BASE + 7}", "pfx.bucket.node0.j"] and all(x.acked for x in msgs)
+    assert published == [f"blob j/in-{batch_src([7, 8, 9])}", "pfx.bucket.node0.j"] and all(x.acked for x in msgs)
 
 
 def test_prompts_go_only_to_nodes_a_bucketer_reported():
@@ -135,3 +137,34 @@ def test_prompts_go_only_to_nodes_a_bucketer_reported():
     assert ing.live_nodes() == ["b"]  # only the live ones while any is
     ing.bucketers = {"b": now - 30, "a": now - 60}
     assert ing.live_nodes() == ["a", "b"]  # none live (a late heartbeat): the known ones keep their streams
+
+
+@given(st.lists(st.integers(0, 2**40), min_size=1, max_size=6, unique=True), st.lists(st.integers(0, 2**40), max_size=5))
+def test_a_batch_blob_is_named_by_its_messages(seqs, others):
+    seqs = sorted(seqs)
+    src = batch_src(seqs)
+    assert m.INGEST_SRC_BASE <= src < m.INGEST_SRC_BASE + (1 << 56) and src == batch_src(list(seqs))
+    regrouped = sorted(set(seqs[:1] + others))  # the same first message, other messages with it
+    if regrouped != seqs:
+        assert batch_src(regrouped) != src
+
+
+@given(st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=8), min_size=1, max_size=4))
+def test_rows_of_every_attempt_find_their_own_fields_after_redeliveries(attempts):
+    """Torture seed 7 round 53: after a crash, the unacked messages came again grouped
+    otherwise under the same first message; the old blob name (the first message's
+    sequence) let the new grouping overwrite the blob the first attempt's published rows
+    pointed into (a row came out with another row's prompt). Every attempt's rows (good
+    and error rows) must find their own fields in the blobs as the last write left them."""
+    rows = [{"id": i, "prompt": "" if i == 3 else f"prompt {i}", "tag": f"t{i}"} for i in range(8)]  # 3: error row
+    blobs: dict[int, list[bytes]] = {}
+    refs = []
+    for attempt in attempts:
+        seqs = sorted(set(attempt))
+        batch = [Incoming("pfx.ingest.j", json.dumps(rows[s]).encode(), seq=100 + s) for s in seqs]
+        plan = plan_batch(batch, {"j": m.JobLookup(SPEC)}, MODEL, lambda key: "n0")
+        blobs[plan.src] = plan.kept["j"]  # put_blob: the last write of a name wins
+        refs += [(p.id, p.src, p.row) for p in plan.prompts["n0"]] + [(r.id, r.src, r.row) for r in plan.errors["j"]]
+    for rid, src, row in refs:
+        fields = msgspec.msgpack.decode(blobs[src][row])
+        assert fields == {k: v for k, v in rows[rid].items() if k != "id"}, (rid, fields)

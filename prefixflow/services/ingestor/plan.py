@@ -9,6 +9,7 @@ acks (the Rust tokenizer releases the GIL).
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +81,28 @@ class Plan:
         return sum(len(v) for v in self.errors.values())
 
 
+SRC_DIGEST_BITS = 32
+"""Bits of a batch's blob number that come from the digest of its messages' sequences
+(the other 24 from its first message's: `batch_src`)."""
+
+
+def batch_src(seqs: Sequence[int]) -> int:
+    """The number of a batch's blob of kept fields (`input_blob`), from the stream
+    sequences of its messages: the first one's (low 24 bits) and a digest of all of them.
+
+    NOTE: a row refers to its fields by (blob, position in the blob). After a crash the
+    unacked messages come again, grouped by the next fetch as it happens: a batch may
+    start with the same message and hold others. Named by its first message alone, such
+    a batch overwrote the blob the earlier attempt's rows (already published) point into,
+    and those rows came out with another row's fields (torture seed 7 round 53: a prompt
+    swapped). Named by its composition, each grouping has its own blob, and the same
+    grouping (a redelivery of the very same messages) the same one, with the same rows."""
+    if not seqs:
+        return m.INGEST_SRC_BASE
+    digest = hashlib.blake2b(b"".join(s.to_bytes(8, "little") for s in seqs), digest_size=SRC_DIGEST_BITS // 8)
+    return m.INGEST_SRC_BASE + ((seqs[0] & 0xFFFFFF) << SRC_DIGEST_BITS | int.from_bytes(digest.digest(), "little"))
+
+
 def plan_batch(
     incoming: Sequence[Incoming],
     jobs: dict[str, m.JobLookup],
@@ -92,7 +115,7 @@ def plan_batch(
     `pfx.ingest.bad:job`) is dead-lettered with the reason, and no job is failed, looked
     up or written for it. `pick_node(key)` chooses a bucketer node for a prompt's
     first-block key."""
-    plan = Plan(src=m.INGEST_SRC_BASE + (incoming[0].seq if incoming else 0))
+    plan = Plan(src=batch_src([msg.seq for msg in incoming]))
 
     def ref(job: str, rec) -> dict[str, int]:
         """Where a row's input columns are: its own reference, or (its other fields kept

@@ -314,8 +314,8 @@ LORA_FIELD = "lora"
 empty, null or the base model's name: no adapter."""
 INGEST_SRC_BASE = 1 << 48
 """Blob numbers the ingestor uses for the extra fields of rows published without a
-reference (this plus the stream sequence of a batch's first message): never a client's
-chunk number."""
+reference (this plus a number of the batch's messages, `services/ingestor/plan.py`
+`batch_src`, below 2^56): never a client's chunk number."""
 
 
 def input_blob(src: int) -> str:
