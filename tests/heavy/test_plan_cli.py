@@ -46,7 +46,8 @@ def test_plan_predicts_every_fleet_and_method_within_the_limit(dataset):
         assert set(by) == {"prefix-aware", "sorted", "naive"}
         assert f["sample_rows"] <= 250 and 1 <= f["sample_replicas"] < gpus  # sampled, the fleet cut with it
         assert "uniform sample" in f["sample"]
-        assert by["prefix-aware"]["wall_seconds"] <= by["naive"]["wall_seconds"]
+        # prefix-aware no slower than naive (1 %: on one sampled replica both keep every prefix cached)
+        assert by["prefix-aware"]["wall_seconds"] <= by["naive"]["wall_seconds"] * 1.01
         limit = f["limit"]
         for m in by.values():
             assert m["wall_seconds"] > 0
