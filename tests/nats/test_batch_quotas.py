@@ -36,7 +36,7 @@ def rewrite(path: Path, text: str) -> None:
 
 
 def alice_quotas(stored_bytes: int, open_batches: int, queued_rows: int, concurrent_jobs: int) -> str:
-    return (f"[tenants.alice]\nstored_bytes = {stored_bytes}\nopen_batches = {open_batches}\n"
+    return (f"[tenants.qalice]\nstored_bytes = {stored_bytes}\nopen_batches = {open_batches}\n"
             f"queued_rows = {queued_rows}\nconcurrent_jobs = {concurrent_jobs}\n")
 
 
@@ -49,7 +49,9 @@ def files(tmp_path_factory) -> Path:
 def api(clusters, tiny_model, files):
     cluster = clusters.get(engine_args=SLOW_ECHO)
     keys, quotas = files / "keys", files / "quotas.toml"
-    keys.write_text("alice key-a\nbob key-b\n")
+    # Tenants of this module alone (q...): the shared cluster's stores hold other tests'
+    # tenants' files (alice's, bob's), and a quota counts everything a tenant stores.
+    keys.write_text("qalice key-a\nqbob key-b\n")
     quotas.write_text("")
     a = ApiProcess(cluster.url, tiny_model, files)
     a.env.update(PFX_API_KEYS="", PFX_API_KEYS_FILE=str(keys), PFX_QUOTAS_FILE=str(quotas))
@@ -152,24 +154,24 @@ def test_keys_added_rotated_and_revoked_while_the_api_runs_take_effect_at_once(a
     base = f"http://127.0.0.1:{api.port}/v1"
     with pytest.raises(openai.AuthenticationError):
         api.client("key-c").files.list()
-    rewrite(api.keys, "alice key-a\nbob key-b\ncarol key-c\n")  # carol added
+    rewrite(api.keys, "qalice key-a\nqbob key-b\nqcarol key-c\n")  # carol added
     carol = api.client("key-c")
     f = carol.files.create(file=("c.jsonl", json.dumps(chat_line(0)).encode()), purpose="batch")
-    rewrite(api.keys, "alice key-a\ncarol key-c\ncarol key-c2\n")  # bob revoked; carol's second key for rotating
+    rewrite(api.keys, "qalice key-a\nqcarol key-c\nqcarol key-c2\n")  # bob revoked; carol's second key for rotating
     r = httpx.get(f"{base}/files", headers={"Authorization": "Bearer key-b"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", "a revoked key: 401 at once"
     assert api.client("key-c2").files.retrieve(f.id).id == f.id, "a tenant's new key sees its files"
-    rewrite(api.keys, "alice key-a\ncarol key-c2\nbob key-b\n")  # carol's old key rotated out, bob back
+    rewrite(api.keys, "qalice key-a\nqcarol key-c2\nqbob key-b\n")  # carol's old key rotated out, bob back
     with pytest.raises(openai.AuthenticationError):
         carol.files.list()
-    rewrite(api.keys, "alice key-a\ncarol key-c2\nbob key-b\nbroken\n")  # a bad edit: the keys in force stay
+    rewrite(api.keys, "qalice key-a\nqcarol key-c2\nqbob key-b\nbroken\n")  # a bad edit: the keys in force stay
     assert api.client("key-c2").files.retrieve(f.id).id == f.id
     assert "API keys not reloaded" in api.log.read_text()
-    rewrite(api.keys, "alice key-a\ncarol key-c2\nbob key-b\n")
+    rewrite(api.keys, "qalice key-a\nqcarol key-c2\nqbob key-b\n")
 
 
 def test_lists_page_through_every_item_once_and_are_bounded(api, files):
-    rewrite(api.keys, "alice key-a\nbob key-b\ndave key-d\n")
+    rewrite(api.keys, "qalice key-a\nqbob key-b\nqdave key-d\n")
     dave = api.client("key-d")
     uploaded = [dave.files.create(file=(f"f{i}.jsonl", json.dumps(chat_line(i)).encode()), purpose="batch").id
                 for i in range(7)]
