@@ -161,6 +161,9 @@ class Submitter:
             else:
                 if st is not None and st.failed:
                     raise JobFailed(job, st.error)
+                if st is not None and st.done and st.cancelled:  # the sink ended it (a notice may have come
+                    self.cancelled.add(job)  # before this client listened): the status is the sink's word
+                    return False
                 paused.observe(job, st, time.monotonic())
                 window.observe(st.rows + st.duplicates if st is not None else 0, time.monotonic())
             if window.may_send(rows, time.monotonic()):
