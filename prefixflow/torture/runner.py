@@ -191,13 +191,22 @@ class Torture:
             return entries.outcome_of_run(code, stderr, out)
         return entries.outcome_of(code, stderr, await entries.status_of(self.cluster.url, job or plan.job))
 
+    def forgive(self, name: str) -> None:
+        """A process of the harness's cluster killed on purpose: its supervisor does not
+        count the exit against the process's restart budget (a long run kills each
+        process more often than the budget allows a crash loop)."""
+        supervisor = getattr(self.cluster, "supervisor", None)
+        if supervisor is not None:
+            supervisor.forgive(name)
+
     async def with_faults(self, work, plan_faults: list[faults.Fault], pids, mount: Path | None,
                           ready: Callable[[], bool] | None = None):
         """`work`'s result, the faults injected while it runs (from when `ready()` holds:
         `run` supervises its processes only once it has submitted). The injected faults
         are left in `self.last_faults`."""
         restart = self.api.restart if self.api is not None else None
-        inj = faults.Injector(self.fault_counts, restart_api=restart)
+        own = pids == self.cluster_pids  # the harness's cluster (else `run`'s: its supervisor counts them)
+        inj = faults.Injector(self.fault_counts, restart_api=restart, killed=self.forgive if own else None)
         task = asyncio.ensure_future(work)
         if plan_faults:
             while ready is not None and not task.done() and not ready():
