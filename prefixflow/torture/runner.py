@@ -51,11 +51,14 @@ ECHO_ENV = {"PFX_ECHO_DELAY": "0.1", "PFX_WINDOW": "4"}
 class Torture:
     def __init__(self, seed: int, workdir: Path, *, rounds: int | None = None, minutes: float | None = None,
                  first_round: int = 0, entry_points: tuple[str, ...] = entries.ENTRIES, cluster=None,
-                 model: str = "", say: Callable[[str], None] = print, max_rows: int = 200) -> None:
+                 model: str = "", say: Callable[[str], None] = print, max_rows: int = 200,
+                 job_timeout: float = entries.JOB_TIMEOUT) -> None:
         self.seed, self.workdir = seed, workdir
         self.rounds, self.minutes, self.first_round = rounds, minutes, first_round
         self.entry_points, self.say, self.max_rows = entry_points, say, max_rows
         self.model = model
+        self.job_timeout = job_timeout
+        """Seconds a round's job may take (then: a hang, a violation)."""
         self.cluster = cluster
         self.own_cluster = cluster is None
         self.api: ApiProcess | None = None
@@ -170,17 +173,17 @@ class Torture:
         rdir = out.parent if mount is None else mount.parent
         plan_faults = plan.faults if name == "job" else []
         if plan.entry == "raw":
-            work = entries.publish_raw(self.cluster.url, plan.job, out, ds, plan.rng, entries.JOB_TIMEOUT)
+            work = entries.publish_raw(self.cluster.url, plan.job, out, ds, plan.rng, self.job_timeout)
             pids = self.cluster_pids
         else:
             input_path = rdir / f"{name}{ds.suffix()}"
             write(ds, input_path)
             workdir = rdir / f"{name}-cluster"
             argv = entries.job_argv(plan.entry, input_path, out, job, url=self.cluster.url if self.cluster else "",
-                                    workdir=workdir, overwrite=overwrite)
+                                    workdir=workdir, overwrite=overwrite, timeout=self.job_timeout)
             env = {**self.env, "PFX_OUT_ROOT": str(self.workdir)} if plan.entry == "run" else self.env
             (rdir / f"{name}.cmd").write_text("prefixflow " + " ".join(argv) + "\n")
-            work = entries.command(argv, rdir / f"{name}.log", env, entries.JOB_TIMEOUT + 30)
+            work = entries.command(argv, rdir / f"{name}.log", env, self.job_timeout + 30)
             pids = self.cluster_pids if plan.entry == "submit" else lambda: entries.pids_of_run(workdir)
         ready = (lambda: entries.run_submitted(rdir / f"{name}.log")) if plan.entry == "run" else None
         result = await self.with_faults(work, plan_faults, pids, mount, ready)
@@ -229,7 +232,7 @@ class Torture:
         assert isinstance(plan.dataset, batches.BatchSet)
         api = await self.ensure_api()
         rdir = self.workdir / "rounds" / f"r{plan.round}"
-        work = batches.run_batch(api, plan.dataset, rdir / "batch.jsonl", entries.JOB_TIMEOUT)
+        work = batches.run_batch(api, plan.dataset, rdir / "batch.jsonl", self.job_timeout)
         res = await self.with_faults(work, plan.faults, self.cluster_pids, None)
         result.faults_done = self.last_faults
         if res.batch is None and res.job:  # whose fault: the cluster's job, or the API that follows it?
