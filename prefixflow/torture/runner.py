@@ -37,7 +37,8 @@ from prefixflow.torture.api import ApiProcess
 from prefixflow.torture.checkers import Outcome, Violation
 from prefixflow.torture.datasets import Dataset, write
 from prefixflow.torture.known import known_for
-from prefixflow.torture.rounds import CLUSTER_PROCESSES, RoundPlan, RoundResult, plan_round, replay_command
+from prefixflow.torture.rounds import (CLUSTER_PROCESSES, RoundPlan, RoundResult, plan_round, replay_command,
+                                       summarize)
 
 log = structlog.get_logger()
 
@@ -338,7 +339,8 @@ class Torture:
             await self.stop_api()
             if self.cluster is not None and self.own_cluster:
                 self.cluster.stop()
-        return self.summary(time.monotonic() - t0)
+        return summarize(self.seed, self.results, self.entry_points, self.fault_counts, self.disk,
+                         time.monotonic() - t0)
 
     def report_round(self, result: RoundResult) -> None:
         checks = sum(result.checks.values())
@@ -349,23 +351,6 @@ class Torture:
             self.say(f"  {'known' if k else 'VIOLATION'} {v}" + (f" (belongs to {k.belongs_to})" if k else ""))
         if result.violations:
             self.say(f"  replay: {replay_command(result.seed, result.round, self.entry_points)}")
-
-    def summary(self, seconds: float) -> dict[str, Any]:
-        checks: Counter = Counter()
-        for res in self.results:
-            checks.update(res.checks)
-        failures = [{"seed": res.seed, "round": res.round, "entry": res.entry, "verdict": res.verdict,
-                     "plan": res.description, "faults": res.faults_done,
-                     "violations": [str(v) for v in res.violations],
-                     "replay": replay_command(res.seed, res.round, self.entry_points)}
-                    for res in self.results if res.violations]
-        return {"seed": self.seed, "rounds": len(self.results), "seconds": round(seconds, 1),
-                "entries": dict(Counter(res.entry for res in self.results)),
-                "faults": dict(self.fault_counts), "disk_faults": self.disk,
-                "checks_passed": dict(checks), "checks_passed_total": sum(checks.values()),
-                "ok": sum(res.verdict == "ok" for res in self.results),
-                "known": sum(res.verdict == "known" for res in self.results),
-                "failed": sum(res.verdict == "FAILED" for res in self.results), "failures": failures}
 
 
 def main(args) -> None:
