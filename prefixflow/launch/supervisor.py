@@ -105,6 +105,14 @@ class Supervisor:
         self.dropped: set[str] = set()
         self.restarts: dict[str, int] = {n: 0 for n in names}
         """Restarts granted per process (the run's final report)."""
+        self.forgiven: set[str] = set()
+        """Processes whose next exit was caused from outside (`forgive`)."""
+
+    def forgive(self, name: str) -> None:
+        """`name` was just killed on purpose (the torture harness's fault injection, an
+        operator): its next exit is restarted at once and not counted against its budget,
+        which is for exits of the process's own making (a crash loop)."""
+        self.forgiven.add(name)
 
     def started(self, name: str, now: float) -> None:
         self.backoff[name].on_start(now)
@@ -112,6 +120,10 @@ class Supervisor:
     def exited(self, name: str, now: float) -> Decision:
         """`name` exited unexpectedly at `now`: restart after the returned delay, drop
         it (a replica out of budget while others remain), or give the run up."""
+        if name in self.forgiven:
+            self.forgiven.discard(name)
+            self.restarts[name] += 1
+            return self.policy.first_delay
         decision = self.backoff[name].on_exit(now)
         if not isinstance(decision, GiveUp):
             self.restarts[name] += 1

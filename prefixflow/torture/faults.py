@@ -103,8 +103,11 @@ class Injector:
     gives the current pid of each process (they change as the supervisor restarts them).
     Every stopped process is continued, also when the round is cut short."""
 
-    def __init__(self, counts: Counter, restart_api: Callable[[int, float], Awaitable[str]] | None = None) -> None:
+    def __init__(self, counts: Counter, restart_api: Callable[[int, float], Awaitable[str]] | None = None,
+                 killed: Callable[[str], None] | None = None) -> None:
         self.counts = counts
+        self.killed = killed
+        """Told the name of each process killed (its supervisor forgives the exit)."""
         self.done: list[str] = []
         self.stopped: set[int] = set()
         self.restart_api = restart_api
@@ -144,6 +147,8 @@ class Injector:
         try:
             if fault.kind == "sigkill":
                 os.kill(pid, signal.SIGKILL)
+                if self.killed is not None:  # NOTE: no await in between: the supervisor sees the exit after this
+                    self.killed(fault.target)
             else:
                 os.kill(pid, signal.SIGSTOP)
                 self.stopped.add(pid)

@@ -5,7 +5,9 @@ result. Pure: no I/O."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixflow.torture import batches, datasets, faults
 from prefixflow.torture.checkers import Violation
@@ -96,3 +98,23 @@ class RoundResult:
         if not self.violations:
             return "ok"
         return "FAILED" if self.unknown else "known"
+
+
+def summarize(seed: int, results: list[RoundResult], entries: tuple[str, ...], fault_counts: Counter, disk: bool,
+              seconds: float) -> dict[str, Any]:
+    """A run's report (`WORKDIR/torture.json`): rounds, entries, faults and checks passed
+    by kind, verdicts, and every round with a violation (its replay command)."""
+    checks: Counter = Counter()
+    for res in results:
+        checks.update(res.checks)
+    failures = [{"seed": res.seed, "round": res.round, "entry": res.entry, "verdict": res.verdict,
+                 "plan": res.description, "faults": res.faults_done, "violations": [str(v) for v in res.violations],
+                 "replay": replay_command(res.seed, res.round, entries)}
+                for res in results if res.violations]
+    return {"seed": seed, "rounds": len(results), "seconds": round(seconds, 1),
+            "entries": dict(Counter(res.entry for res in results)),
+            "faults": dict(fault_counts), "disk_faults": disk,
+            "checks_passed": dict(checks), "checks_passed_total": sum(checks.values()),
+            "ok": sum(res.verdict == "ok" for res in results),
+            "known": sum(res.verdict == "known" for res in results),
+            "failed": sum(res.verdict == "FAILED" for res in results), "failures": failures}

@@ -37,7 +37,8 @@ from prefixflow.torture.api import ApiProcess
 from prefixflow.torture.checkers import Outcome, Violation
 from prefixflow.torture.datasets import Dataset, write
 from prefixflow.torture.known import known_for
-from prefixflow.torture.rounds import CLUSTER_PROCESSES, RoundPlan, RoundResult, plan_round, replay_command
+from prefixflow.torture.rounds import (CLUSTER_PROCESSES, RoundPlan, RoundResult, plan_round, replay_command,
+                                       summarize)
 
 log = structlog.get_logger()
 
@@ -51,11 +52,14 @@ ECHO_ENV = {"PFX_ECHO_DELAY": "0.1", "PFX_WINDOW": "4"}
 class Torture:
     def __init__(self, seed: int, workdir: Path, *, rounds: int | None = None, minutes: float | None = None,
                  first_round: int = 0, entry_points: tuple[str, ...] = entries.ENTRIES, cluster=None,
-                 model: str = "", say: Callable[[str], None] = print, max_rows: int = 200) -> None:
+                 model: str = "", say: Callable[[str], None] = print, max_rows: int = 200,
+                 job_timeout: float = entries.JOB_TIMEOUT) -> None:
         self.seed, self.workdir = seed, workdir
         self.rounds, self.minutes, self.first_round = rounds, minutes, first_round
         self.entry_points, self.say, self.max_rows = entry_points, say, max_rows
         self.model = model
+        self.job_timeout = job_timeout
+        """Seconds a round's job may take (then: a hang, a violation)."""
         self.cluster = cluster
         self.own_cluster = cluster is None
         self.api: ApiProcess | None = None
@@ -170,17 +174,17 @@ class Torture:
         rdir = out.parent if mount is None else mount.parent
         plan_faults = plan.faults if name == "job" else []
         if plan.entry == "raw":
-            work = entries.publish_raw(self.cluster.url, plan.job, out, ds, plan.rng, entries.JOB_TIMEOUT)
+            work = entries.publish_raw(self.cluster.url, plan.job, out, ds, plan.rng, self.job_timeout)
             pids = self.cluster_pids
         else:
             input_path = rdir / f"{name}{ds.suffix()}"
             write(ds, input_path)
             workdir = rdir / f"{name}-cluster"
             argv = entries.job_argv(plan.entry, input_path, out, job, url=self.cluster.url if self.cluster else "",
-                                    workdir=workdir, overwrite=overwrite)
+                                    workdir=workdir, overwrite=overwrite, timeout=self.job_timeout)
             env = {**self.env, "PFX_OUT_ROOT": str(self.workdir)} if plan.entry == "run" else self.env
             (rdir / f"{name}.cmd").write_text("prefixflow " + " ".join(argv) + "\n")
-            work = entries.command(argv, rdir / f"{name}.log", env, entries.JOB_TIMEOUT + 30)
+            work = entries.command(argv, rdir / f"{name}.log", env, self.job_timeout + 30)
             pids = self.cluster_pids if plan.entry == "submit" else lambda: entries.pids_of_run(workdir)
         ready = (lambda: entries.run_submitted(rdir / f"{name}.log")) if plan.entry == "run" else None
         result = await self.with_faults(work, plan_faults, pids, mount, ready)
@@ -191,13 +195,22 @@ class Torture:
             return entries.outcome_of_run(code, stderr, out)
         return entries.outcome_of(code, stderr, await entries.status_of(self.cluster.url, job or plan.job))
 
+    def forgive(self, name: str) -> None:
+        """A process of the harness's cluster killed on purpose: its supervisor does not
+        count the exit against the process's restart budget (a long run kills each
+        process more often than the budget allows a crash loop)."""
+        supervisor = getattr(self.cluster, "supervisor", None)
+        if supervisor is not None:
+            supervisor.forgive(name)
+
     async def with_faults(self, work, plan_faults: list[faults.Fault], pids, mount: Path | None,
                           ready: Callable[[], bool] | None = None):
         """`work`'s result, the faults injected while it runs (from when `ready()` holds:
         `run` supervises its processes only once it has submitted). The injected faults
         are left in `self.last_faults`."""
         restart = self.api.restart if self.api is not None else None
-        inj = faults.Injector(self.fault_counts, restart_api=restart)
+        own = pids == self.cluster_pids  # the harness's cluster (else `run`'s: its supervisor counts them)
+        inj = faults.Injector(self.fault_counts, restart_api=restart, killed=self.forgive if own else None)
         task = asyncio.ensure_future(work)
         if plan_faults:
             while ready is not None and not task.done() and not ready():
@@ -220,7 +233,7 @@ class Torture:
         assert isinstance(plan.dataset, batches.BatchSet)
         api = await self.ensure_api()
         rdir = self.workdir / "rounds" / f"r{plan.round}"
-        work = batches.run_batch(api, plan.dataset, rdir / "batch.jsonl", entries.JOB_TIMEOUT)
+        work = batches.run_batch(api, plan.dataset, rdir / "batch.jsonl", self.job_timeout)
         res = await self.with_faults(work, plan.faults, self.cluster_pids, None)
         result.faults_done = self.last_faults
         if res.batch is None and res.job:  # whose fault: the cluster's job, or the API that follows it?
@@ -326,7 +339,8 @@ class Torture:
             await self.stop_api()
             if self.cluster is not None and self.own_cluster:
                 self.cluster.stop()
-        return self.summary(time.monotonic() - t0)
+        return summarize(self.seed, self.results, self.entry_points, self.fault_counts, self.disk,
+                         time.monotonic() - t0)
 
     def report_round(self, result: RoundResult) -> None:
         checks = sum(result.checks.values())
@@ -337,23 +351,6 @@ class Torture:
             self.say(f"  {'known' if k else 'VIOLATION'} {v}" + (f" (belongs to {k.belongs_to})" if k else ""))
         if result.violations:
             self.say(f"  replay: {replay_command(result.seed, result.round, self.entry_points)}")
-
-    def summary(self, seconds: float) -> dict[str, Any]:
-        checks: Counter = Counter()
-        for res in self.results:
-            checks.update(res.checks)
-        failures = [{"seed": res.seed, "round": res.round, "entry": res.entry, "verdict": res.verdict,
-                     "plan": res.description, "faults": res.faults_done,
-                     "violations": [str(v) for v in res.violations],
-                     "replay": replay_command(res.seed, res.round, self.entry_points)}
-                    for res in self.results if res.violations]
-        return {"seed": self.seed, "rounds": len(self.results), "seconds": round(seconds, 1),
-                "entries": dict(Counter(res.entry for res in self.results)),
-                "faults": dict(self.fault_counts), "disk_faults": self.disk,
-                "checks_passed": dict(checks), "checks_passed_total": sum(checks.values()),
-                "ok": sum(res.verdict == "ok" for res in self.results),
-                "known": sum(res.verdict == "known" for res in self.results),
-                "failed": sum(res.verdict == "FAILED" for res in self.results), "failures": failures}
 
 
 def main(args) -> None:

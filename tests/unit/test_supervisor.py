@@ -119,3 +119,24 @@ def test_a_single_replica_out_of_budget_gives_up():
 def test_unknown_replica_is_refused():
     with pytest.raises(ValueError):
         Supervisor(["nats"], {"engine0"})
+
+
+def test_exits_killed_on_purpose_do_not_spend_the_budget():
+    """The torture harness kills processes of its long-lived cluster on purpose (seed 7
+    round 94: its sixth kill of the engine in ten minutes made the supervisor give up).
+    A forgiven exit restarts at the first delay and leaves the budget alone; an exit of
+    the process's own making still counts."""
+    sup = Supervisor(["engine0", "sink"], {"engine0"})
+    now = 0.0
+    for _ in range(20):
+        sup.started("engine0", now)
+        now += 2.0
+        sup.forgive("engine0")
+        assert sup.exited("engine0", now) == 1.0
+    assert sup.restarts["engine0"] == 20 and not sup.dropped
+    for _ in range(5):  # its own crashes: the budget as before
+        sup.started("engine0", now)
+        now += 2.0
+        assert isinstance(sup.exited("engine0", now), float)
+    sup.started("engine0", now)
+    assert isinstance(sup.exited("engine0", now + 2.0), GiveUp)
