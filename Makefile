@@ -38,10 +38,13 @@ demo: model
 	$(BIN)/prefixflow run $(DEMO)/prompts.parquet --out $(DEMO)/out --model $(MODEL) \
 		--replicas 2 --max-tokens 32 --job demo
 
+# The package's bytecode is compiled first: the suite starts a few hundred service processes, and
+# where PYTHONDONTWRITEBYTECODE is set (as on this machine) each would compile its modules again.
 # Two workers (pytest-xdist): one runs the e2e tier (real vLLM engines, one test at a time;
 # two at once only share the cores and slow the timing-sensitive tests), the other every
 # other file (tests/tiers.py schedules them).
 test: install
+	$(BIN)/python -m compileall -q prefixflow >/dev/null
 	$(BIN)/python -m pytest -q -n 2
 
 test-fast: install

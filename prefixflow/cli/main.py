@@ -147,7 +147,22 @@ def cmd_submit(args: argparse.Namespace) -> None:
         auto_report(args.out, status.rows)  # when the output directory is on this machine
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = ("make-model", "dataset", "serve", "run", "bench", "torture", "simulate", "plan", "cluster", "submit",
+            "status", "jobs", "top", "cancel", "report")
+"""Every command, in `--help`'s order (a test holds it to the parser's)."""
+SERVED = ("ingestor", "bucketer", "router", "engine-worker", "sink", "nats", "api")
+"""What `prefixflow serve` runs."""
+
+
+def build_parser(command: str | None = None, service: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with `command` only that command's part: each command's
+    flags come from its own modules, and a service process (`prefixflow serve NAME`, started
+    by the hundred in a fleet's life and at every `run`) imports only its own, not the
+    API's web framework or the simulator."""
+
+    def want(*names: str) -> bool:
+        return command is None or command in names
+
     parser = argparse.ArgumentParser(
         prog="prefixflow", description="Distributed batch LLM inference with prefix bucketing.",
         epilog=f"Exit codes: {Exit.OK} done; {Exit.FAILED} failed (the job failed, was cancelled or expired; a "
@@ -159,6 +174,57 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    if want("make-model"):
+        add_make_model(sub)
+    if want("dataset"):
+        add_dataset(sub)
+    if want("serve"):
+        add_serve(sub, service if command == "serve" else None)
+    if want("run"):
+        add_run(sub)
+    if want("bench"):
+        from prefixflow.bench.commands import add_parsers as add_bench_parsers
+
+        p = sub.add_parser("bench", help="benchmarks (methods comparison on vLLM; pipeline throughput)")
+        add_bench_parsers(p.add_subparsers(dest="bench", required=True))
+    if want("torture"):
+        from prefixflow.torture.commands import add_parser as add_torture_parser
+
+        add_torture_parser(sub)  # prefixflow torture (docs/torture.md)
+    if want("simulate"):
+        from prefixflow.sim.commands import add_parser as add_simulate_parser
+
+        add_simulate_parser(sub)  # prefixflow simulate (docs/simulator.md)
+    if want("plan"):
+        from prefixflow.cli.plan import add_parser as add_plan_parser
+
+        add_plan_parser(sub)  # prefixflow plan (docs/plan.md)
+    if want("cluster"):
+        from prefixflow.launch.fleet_config import add_parsers as add_cluster_parsers
+
+        p = sub.add_parser("cluster", help="bring up a fleet: NATS cluster configs and env files for N nodes")
+        add_cluster_parsers(p.add_subparsers(dest="cluster", required=True))
+    if want("submit"):
+        p = sub.add_parser("submit", help="submit INPUT to a running cluster and wait for it")
+        add_job_args(p, "submit")
+        p.add_argument("--nats", default=os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
+        p.set_defaults(fn=cmd_submit)
+    if want("status", "jobs", "top"):
+        from prefixflow.client.status import add_parsers as add_status_parsers
+
+        add_status_parsers(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))  # status, jobs, top
+    if want("cancel"):
+        from prefixflow.client.lifecycle import add_parsers as add_cancel_parser
+
+        add_cancel_parser(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))
+    if want("report"):
+        from prefixflow.report.job_report import add_parser as add_report_parser
+
+        add_report_parser(sub)
+    return parser
+
+
+def add_make_model(sub) -> None:
     p = sub.add_parser("make-model", help="build the local random-weight model (deterministic, seconds)")
     p.add_argument("--out", default=cfgmod.DEFAULT_MODEL, help=f"model directory (default {cfgmod.DEFAULT_MODEL})")
     p.add_argument("--seed", type=int, default=0, help="weights and tokenizer seed (default 0)")
@@ -168,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, default=8, help="rank of those adapters (default 8)")
     p.set_defaults(fn=cmd_make_model)
 
+
+def add_dataset(sub) -> None:
     p = sub.add_parser("dataset", help="generate datasets")
     dsub = p.add_subparsers(dest="kind", required=True)
     d = dsub.add_parser("prefix-repetition", help="P random prefixes, each shared by N/P prompts (vLLM's shape)")
@@ -184,18 +252,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_shape_parsers(dsub)  # seed, zipf, hierarchical, variable, no-sharing (docs/datasets.md)
 
-    from prefixflow.launch.local_cluster import add_nats_parser
+
+def add_serve(sub, service: str | None = None) -> None:
+    """`serve`'s services; with `service` (one of them) only that one's flags besides the
+    five services' (the API's and nats-server's need modules no other service imports)."""
     from prefixflow.services.registry import add_parsers
 
     p = sub.add_parser("serve", help="run one service process")
     ssub = p.add_subparsers(dest="service", required=True)
     add_parsers(ssub)
-    add_nats_parser(ssub)
-    from prefixflow.batchapi.service import add_parser as add_api_parser
+    if service in (None, "nats"):
+        from prefixflow.launch.local_cluster import add_nats_parser
 
-    add_api_parser(ssub)
+        add_nats_parser(ssub)
+    if service in (None, "api"):
+        from prefixflow.batchapi.service import add_parser as add_api_parser
+
+        add_api_parser(ssub)
     p.set_defaults(fn=cmd_serve)
 
+
+def add_run(sub) -> None:
     p = sub.add_parser(
         "run",
         help="start a local cluster, run INPUT through it, print the summary, stop",
@@ -207,41 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_args(p, "run")
     add_run_args(p)
     p.set_defaults(fn=cmd_run)
-
-    from prefixflow.bench.commands import add_parsers as add_bench_parsers
-
-    p = sub.add_parser("bench", help="benchmarks (methods comparison on vLLM; pipeline throughput)")
-    add_bench_parsers(p.add_subparsers(dest="bench", required=True))
-
-    from prefixflow.sim.commands import add_parser as add_simulate_parser
-    from prefixflow.torture.commands import add_parser as add_torture_parser
-
-    add_torture_parser(sub)  # prefixflow torture (docs/torture.md)
-
-    add_simulate_parser(sub)  # prefixflow simulate (docs/simulator.md)
-
-    from prefixflow.cli.plan import add_parser as add_plan_parser
-
-    add_plan_parser(sub)  # prefixflow plan (docs/plan.md)
-
-    from prefixflow.launch.fleet_config import add_parsers as add_cluster_parsers
-
-    p = sub.add_parser("cluster", help="bring up a fleet: NATS cluster configs and env files for N nodes")
-    add_cluster_parsers(p.add_subparsers(dest="cluster", required=True))
-
-    p = sub.add_parser("submit", help="submit INPUT to a running cluster and wait for it")
-    add_job_args(p, "submit")
-    p.add_argument("--nats", default=os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"), help="NATS URL")
-    p.set_defaults(fn=cmd_submit)
-
-    from prefixflow.report.job_report import add_parser as add_report_parser
-    from prefixflow.client.lifecycle import add_parsers as add_cancel_parser
-    from prefixflow.client.status import add_parsers as add_status_parsers
-
-    add_status_parsers(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))  # status, jobs, top
-    add_cancel_parser(sub, os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222"))
-    add_report_parser(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -266,7 +308,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if argv[:1] == ["run"] and "--" in argv:  # `prefixflow run ... -- <vLLM engine arguments>`
         cut = argv.index("--")
         argv, engine_argv = argv[:cut], argv[cut + 1 :]
-    parser = build_parser()
+    command = argv[0] if argv[:1] and argv[0] in COMMANDS else None
+    parser = build_parser(command, argv[1] if command == "serve" and len(argv) > 1 and argv[1] in SERVED else None)
     args, loose = parser.parse_known_args(argv)
     if loose:  # only the engine-worker takes arguments it does not define (vLLM's)
         if not (args.command == "serve" and getattr(args, "service", None) == "engine-worker"):
