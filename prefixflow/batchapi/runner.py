@@ -214,6 +214,7 @@ class Runner:
     async def execute(self, rec: BatchRec, work: Path) -> str:
         """Run the batch's job to its end: "" (every row), "cancelled" or "expired"."""
         st = await self.job_status(rec.job)
+        log.info("batch job", batch=rec.batch["id"], job=rec.job, rows=st.rows if st else 0, done=bool(st and st.done))
         if st is not None and (st.done or st.failed):
             return ended_of(st)  # it ended while no runner followed it (the API was down)
         spec = await self.job_spec(rec.job)
@@ -224,10 +225,12 @@ class Runner:
         try:
             if spec is not None and (spec.total is not None or spec.cancelled_at):
                 # Every row published already (or cancelled): the input is not needed again.
+                log.info("batch job sealed before: waiting for its end", batch=rec.batch["id"], job=rec.job)
                 return ended_of(await self.settled(rec.job))
             if not (work / "rows.jsonl").exists():
                 await self.parse(rec, work)
             left = rec.batch["expires_at"] - time.time()
+            log.info("batch job submitting", batch=rec.batch["id"], job=rec.job, resumed=spec is not None)
             await submit(
                 work / "rows.jsonl", nats_url=self.nats_url, job=rec.job,
                 out_dir=f"{self.cfg.out_prefix}/{rec.tenant}/{rec.batch['id']}", resolve_out=False,
