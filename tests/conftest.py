@@ -49,11 +49,11 @@ E2E_ORDER = (
     ("tests/e2e/test_honcho_engine_kill.py::",),
     # The pairs on a shared cluster of special engines (`Clusters`), a pair at a time.
     ("tests/e2e/test_batch_api_vllm.py::test_an_embeddings_batch", "tests/e2e/test_embeddings.py::test_embed_job"),
-    ("tests/e2e/test_kv_events.py::",),
     ("tests/e2e/test_lora.py::",),
     (),  # every other e2e test: starts its own processes (`run`, chaos, start-up)
-    # The engine-kill tests last, on their one shared cluster: nothing after them depends
-    # on a recovery.
+    # The KV-events tests, then on the same cluster (`KILL_CLUSTER`) the engine-kill tests,
+    # last: nothing after them depends on a recovery.
+    ("tests/e2e/test_kv_events.py::",),
     ("tests/e2e/test_e2e.py::test_vllm_replica_killed_at_a_third_fails_over", "tests/e2e/test_engine_core_kill.py::"),
 )
 """The e2e tests in groups by the cluster they share, each group's cluster started once
@@ -456,10 +456,13 @@ def release_shared_vllm(request):
                 shared.release("vllm")
 
 
-KILL_CLUSTER = {"engine": "vllm", "replicas": 2, "engine_args": ("--kv-cache-blocks", "96"), "env": {"PFX_DEAD_AFTER": "3"}}
-"""Two vLLM replicas for the tests that kill an engine worker or an engine core and
-restart it (each leaves both replicas running; the check before each test catches one
-that did not): `clusters.get(**KILL_CLUSTER)`."""
+KILL_CLUSTER = {"engine": "vllm", "replicas": 2, "engine_args": ("--kv-cache-blocks", "48"),
+                "env": {"PFX_KV_EVENTS": "1", "PFX_BUFFER_PROMPTS": "96", "PFX_DEAD_AFTER": "3"}}
+"""Two vLLM replicas with KV-cache events and a small cache (48 blocks of 128 tokens: the
+KV-events tests want blocks evicted), for the KV-events tests and then the tests that kill
+an engine worker or an engine core and restart it (each leaves both replicas running; the
+check before each test catches one that did not): `clusters.get(**KILL_CLUSTER)`. One
+cluster for both groups: a vLLM pair is ~40 s of the suite to start."""
 
 SLOW_ECHO = ("--echo-delay", "0.02", "--window", "8")
 """One replica of these runs ~400 prompts/s: a job of a few thousand rows lasts seconds."""

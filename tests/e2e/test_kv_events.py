@@ -25,15 +25,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from prefixflow.datagen.dataset import write_prefix_repetition, write_shape
-from tests.conftest import reset_prefix_caches, run_cli
+from tests.conftest import KILL_CLUSTER, reset_prefix_caches, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 N = 320
 
 
-KV_CLUSTER = {"engine": "vllm", "replicas": 2, "engine_args": ("--kv-cache-blocks", "48"),
-              "env": {"PFX_KV_EVENTS": "1", "PFX_BUFFER_PROMPTS": "96"}}
+KV_CLUSTER = KILL_CLUSTER
+"""Two replicas with KV events, 48 KV blocks each, a 96-prompt bucketer buffer (shared with
+the engine-kill tests, which run after these)."""
 
 
 @pytest.fixture

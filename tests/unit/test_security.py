@@ -8,6 +8,7 @@ import asyncio
 import inspect
 import json
 import stat
+import ssl
 from pathlib import Path
 
 import pytest
@@ -446,3 +447,23 @@ def test_replicas_default_from_the_cluster_size():
     assert replicas_for(FakeJS({"cluster": "c", "connect_urls": ["a:1", "b:1"]}), 0) == (1, False)
     assert replicas_for(FakeJS({}), 0) == (1, False)
     assert replicas_for(FakeJS(three), 1) == (1, True), "an explicit setting wins"
+
+
+@pytest.mark.parametrize("exc, refusal", [
+    (ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: unable to get "
+                                     "local issuer certificate (_ssl.c:1006)"), True),
+    (ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number (_ssl.c:1006)"), True),
+    (Exception("nats: secure connection - tls required"), True),
+    (ssl.SSLError(1, "[SSL: APPLICATION_DATA_AFTER_CLOSE_NOTIFY] application data after close notify (_ssl.c:2706)"),
+     False),
+    (ssl.SSLEOFError(8, "EOF occurred in violation of protocol (_ssl.c:992)"), False),
+    (ssl.SSLError(1, "[SSL: UNEXPECTED_EOF_WHILE_READING] unexpected eof while reading (_ssl.c:2580)"), False),
+    (ConnectionRefusedError(111, "Connect call failed"), False),
+])
+def test_a_tls_failure_refuses_only_when_retrying_cannot_help(exc, refusal):
+    """A certificate not trusted or TLS on one side only stops `connect` at once; a
+    handshake the server cut off (its TLS timeout on a loaded machine: a fleet test's
+    `cluster provision` failed so) is retried within the wait."""
+    from prefixflow.shared.bus.connection import tls_refusal
+
+    assert tls_refusal(exc) is refusal

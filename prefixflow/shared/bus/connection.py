@@ -26,6 +26,22 @@ from prefixflow.shared.wire import subjects
 log = structlog.get_logger()
 
 
+TLS_CUT_OFF = ("APPLICATION_DATA_AFTER_CLOSE_NOTIFY", "UNEXPECTED_EOF", "EOF OCCURRED", "CONNECTION RESET")
+"""TLS errors of a handshake the other side cut off (retrying can succeed), by their text."""
+
+
+def tls_refusal(exc: BaseException) -> bool:
+    """Is this a TLS failure that retrying cannot fix (a certificate not verified, TLS
+    asked of a plain server or the other way round)? A handshake cut off by the server
+    (`TLS_CUT_OFF`: its TLS timeout passed on a loaded machine, it restarted) is not."""
+    text = str(exc).upper()
+    if isinstance(exc, ssl.SSLCertVerificationError) or "CERTIFICATE" in text:
+        return True
+    if isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) or any(cut in text for cut in TLS_CUT_OFF):
+        return False
+    return isinstance(exc, ssl.SSLError) or "TLS" in text or "SSL" in text
+
+
 @dataclass(frozen=True)
 class NatsOptions:
     """How this process authenticates to NATS and how many replicas its streams get
@@ -150,10 +166,14 @@ async def connect(
             who = f"user {opts.nats_user!r}" if opts.nats_user else "no credentials"
             refuse(f"authorization violation ({who}); set PFX_NATS_USER and PFX_NATS_PASSWORD "
                    "(`prefixflow cluster config` writes them)")
-        elif isinstance(exc, ssl.SSLError) or "certificate" in text or "tls" in text or "ssl" in text:
+        elif tls_refusal(exc):
             log.error("nats TLS failed", url=url, error=str(exc))
             refuse(f"TLS failed ({exc}); PFX_NATS_TLS_CA must name the CA that signed the servers' "
                    "certificates, and a server that requires TLS needs it set")
+        elif isinstance(exc, ssl.SSLError):
+            # The server closed the handshake (its TLS timeout on a busy machine, a restart):
+            # nats.py tries again, within `wait`.
+            log.warning("nats TLS handshake cut off: retrying", url=url, error=str(exc))
         elif "permissions violation" in text:
             # A subject this user may not use: a bug in the grants (prefixflow/shared/wire/permissions.py)
             # or a client doing what its role forbids.
