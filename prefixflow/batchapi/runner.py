@@ -46,6 +46,7 @@ from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 from prefixflow.shared.bus.publish import message_limit
 from prefixflow.shared.openai_batch import object_names
 from prefixflow.shared.outcomes import CommandError
+from prefixflow.shared.process.tasks import stop_task, stop_tasks
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
@@ -116,9 +117,7 @@ class Runner:
         self.tasks[bid] = asyncio.create_task(self.run(rec.tenant, bid), name=f"batch {bid}")
 
     async def stop(self) -> None:
-        for t in self.tasks.values():
-            t.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await stop_tasks(self.tasks.values())
 
     async def run(self, tenant: str, bid: str) -> None:
         work = Path(tempfile.mkdtemp(prefix=f"pfx-{bid}-"))
@@ -246,9 +245,7 @@ class Runner:
         except JobFailed as exc:
             raise JobFailedError(f"the cluster failed the batch's job: {exc.reason}") from None
         finally:
-            follow.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await follow
+            await stop_task(follow)  # a cancel alone can be lost (`prefixflow/shared/process/tasks.py`)
             with contextlib.suppress(Exception):  # best effort: finalizing sets the final counts
                 await self.update_counts(rec)
 

@@ -49,6 +49,7 @@ from prefixflow.shared.bus.provision import job_retention
 from prefixflow.shared.bus.publish import publish
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.process.tasks import stop_tasks
 
 log = structlog.get_logger()
 
@@ -317,9 +318,7 @@ class Pauses:
         return [subjects.job_from_subject(subject) for subject in (info.state.subjects or {})]
 
     async def stop(self) -> None:
-        for task in list(self.moving.values()):
-            task.cancel()
-        await asyncio.gather(*self.moving.values(), return_exceptions=True)
+        await stop_tasks(self.moving.values())  # a cancel alone can be lost (prefixflow/shared/process/tasks.py)
 
 
 async def _quietly(settle: Awaitable[object]) -> None:

@@ -26,6 +26,27 @@ EXIT_FAILED = Exit.FAILED
 """Exit code of a service that stopped on an unexpected error."""
 
 
+def await_chain(coro, limit: int = 24) -> list[str]:
+    """Where a suspended coroutine waits: its frame, the frame of what it awaits, and so
+    on down (`cr_await`), as "file:line function"."""
+    where = []
+    while coro is not None and len(where) < limit:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is None:
+            where.append(type(coro).__name__)  # a future or a task awaited
+            break
+        where.append(f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return where
+
+
+def log_tasks() -> None:
+    """SIGUSR1: log where each of the process's tasks waits (`kill -USR1 PID`: a service
+    that seems stuck says on what)."""
+    for task in asyncio.all_tasks():
+        log.warning("task", name=task.get_name(), waits=await_chain(task.get_coro()))
+
+
 def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Run `main(stop)` on uvloop; SIGTERM / SIGINT set `stop` (the service then stops
     fetching, finishes or hands back its in-flight work, drains NATS and returns)."""
@@ -43,6 +64,7 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
+        loop.add_signal_handler(signal.SIGUSR1, log_tasks)
         await main(stop)
         log.info("stopped", shutdown_seconds=round(time.monotonic() - signalled[0], 2) if signalled else None)
 
