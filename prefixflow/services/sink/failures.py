@@ -62,6 +62,14 @@ class Failures:
         """A spec of `job` was written (the jobs watch): a refusal is decided again."""
         self.refused.pop(job, None)
 
+    def remember_failed(self, job: str, why: str) -> None:
+        """`job` failed before (its status says so): drop its results from now on
+        (`refused`), its status unchanged."""
+        self.reconciler.forget(job)
+        self.refused[job] = why
+        while len(self.refused) > MAX_REFUSED_JOBS:
+            self.refused.popitem(last=False)
+
     async def refuse(self, job: str, why: str) -> None:
         """Mark `job` failed (its out_dir escapes the root, or another job owns it); its
         results get dropped."""
@@ -73,10 +81,7 @@ class Failures:
         except Exception as exc:  # noqa: BLE001 - not remembered: the next result tries again
             log.warning("status update failed", job=job, error=repr(exc))
             return
-        self.reconciler.forget(job)
-        self.refused[job] = why
-        while len(self.refused) > MAX_REFUSED_JOBS:
-            self.refused.popitem(last=False)
+        self.remember_failed(job, why)
 
     async def fail_job(self, job: str, why: str, msgs: list[Msg] = ()) -> None:
         """Fail `job` with `why` in its status and drop what the sink holds of it: its open

@@ -180,6 +180,11 @@ class Sink:
             spec = lookup.spec
             if spec is None:
                 return None
+            if (known := await lifecycle.read_status(self.status_kv, job)) is not None and known.failed:
+                # Failed before (by this sink before a restart, or another): its results are
+                # dropped, nothing written for it; its status stays as it is.
+                self.failures.remember_failed(job, known.error or "the job failed")
+                return None
             try:
                 # A tenant's jobs write under its own part of the root: another tenant's
                 # directories are outside it.
