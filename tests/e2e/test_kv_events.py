@@ -89,24 +89,27 @@ def fleet_log(workdir, since: int = 0, until: int | None = None) -> list[dict]:
 
 @pytest.mark.timeout(700)
 def test_kv_event_routing_on_hierarchical_prefixes_where_the_history_errs(tmp_path, tiny_model, kv_cluster):
-    """Where the history is most wrong: hierarchical prefixes (a system prompt every row
-    shares, then one of 28 few-shot groups, then a question), 48 KV blocks per replica
-    (blocks are evicted), and every group routed again after a while: two jobs over the
-    same groups, one after the other, submitted with `prefixflow submit` to a cluster that
-    keeps its caches between them. The history, sized like the cache, counts the shared
-    system prompt once per group it routed, so by the second job it has forgotten groups
-    the caches still hold. (With one job the groups mostly leave the bucketer whole and
-    are routed once: whether the history erred depended on the machine's timing.)
+    """Where the history is most wrong: hierarchical prefixes (a 4-block system prompt every
+    row shares, then one of 28 one-block few-shot groups, then a question), 48 KV blocks per
+    replica (blocks are evicted), and every group routed again after a while: two jobs over
+    the same groups, one after the other, submitted with `prefixflow submit` to a cluster
+    that keeps its caches between them. The history, sized like the cache, counts the shared
+    system prompt once per group it routed (5 blocks an entry: ~9 of a replica's ~14 groups),
+    while the cache holds it once (4 + 14 blocks and the requests in flight): by the second
+    job the history has forgotten groups the caches still hold, by construction. (With a
+    2-block system prompt and 2-block groups the two models' sizes were close, and whether
+    the history erred depended on the machine's timing: 2 of 65 decisions in one CI run.)
 
     The cluster routes by the engines' KV events and measures how often the history would
     have been wrong about what a replica holds. Asserted: the history is measurably wrong
-    (3 decisions or more) and routing by the events stays near the ideal hit rate (a broken
+    (3 decisions or more; 16 of 94 here on a quiet machine, 22 of 98 with two cores kept
+    busy beside it) and routing by the events stays near the ideal hit rate (a broken
     precise model would not). The same job routed by the history, beside it: a benchmark
     (docs/benchmarks.md "KV events or history"; on two replicas the two are within a
     point or two)."""
     data = tmp_path / "hier.parquet"
     table = write_shape(data, "hierarchical", tokenizer_dir=tiny_model, block_size=128, num_prompts=1024,
-                        num_groups=28, output_len=32)
+                        num_groups=28, system_len=512, group_len=128, output_len=32)
     ideal = json.loads(table.schema.metadata[b"prefixflow.dataset"])["ideal_hit_rate"]["128"]["exact"]
     halves = [tmp_path / "first.parquet", tmp_path / "second.parquet"]
     for i, path in enumerate(halves):  # consecutive halves of the shuffled table: every group in both
@@ -133,7 +136,7 @@ def test_kv_event_routing_on_hierarchical_prefixes_where_the_history_errs(tmp_pa
     start, end = latest(fleet_log(kv_cluster.workdir, 0, until=since)), latest(fleet_log(kv_cluster.workdir))
     checks = {k: v - start.get(k, 0) for k, v in end.items() if isinstance(v, (int, float))}
     print(f"\nideal {ideal:.1%}; hit rate by KV events {hit:.1%}; history checks: {checks}")
-    # How often it errs depends on how the groups leave the bucketer (49 of 111 alone, 7 of 58
-    # in the full suite on a loaded machine): asserted is that it measurably errs.
+    # How often it errs depends on how the groups leave the bucketer; that it errs does not
+    # (the sizes above): asserted is that it measurably errs.
     assert checks["decisions"] > 20 and checks["wrong"] >= 3, checks
     assert hit >= 0.85 * ideal, (hit, ideal)
