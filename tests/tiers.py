@@ -7,9 +7,12 @@ collection (a usage error naming each one), so the tiers cannot drift apart from
 the files are.
 
 Hypothesis runs under a profile instead of example counts hard-coded per test: `ci` (the
-default, what `make test` and CI run) and `dev` (`make test-fast`, `HYPOTHESIS_PROFILE=dev`).
-A property whose examples each cost a simulation or a subprocess uses `COSTLY`, a fixed
-fraction of the profile's count.
+default, what `make test` and CI run: 200 examples) and `dev` (`make test-fast`,
+`HYPOTHESIS_PROFILE=dev`: 40). A property whose examples each cost a simulation or a
+subprocess uses `COSTLY`, a fixed fraction of the profile's count; the properties that ran
+300-400 examples before the profiles (the decision cores' model checks: block and prefix
+indexes, bucketing, isolation, KV events, the prefix-aware choice, the in-flight window)
+use `THOROUGH`, twice the profile's count.
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ TIERS = {
 
 TESTS = Path(__file__).resolve().parent
 
-settings.register_profile("ci", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-COSTLY = settings(max_examples=max(settings.default.max_examples // 5, 5))
+COSTLY = settings(max_examples=max(settings.default.max_examples // 3, 5))
 """For properties whose every example runs a simulation, a dataset build or a subprocess."""
+
+THOROUGH = settings(max_examples=settings.default.max_examples * 2)
+"""For the model checks of the decision cores, which ran 300-400 examples before the profiles."""
 
 
 def tier_of(path: Path, root: Path = TESTS) -> str | None:

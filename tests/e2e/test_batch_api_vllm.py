@@ -99,7 +99,7 @@ def test_openai_client_runs_batches_on_vllm(vllm_cluster, tiny_model, tmp_path):
 
 
 def test_an_embeddings_batch_on_pooling_engines(tiny_model, tmp_path, clusters):
-    """`/v1/embeddings` through the API on a cluster of vLLM pooling engines (`PFX_TASK=embed`,
+    """`/v1/embeddings` through the API on a cluster of a vLLM pooling engine (`PFX_TASK=embed`,
     the one tests/e2e/test_embeddings.py shares): every response validates as openai's
     `CreateEmbeddingResponse`, identical inputs get identical vectors, and a chat batch is
     refused there (400)."""

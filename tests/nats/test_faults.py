@@ -98,46 +98,49 @@ def assert_exactly_once(out_dir, rows) -> None:
     assert table.column("error").null_count == table.num_rows, "no error rows"
 
 
+SHARED = {"replicas": 2, "engine_args": tuple(ECHO), "env": {"PFX_DEAD_AFTER": "2"}}
+"""The cluster the kill tests share (`clusters.get(**SHARED)`): each leaves every process
+running (the one it killed restarted, or started again at its end), and the shared
+cluster's check before the next test restarts the whole cluster if one did not."""
+
+
 @pytest.mark.parametrize("victim", ["ingestor", "bucketer", "router", "engine0", "sink", "nats"])
-def test_sigkill_and_restart_mid_job(tmp_path, tiny_model, rows, victim):
-    cluster = cluster_for(tmp_path, tiny_model)
-    cluster.start()
+def test_sigkill_and_restart_mid_job(tmp_path, clusters, rows, victim):
+    cluster = clusters.get(**SHARED)
+    asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 60, cluster.check_alive))
+    by_name = {p.name: p for p in cluster.procs}
+
+    async def fault() -> None:
+        cluster.running[victim].kill()
+        cluster.running[victim].wait()
+        await asyncio.sleep(1.0)
+        cluster.start_one(by_name[victim])
+
+    out = tmp_path / "out"
+    status, ttr = asyncio.run(run_with_fault(cluster, f"kill-{victim}", rows, str(out), fault))
+    print(f"\n{victim}: time to recover {ttr:.2f} s")
+    assert status.done and status.rows == len(rows) and status.errors == 0
+    assert_exactly_once(out, rows)
+
+
+def test_engine_failover_without_restart(tmp_path, clusters, rows):
+    cluster = clusters.get(**SHARED)
+    asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 60, cluster.check_alive))
+    engine0 = next(p for p in cluster.procs if p.name == "engine0")
+
+    async def fault() -> None:
+        cluster.running["engine0"].kill()  # and it stays dead
+
+    out = tmp_path / "out"
     try:
-        asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 60, cluster.check_alive))
-        by_name = {p.name: p for p in cluster.procs}
-
-        async def fault() -> None:
-            cluster.running[victim].kill()
-            cluster.running[victim].wait()
-            await asyncio.sleep(1.0)
-            cluster.start_one(by_name[victim])
-
-        out = tmp_path / "out"
-        status, ttr = asyncio.run(run_with_fault(cluster, f"kill-{victim}", rows, str(out), fault))
-        print(f"\n{victim}: time to recover {ttr:.2f} s")
-        assert status.done and status.rows == len(rows) and status.errors == 0
-        assert_exactly_once(out, rows)
-    finally:
-        cluster.stop()
-
-
-def test_engine_failover_without_restart(tmp_path, tiny_model, rows):
-    cluster = cluster_for(tmp_path, tiny_model)
-    cluster.start()
-    try:
-        asyncio.run(wait_replicas_ready(cluster.url, ["r0", "r1"], 60, cluster.check_alive))
-
-        async def fault() -> None:
-            cluster.running["engine0"].kill()  # and it stays dead
-
-        out = tmp_path / "out"
         status, ttr = asyncio.run(run_with_fault(cluster, "failover", rows, str(out), fault))
         print(f"\nfailover: time to recover {ttr:.2f} s")
         assert status.done and status.rows == len(rows) and status.errors == 0
         assert_exactly_once(out, rows)
         assert cluster.running["engine0"].poll() is not None, "r0 stayed dead"
     finally:
-        cluster.stop()
+        if cluster.running["engine0"].poll() is not None:
+            cluster.start_one(engine0)  # the shared cluster is left whole
 
 
 def test_resume_recomputes_only_unfinished_rows(tmp_path, tiny_model, rows):

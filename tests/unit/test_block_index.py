@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from prefixflow.services.router.block_index import BlockIndex
 from prefixflow.shared.prefix import tokens as tk
 from prefixflow.shared.prefix.block_keys import block_hashes
+from tests.tiers import THOROUGH
 
 pytestmark = pytest.mark.unit
 
@@ -55,6 +56,7 @@ def naive_match(ref: dict[str, set[int]], key: list[int]) -> dict[str, int]:
     return out
 
 
+@THOROUGH
 @given(st.lists(event, max_size=60), st.lists(runs, min_size=1, max_size=5))
 def test_contents_are_stored_minus_removed_and_match_is_naive(events, keys):
     index = BlockIndex(max_entries=10_000)  # never reached: nothing is evicted
@@ -68,6 +70,7 @@ def test_contents_are_stored_minus_removed_and_match_is_naive(events, keys):
     assert index.evicted == 0
 
 
+@THOROUGH
 @given(st.integers(min_value=1, max_value=12), st.lists(event, max_size=80), runs)
 def test_never_grows_past_its_bound_and_never_invents_blocks(bound, events, key):
     index = BlockIndex(max_entries=bound)

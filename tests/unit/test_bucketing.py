@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from prefixflow.services.bucketer.buffer import Item, PrefixBuffer, linked, split_sorted
 from prefixflow.shared.prefix import tokens as tk
 from prefixflow.shared.prefix.block_keys import block_hashes
+from tests.tiers import THOROUGH
 
 pytestmark = pytest.mark.unit
 
@@ -61,6 +62,7 @@ def check_bucket(bucket, buf: PrefixBuffer) -> None:
         assert bucket.key == block_hashes(toks[0][: common * tk.WIDTH], BLOCK, lora=lora)
 
 
+@THOROUGH
 @given(ops=ops, max_prompts=st.integers(1, 12), min_bucket=st.integers(1, 5), threshold=st.sampled_from([0.0, 0.33, 0.5, 0.9]))
 def test_no_loss_no_dup_bounds_wait_and_reference_buckets(ops, max_prompts, min_bucket, threshold):
     max_wait = 2.0

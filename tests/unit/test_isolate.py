@@ -15,6 +15,7 @@ from prefixflow.services.engine_worker.isolate import STRIKES, Part, charged, sp
 from prefixflow.services.engine_worker.rebuild import RebuildBudget
 from prefixflow.services.engine_worker.window import Window
 from prefixflow.shared.wire import messages as m
+from tests.tiers import THOROUGH
 
 pytestmark = pytest.mark.unit
 
@@ -30,6 +31,7 @@ def deaths(draw):
     return strikes, died, untried, draw(st.booleans()), draw(st.booleans())
 
 
+@THOROUGH
 @given(deaths())
 def test_every_unfinished_prompt_is_retried_or_a_culprit_exactly_once(case):
     strikes, died, untried, suspect, alone = case

@@ -28,6 +28,7 @@ from prefixflow.services.router.block_index import BlockIndex
 from prefixflow.shared.prefix import tokens as tk
 from prefixflow.shared.prefix.block_keys import HASH_BLOCK_SIZE, block_hashes
 from prefixflow.shared.wire.messages import CacheOp
+from tests.tiers import THOROUGH
 
 pytestmark = pytest.mark.unit
 
@@ -112,6 +113,7 @@ def drive(data, pool: ReferencePool, prompts: list[list[int]], steps: int):
             yield [AllBlocksCleared()]
 
 
+@THOROUGH
 @given(st.sampled_from([2, 3, 4, 8, 12, 16]), st.sampled_from([4, 8]), prompts, st.integers(1, 40), st.data())
 def test_held_keys_are_those_whose_engine_blocks_are_all_cached(engine_block, hash_block, prompts, steps, data):
     pool = ReferencePool(engine_block, hash_block)
@@ -124,6 +126,7 @@ def test_held_keys_are_those_whose_engine_blocks_are_all_cached(engine_block, ha
     assert translator.skipped == translator.dropped == 0
 
 
+@THOROUGH
 @given(st.sampled_from([2, 4, 8]), st.integers(1, 6), prompts, st.integers(1, 40), st.data())
 def test_bounded_and_never_claims_a_block_the_engine_lacks(engine_block, bound, prompts, steps, data):
     pool = ReferencePool(engine_block, 4)

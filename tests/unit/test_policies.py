@@ -20,6 +20,7 @@ from prefixflow.services.router.policies import (
     make_policy,
 )
 from prefixflow.shared.prefix.block_keys import matched_blocks
+from tests.tiers import THOROUGH
 
 pytestmark = pytest.mark.unit
 
@@ -718,6 +719,7 @@ def build(specs, cap):
     return f
 
 
+@THOROUGH
 @given(
     specs=replica_specs,
     key=st.lists(st.integers(0, 1), max_size=4),

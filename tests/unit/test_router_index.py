@@ -18,6 +18,7 @@ from prefixflow.services.router.assignments import extend_merged
 from prefixflow.services.router.policies import PrefixAware
 from prefixflow.shared.prefix.block_keys import matched_blocks
 from prefixflow.shared.wire import messages as m
+from tests.tiers import THOROUGH
 
 pytestmark = pytest.mark.unit
 
@@ -104,6 +105,7 @@ def prefixes_held(fleet) -> set[tuple[int, ...]]:
     return {key[:i] for r in fleet.replicas.values() for key, _ in r.history for i in range(1, len(key) + 1)}
 
 
+@THOROUGH
 @given(
     ops=index_ops,
     kv=st.lists(st.sampled_from([0, 1, 3, 8, 20]), min_size=4, max_size=4),
@@ -231,6 +233,7 @@ def named(out):
     return None if out is None else [(r.name, n) for r, n in out]
 
 
+@THOROUGH
 @given(
     specs=fleet_specs,
     steps=steps,

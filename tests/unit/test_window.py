@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixflow.client.window import STALL_SECONDS, Window
+from tests.tiers import THOROUGH
 
 pytestmark = pytest.mark.unit
 
@@ -64,6 +65,7 @@ def test_a_stalled_count_lets_one_chunk_through_per_stall():
     assert w.may_send(50, 2 * STALL_SECONDS)
 
 
+@THOROUGH
 @given(limit=st.integers(1, 5000), steps=st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 3000), st.floats(0, 40)), max_size=40))
 def test_in_flight_stays_bounded_while_the_sink_keeps_up(limit, steps):
     """Sending only when allowed: never more than the limit in flight, except a single
