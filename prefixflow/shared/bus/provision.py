@@ -245,6 +245,7 @@ async def provision(js: JetStreamContext, replicas: int | None = None, create: b
     0 automatic, None the process's `stream_replicas` setting. `create` False (None: the
     process's `provision` setting): only check that they exist, waiting for them."""
     create = current_options().provision if create is None else create
+    refused = ""
     for attempt in range(attempts):
         try:
             if not create:
@@ -271,10 +272,28 @@ async def provision(js: JetStreamContext, replicas: int | None = None, create: b
         except APIError as exc:
             # E.g. "insufficient resources" while too few cluster peers are up for the
             # replicas: they are coming.
-            log.warning("jetstream refused provisioning; retrying", attempt=attempt, error=repr(exc))
+            refused = refusal(exc)
+            log.warning("jetstream refused provisioning; retrying", attempt=attempt, error=refused)
             await asyncio.sleep(0.5)
+    if refused:
+        raise RuntimeError(f"JetStream refused the streams: {refused}")
     raise RuntimeError("JetStream did not become available" if create else
                        "the streams were not provisioned: run `prefixflow cluster provision` with admin credentials")
+
+
+STORAGE_REFUSED = 10047
+"""JetStream's error code for "insufficient storage resources available"."""
+
+
+def refusal(exc: APIError) -> str:
+    """What the server said (nats.py's `repr` of its errors is empty), and for storage what
+    to do about it."""
+    said = f"{exc.description or type(exc).__name__} (JetStream error {exc.err_code})"
+    if exc.err_code == STORAGE_REFUSED:
+        said += ("; the streams' size limits add up to more than the server's JetStream storage "
+                 "(max_file_store: by default 75 % of the free disk where its store is): free disk "
+                 "space there, or give the server a store on a larger disk")
+    return said
 
 
 async def pull_subscription(js: JetStreamContext, spec: ConsumerSpec) -> JetStreamContext.PullSubscription:
