@@ -99,7 +99,9 @@ def run_job(cluster, data: Path, job: str, out: Path, during=None) -> m.JobStatu
 # Counters each service must show growing during a job, and where.
 GROWING = {
     "ingestor": ("pfx_prompts_in_total", {"outcome": "ok"}),
-    "bucketer": ("pfx_bucketer_prompts_in_total", {}),
+    # Its intake can take a whole small job in one pull (nothing bounds it below the lane's
+    # share); its releases follow the router's bounded lead, so they grow with the job.
+    "bucketer": ("pfx_bucketer_released_prompts_total", {}),
     "router": ("pfx_router_decisions_total", {}),
     "engine0": ("pfx_engine_completed_total", {}),
     "engine1": ("pfx_engine_completed_total", {}),
