@@ -87,7 +87,7 @@ def sink_out_root(tmp_path_factory) -> Path:
 def s3_server(tmp_path_factory):
     """A real S3 API server (moto's server mode) on a loopback port, with a bucket and one
     access key (`tests/s3server.py`); authentication on."""
-    from tests.s3server import S3Server
+    from prefixflow.bench.s3server import S3Server
 
     server = S3Server(tmp_path_factory.mktemp("s3") / "moto.log").start()
     yield server

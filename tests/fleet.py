@@ -10,6 +10,12 @@
 Each node is its own "machine": a network namespace with its own address on a private
 bridge (10.x.y.0/24), made by the test (`Lan`; needs root). Without root the nodes share
 127.0.0.1 on distinct ports. Nothing leaves this machine either way.
+
+With `private_disks` (root) each node also has its own disk: its processes run in a mount
+namespace of their own where the other nodes' directories (config, store, working
+directory), the people's `clients/` configs, a local output root and any `hide`d path (the
+test's input) are empty read-only mounts, and the model's path is the node's own copy, as
+when every machine has its own disk with the model at the same path.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +155,8 @@ class Lan:
             if f"{self.net}." not in taken:
                 break
         self.addrs = [f"{self.net}.{i + 1}" for i in range(nodes)]
+        self.bridge_addr = f"{self.net}.254"
+        """This namespace's address on the bridge (every node reaches it)."""
 
     def up(self) -> Lan:
         try:
@@ -220,7 +229,8 @@ class Fleet:
 
     def __init__(self, workdir: Path, nodes: int = 3, *, tls: dict[str, Path] | None = None, no_tls: bool = False,
                  model: Path | None = None, netns: bool | None = None, head: int = -1,
-                 tenants: tuple[str, ...] = ()) -> None:
+                 tenants: tuple[str, ...] = (), out_root: str | None = None, private_disks: bool = False,
+                 hide: tuple[Path, ...] = ()) -> None:
         self.workdir = workdir
         self.n = nodes
         self.tls = tls
@@ -235,6 +245,12 @@ class Fleet:
         self.names = [f"nats-{i + 1}" for i in range(nodes)]
         self.etc_root = workdir / "etc"
         self.out_root = workdir / "out"
+        self.out_uri = out_root
+        """The sink's output root as given (a URI: an object store; None: `out_root`)."""
+        self.private_disks = private_disks
+        if private_disks and self.lan is None:
+            raise RuntimeError("private disks need root (mount namespaces), as network namespaces do")
+        self.hide = hide
         self.procs: dict[str, Proc] = {}
         self.node_of: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -255,7 +271,7 @@ class Fleet:
             listen = ["--listen-host", "127.0.0.1"]
         argv = [
             str(VENV_BIN / "prefixflow"), "cluster", "config", "--out", str(self.etc_root), "--hosts", hosts, *listen,
-            "--store-dir", str(self.workdir / "var" / "{node}" / "nats"), "--out-root", str(self.out_root),
+            "--store-dir", str(self.workdir / "var" / "{node}" / "nats"), "--out-root", self.out_uri or str(self.out_root),
             "--etc-dir", str(self.etc_root / "{node}"), "--head", self.names[self.head],
         ]
         for tenant in self.tenants:
@@ -275,6 +291,10 @@ class Fleet:
             subprocess.run(self.config_argv(), check=True, capture_output=True, text=True, timeout=60)
             self.out_root.mkdir(parents=True, exist_ok=True)
             for i in range(self.n):
+                self.home(i).mkdir(parents=True, exist_ok=True)
+                if self.private_disks and self.model is not None:
+                    shutil.copytree(self.model, self.home(i) / "model", dirs_exist_ok=True)
+            for i in range(self.n):
                 self.start_server(i)
             self.wait_servers(timeout)
             self.provision()
@@ -287,6 +307,25 @@ class Fleet:
     def etc(self, i: int) -> Path:
         return self.etc_root / self.names[i]
 
+    def home(self, i: int) -> Path:
+        """Node i's /var/lib/prefixflow: its units' working directory, its store."""
+        return self.workdir / "var" / self.names[i]
+
+    def hidden(self, i: int) -> list[Path]:
+        """What node i's processes see as empty directories (`private_disks`)."""
+        others = [p for j in range(self.n) if j != i for p in (self.etc(j), self.home(j))]
+        local_out = [self.out_root] if self.out_uri is None or "://" not in self.out_uri else []
+        return [*others, self.etc_root / "clients", *local_out, *self.hide]
+
+    def disk(self, i: int) -> list[str]:
+        """The command prefix giving node i's processes their own view of the disk."""
+        mounts = [f"mount -t tmpfs -o ro,size=4k,mode=0555 pfx-not-on-this-node {shlex.quote(str(p))}"
+                  for p in self.hidden(i)]
+        if self.model is not None:
+            mounts.append(f"mount --bind {shlex.quote(str(self.home(i) / 'model'))} {shlex.quote(str(self.model))}")
+        script = " && ".join([*mounts, 'exec "$@"'])
+        return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, f"disk-{self.names[i]}"]
+
     def provision(self) -> None:
         """README step: the operator creates the streams and buckets (`prefixflow cluster
         provision` with clients/env and clients/admin.env); the services may not."""
@@ -296,7 +335,9 @@ class Fleet:
             raise RuntimeError(f"cluster provision failed:\n{res.stdout}\n{res.stderr}")
 
     def prefix(self, i: int) -> list[str]:
-        return self.lan.prefix(i) if self.lan is not None else []
+        """How a command runs on node i: in its network namespace, on its own disk."""
+        net = self.lan.prefix(i) if self.lan is not None else []
+        return net + (self.disk(i) if self.private_disks else [])
 
     # 2. units ------------------------------------------------------------------------
 
@@ -312,7 +353,7 @@ class Fleet:
         with self.lock:
             self.procs[name] = proc
             self.node_of[name] = i
-            proc.start(self.workdir / "var")
+            proc.start(self.home(i))
 
     def wait_servers(self, timeout: float) -> None:
         """Every server up, and the JetStream cluster has a meta leader."""
@@ -340,7 +381,7 @@ class Fleet:
         with self.lock:
             self.procs[name] = proc
             self.node_of[name] = i
-            proc.start(self.workdir / "var")
+            proc.start(self.home(i))
         return proc
 
     def api(self, i: int, port: int, timeout: float = 60) -> Proc:
@@ -403,7 +444,7 @@ class Fleet:
                 if not proc.exits or proc.exits[-1][0] < proc.starts[-1]:
                     proc.exits.append((now, proc.popen.returncode))
                 elif now - proc.exits[-1][0] >= proc.restart_sec:
-                    proc.start(self.workdir / "var")
+                    proc.start(self.home(self.node_of[proc.name]))
 
     def supervise_forever(self) -> None:
         while not self.stopping.wait(0.05):

@@ -35,12 +35,36 @@ CANCEL_TIMEOUT = 60.0
 """Seconds `Job.cancel` waits for the job to settle as cancelled."""
 
 
+def output_location(out: str | Path) -> str | Path:
+    """Where a job's output is, as the handle keeps it: an object store URI as given
+    (`s3://bucket/prefix/`), a local directory made absolute."""
+    from prefixflow.shared.outputs import is_output_uri
+
+    text = os.fspath(out)
+    return text if is_output_uri(text) else Path(text).resolve()
+
+
 def output_dataset(out: str | Path):
-    """A job's output directory as a `pyarrow.dataset.Dataset`: its `part-*.parquet` files
-    under the job's schema (`_common_metadata`; after a job every part has it)."""
+    """A job's output as a `pyarrow.dataset.Dataset`: its `part-*.parquet` files under the
+    job's schema (`_common_metadata`; after a job every part has it). In an object store
+    (`s3://`, `gs://`) the files its manifest names (committed ones only, even mid-job),
+    read with this process's credentials (the AWS chain and `AWS_ENDPOINT_URL`, GCS's
+    application-default credentials)."""
     import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
+    from prefixflow.shared.outputs import committed_files, filesystem, is_output_uri
+
+    if is_output_uri(os.fspath(out)):
+        fs, base = filesystem(os.fspath(out))
+        files = committed_files(os.fspath(out))
+        try:
+            schema = pq.read_schema(f"{base}/_common_metadata", filesystem=fs)
+        except FileNotFoundError:
+            schema = None
+        if not files and schema is None:
+            raise FileNotFoundError(f"{out}: no output here (no {base}/_manifest.json naming a part)")
+        return ds.dataset(files, schema=schema, format="parquet", filesystem=fs)
     out = Path(out)
     files = sorted(str(p) for p in out.glob("part-*.parquet"))
     record = out / "_common_metadata"
@@ -56,7 +80,8 @@ class Result:
     (`_summary.json`), and its output (`to_arrow`, `dataset`) in `out`."""
 
     job: str
-    out: Path
+    out: str | Path
+    """The output: a local directory (absolute) or an object store URI."""
     rows: int
     errors: int
     summary: dict[str, Any] | None
@@ -74,7 +99,7 @@ class Result:
 
 def result_of(status: Any, out: str | Path, already_done: bool = False) -> Result:
     """A `Result` from a job's final `JobStatus`."""
-    return Result(status.job, Path(out).resolve(), status.rows, status.errors, status.summary, already_done)
+    return Result(status.job, output_location(out), status.rows, status.errors, status.summary, already_done)
 
 
 def prepare(source: Any, options: dict[str, Any]):
@@ -103,7 +128,7 @@ class Job:
     client (publishing the rows, then following the sink until every row is written)."""
 
     def __init__(self, client: Client, job: str, out: str | Path, future: concurrent.futures.Future) -> None:
-        self.client, self.id, self.out, self.future = client, job, Path(out).resolve(), future
+        self.client, self.id, self.out, self.future = client, job, output_location(out), future
 
     def __repr__(self) -> str:
         return f"<prefixflow.Job {self.id} out={str(self.out)!r}{' done' if self.future.done() else ''}>"

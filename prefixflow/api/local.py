@@ -13,7 +13,7 @@ import concurrent.futures
 from pathlib import Path
 from typing import Any
 
-from prefixflow.api.jobs import Result, given_name, prepare, result_of
+from prefixflow.api.jobs import Result, given_name, output_location, prepare, result_of
 from prefixflow.api.options import job_options, refused
 from prefixflow.api.portal import in_running_loop
 
@@ -53,12 +53,12 @@ def _run(source: Any, out: str | Path, job: dict[str, Any]) -> Result:
                                    source=src))
     if done.already_done:
         summary = done.summary or {}
-        return Result(done.job, Path(out).resolve(), int(summary.get("rows") or 0), int(summary.get("errors") or 0),
+        return Result(done.job, output_location(out), int(summary.get("rows") or 0), int(summary.get("errors") or 0),
                       done.summary, already_done=True)
     result = result_of(done.status, out)
     result.summary = done.summary
     if not opts.args.no_report:
-        from prefixflow.report.job_report import auto_report
+        from prefixflow.report.auto import auto_report
 
         auto_report(out, result.rows, done.model)
     return result

@@ -10,6 +10,7 @@ def add_parsers(sub) -> None:
     from prefixflow.bench.fairness import add_fairness_parser
     from prefixflow.bench.lora import add_lora_parser
     from prefixflow.bench.methods import add_methods_parser
+    from prefixflow.bench.object_store import add_s3_parser
     from prefixflow.bench.peer_runs import add_peers_parser
     from prefixflow.bench.pipeline import add_pipeline_parser
     from prefixflow.bench.router import add_router_parser
@@ -22,6 +23,7 @@ def add_parsers(sub) -> None:
     add_peers_parser(sub)
     add_batching_parser(sub)
     add_soak_parser(sub)
+    add_s3_parser(sub)  # object storage vs local files (docs/benchmarks.md)
     add_fairness_parser(sub)
     add_lora_parser(sub)
     add_batch_limits_parser(sub)

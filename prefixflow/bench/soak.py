@@ -16,7 +16,6 @@ written `_report/`). Then it checks the output: part files and sizes, rows == N,
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -26,10 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefixflow.bench.pipeline import peak_rss_mib
+from prefixflow.bench.sampling import MIB, Progress, Sampler
 from prefixflow.shared.outcomes import CommandError, Exit
 
-MIB = 2**20
 PART_BYTES = 128 * MIB
 """The sink's target part size (an output of B bytes should be about B / 128 MiB + 1 files)."""
 RSS_LIMIT_MIB = 1.5 * 1024
@@ -108,18 +106,29 @@ def generate_input(path: Path, n: int, *, prompt_len: int = 128, prefix_len: int
     return {"path": str(path), "rows": n, "row_groups": groups, "bytes": path.stat().st_size}
 
 
-def check_output(out: Path, n: int) -> dict[str, Any]:
+def check_output(out: Path | str, n: int) -> dict[str, Any]:
     """Part files, their sizes, rows and whether ids are 0..n-1 each once (a bitmap, read
-    one batch of ids at a time)."""
+    one batch of ids at a time). `out`: a local directory, or an object store URI (the
+    files its manifest names)."""
     import numpy as np
     import pyarrow.parquet as pq
 
-    parts = sorted(out.glob("part-*.parquet"))
-    sizes = [p.stat().st_size for p in parts]
+    from prefixflow.shared.outputs import committed_files, filesystem, is_output_uri
+
+    if is_output_uri(str(out)):
+        fs, _ = filesystem(str(out))
+        parts = committed_files(str(out))
+        sizes = [i.size for i in fs.get_file_info(parts)]
+        opener = fs.open_input_file
+    else:
+        parts = sorted(Path(out).glob("part-*.parquet"))
+        sizes = [p.stat().st_size for p in parts]
+        opener = None
     seen = np.zeros(n, dtype=bool)
     rows = dups = outside = 0
     for p in parts:
-        for batch in pq.ParquetFile(p, pre_buffer=False).iter_batches(columns=["id"], batch_size=262_144):
+        source = opener(p) if opener else p
+        for batch in pq.ParquetFile(source, pre_buffer=False).iter_batches(columns=["id"], batch_size=262_144):
             ids = batch.column(0).to_numpy(zero_copy_only=False)
             rows += len(ids)
             ok = (ids >= 0) & (ids < n)
@@ -145,116 +154,6 @@ def downsample(points: list, keep: int = 600) -> list:
 # -- the run -----------------------------------------------------------------------------
 
 
-class Sampler:
-    """RSS of `run` (itself only: its children are the cluster) and of each process in
-    `pids.json` (with its children, e.g. vLLM's engine core)."""
-
-    def __init__(self, run_pid: int, workdir: Path) -> None:
-        self.run_pid, self.pids_file = run_pid, workdir / "pids.json"
-        self.handles: dict[int, Any] = {}
-        self.url: str | None = None
-        self.restarts: dict[str, int] = {}
-        self.procs: dict[str, dict[str, Any]] = {}
-
-    def _proc(self, pid: int):
-        import psutil
-
-        if pid not in self.handles:
-            self.handles[pid] = psutil.Process(pid)
-        return self.handles[pid]
-
-    def names(self) -> dict[str, tuple[int, bool]]:
-        found = {"run": (self.run_pid, False)}
-        try:
-            doc = json.loads(self.pids_file.read_text())
-        except (OSError, ValueError):
-            return found
-        self.url = doc.get("url", self.url)
-        for name, p in doc.get("processes", {}).items():
-            self.restarts[name] = p.get("restarts", 0)
-            if p.get("pid"):
-                found[name] = (p["pid"], True)
-        return found
-
-    def sample(self) -> dict[str, float]:
-        import psutil
-
-        reading: dict[str, float] = {}
-        for name, (pid, children) in self.names().items():
-            try:
-                proc = self._proc(pid)
-                with proc.oneshot():
-                    if proc.status() == psutil.STATUS_ZOMBIE:
-                        continue  # exited, not yet reaped: no reading
-                    rss, cpu = proc.memory_info().rss, sum(proc.cpu_times()[:2])
-                for child in proc.children(recursive=True) if children else ():
-                    try:
-                        rss += child.memory_info().rss
-                    except psutil.Error:
-                        pass
-            except psutil.Error:
-                continue
-            mib = round(rss / MIB, 1)
-            reading[name] = mib
-            p = self.procs.setdefault(name, {"pid": pid, "peak_rss_mib": 0.0, "rss_mib_at": {}})
-            p.update(pid=pid, last_rss_mib=mib, cpu_seconds=round(cpu, 1), peak_rss_mib=max(p["peak_rss_mib"], mib))
-            hwm = peak_rss_mib(pid)  # the kernel's VmHWM of the process itself: catches peaks between samples
-            if hwm is not None:
-                p["own_vm_hwm_mib"] = hwm
-        return reading
-
-
-class Progress:
-    """Rows written: the job's status from the `PFX_JOB_STATUS` KV bucket, else the row
-    counts in the output's part footers."""
-
-    def __init__(self, job: str, out: Path) -> None:
-        self.job, self.out = job, out
-        self.nc = self.kv = None
-        self.footers: dict[str, int] = {}
-        self.status: dict[str, Any] = {}
-
-    async def rows(self, url: str | None) -> tuple[int, bool]:
-        if url and self.kv is None:
-            try:
-                import nats
-
-                async def quiet(*_a) -> None:  # the cluster stops under us: no tracebacks
-                    return None
-
-                self.nc = await nats.connect(url, connect_timeout=2, max_reconnect_attempts=3, reconnect_time_wait=0.5,
-                                             name="prefixflow-bench-soak", error_cb=quiet, disconnected_cb=quiet)
-                self.kv = await self.nc.jetstream().key_value("PFX_JOB_STATUS")
-            except Exception:  # noqa: BLE001 - not up yet, or an older cluster: count footers
-                await self.close()
-        if self.kv is not None:
-            try:
-                self.status = json.loads((await asyncio.wait_for(self.kv.get(self.job), 2)).value)
-                return int(self.status.get("rows", 0)), bool(self.status.get("done"))
-            except Exception:  # noqa: BLE001 - no status yet, or the cluster is stopping
-                pass
-        return self.count_footers(), False
-
-    def count_footers(self) -> int:
-        import pyarrow.parquet as pq
-
-        for p in self.out.glob("part-*.parquet"):
-            if p.name not in self.footers:
-                try:
-                    self.footers[p.name] = pq.read_metadata(p).num_rows
-                except (OSError, ValueError):
-                    pass
-        return sum(self.footers.values())
-
-    async def close(self) -> None:
-        nc, self.nc, self.kv = self.nc, None, None
-        if nc is not None:
-            try:
-                await asyncio.wait_for(nc.close(), 3)
-            except Exception:  # noqa: BLE001
-                pass
-
-
 def prefixflow_cmd(exe: str | None) -> list[str]:
     if exe:
         return [str(Path(exe).resolve())]
@@ -263,20 +162,25 @@ def prefixflow_cmd(exe: str | None) -> list[str]:
     return prefixflow_argv()
 
 
-async def watch(args, n: int, input_path: Path, base: Path) -> dict[str, Any]:
-    out, workdir, job = base / "out", base / "work", f"soak-{n}-{int(time.time())}"
-    for d in (out, workdir):
+async def watch(args, n: int, input_path: Path | str, base: Path, *, out: Path | str | None = None,
+                name: str | None = None, env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One `prefixflow run` of `input_path` (a path or URI) into `out` (default `base/out`;
+    an object store URI is emptied by the caller), sampled as the module's doc says."""
+    out = base / "out" if out is None else out
+    workdir, job = base / (f"work-{name}" if name else "work"), f"{name or 'soak'}-{n}-{int(time.time())}"
+    for d in ((out, workdir) if isinstance(out, Path) else (workdir,)):
         shutil.rmtree(d, ignore_errors=True)  # a rerun must not resume the last run
     argv = [*prefixflow_cmd(args.prefixflow), "run", str(input_path), "--out", str(out), "--workdir", str(workdir),
             "--engine", args.engine, "--replicas", str(args.replicas), "--max-tokens", str(args.max_tokens),
-            "--job", job, "--no-progress"]
+            "--job", job, "--no-progress", *extra]
     cwd = Path(args.cwd or (Path(args.prefixflow).resolve().parents[2] if args.prefixflow else Path.cwd()))
-    log_path = base / "run.log"
+    log_path = base / (f"{name}.log" if name else "run.log")
     print(f"$ (cd {cwd}; {' '.join(argv)})  > {log_path}", flush=True)
     t0, t0_unix = time.monotonic(), time.time()
     with log_path.open("wb") as logf:
-        proc = subprocess.Popen(argv, cwd=cwd, stdout=logf, stderr=subprocess.STDOUT)
-    sampler, progress = Sampler(proc.pid, workdir), Progress(job, out)
+        proc = subprocess.Popen(argv, cwd=cwd, stdout=logf, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env} if env else None)
+    sampler, progress = Sampler(proc.pid, workdir), Progress(job, out if isinstance(out, Path) else None)
     marks: dict[str, dict[str, Any]] = {}
     timeline: list[list] = []
     done_at = report_at = None
@@ -301,7 +205,7 @@ async def watch(args, n: int, input_path: Path, base: Path) -> dict[str, Any]:
                 for name, mib in reading.items():
                     p = sampler.procs[name]
                     p["peak_after_warm_mib"] = max(p.get("peak_after_warm_mib", 0.0), mib)
-            if done_at is not None and report_at is None and (out / "_report").exists():
+            if done_at is not None and report_at is None and isinstance(out, Path) and (out / "_report").exists():
                 report_at = now  # run is writing (or has written) the report: later readings are after it
             if args.timeout and now > args.timeout:
                 proc.send_signal(signal.SIGTERM)  # run stops its cluster on SIGTERM

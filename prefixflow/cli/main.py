@@ -142,7 +142,7 @@ def cmd_submit(args: argparse.Namespace) -> None:
     if status.summary:
         print_summary(status.summary, args.json)
     if not args.no_report:
-        from prefixflow.report.job_report import auto_report
+        from prefixflow.report.auto import auto_report
 
         auto_report(args.out, status.rows)  # when the output directory is on this machine
 

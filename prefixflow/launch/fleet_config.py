@@ -304,7 +304,7 @@ def add_parser(sub) -> None:
     p.add_argument("--monitor-port", type=int, default=DEFAULTS["monitor_port"], help="monitoring port on 127.0.0.1 (0: none; default 8222)")
     p.add_argument("--cluster-name", default=DEFAULTS["cluster_name"], help="JetStream cluster name")
     p.add_argument("--store-dir", default=DEFAULTS["store_dir"], help="JetStream store on each node ({node} allowed)")
-    p.add_argument("--out-root", default=DEFAULTS["out_root"], help="the sink's output root ({node} allowed)")
+    p.add_argument("--out-root", default=DEFAULTS["out_root"], help="the sink's output roots, comma-separated: a local directory ({node} allowed) and/or object store prefixes (s3://bucket/prefix)")
     p.add_argument("--etc-dir", default=DEFAULTS["etc_dir"],
                    help="where each node's directory is installed ({node} allowed; default /etc/prefixflow)")
     p.add_argument("--no-tls", action="store_true", help="no TLS (passwords, prompts and outputs cross the network in clear)")

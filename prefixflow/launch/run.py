@@ -343,6 +343,6 @@ def run_local(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[
     if result.summary:
         print_summary(result.summary)
     if not args.no_report:
-        from prefixflow.report.job_report import auto_report
+        from prefixflow.report.auto import auto_report
 
         auto_report(args.out, status.rows, result.model)

@@ -492,23 +492,6 @@ def _html(job: JobRows, images: list[tuple[str, str]], groups: dict[Any, GroupSt
     return "\n".join(lines) + "\n"
 
 
-def auto_report(out_dir: str | Path, rows: int, model: str | None = None) -> None:
-    """The report `run` and `submit` write when a job ends (`OUT/_report/index.html`),
-    from at most `SAMPLE_ROWS` rows (seconds and bounded memory at any job size). A
-    report that cannot be written is a warning, never a failed job."""
-    if not (Path(out_dir) / "_summary.json").exists():
-        return  # the output is on another machine (the sink's)
-    if rows == 0:
-        return  # nothing to plot
-    try:
-        index = write_report(out_dir, model=model)
-    except Exception as exc:  # noqa: BLE001 - the job's rows are written; only the plots failed
-        print(f"note: no report ({exc!r}); try `prefixflow report {out_dir}`", flush=True)
-        return
-    more = f" (from a sample of {SAMPLE_ROWS:,} of {rows:,} rows)" if rows > SAMPLE_ROWS else ""
-    print(f"report: {index}{more}", flush=True)
-
-
 def cmd_report(args) -> None:
     index = write_report(args.out_dir, args.dest, model=args.model, groups=not args.no_groups, sample=args.sample_rows)
     print(f"report: {index}")

@@ -7,6 +7,14 @@ bucketer and an engine-worker (echo engine, ~400 prompts/s each) connected to th
 node's server; node 3 runs the ingestor, router and sink. Everything is started from the
 systemd units (`tests/fleet.py`).
 
+No file is shared between the nodes (issue 41): the input is 4 Parquet shards in a real
+S3 API server (moto's server mode, on the bridge's address), the output goes to the same
+server (`--out s3://...`; the sink's output root is the bucket's prefix and its credentials
+are in its node's sink.env), `prefixflow submit` runs from the "laptop" (this namespace,
+with `clients/` and the S3 credentials), and each node runs on its own disk (`Fleet`'s
+`private_disks`: the other nodes' directories, `clients/` and the test's files are empty
+mounts there, the model is the node's own copy at the same path).
+
 One job of 5000 prompts runs without a fault, then the same job again while node 2's
 nats-server is SIGKILLed at ~30 % progress; its unit's `Restart=always` (RestartSec=1,
 emulated by the harness for every unit) starts it again. Node 2's services fail over to the other servers; the job
@@ -25,6 +33,7 @@ import collections
 import json
 import subprocess
 import time
+from pathlib import Path
 
 import nats.errors
 import pyarrow as pa
@@ -38,6 +47,8 @@ from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.permissions import kv_stream
 from tests.conftest import VENV_BIN
 from tests.fleet import Fleet, wait_ready
+from tests.nats.test_s3_outputs import assert_final, read_out
+from prefixflow.bench.s3server import S3Server
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(420)]
 
@@ -138,15 +149,16 @@ async def drained(fleet: Fleet, timeout: float = 15) -> dict:
         await asyncio.sleep(0.5)
 
 
-async def run_job(fleet: Fleet, data, job: str, fault: bool) -> dict:
-    """`prefixflow submit` as the submitter on node 3; with `fault`, SIGKILL node 2's
-    nats-server once KILL_AT of the results are in (its unit restarts it 1 s later)."""
+async def run_job(fleet: Fleet, s3: S3Server, data: str, job: str, fault: bool) -> dict:
+    """`prefixflow submit` as the submitter, from the laptop, of `data` (an S3 URI) to
+    `s3://.../out/<job>/`; with `fault`, SIGKILL node 2's nats-server once KILL_AT of the
+    results are in (its unit restarts it 1 s later)."""
     watch = Watch()
     await watch.start(fleet, job)
-    out = fleet.out_root / job
-    argv = [str(VENV_BIN / "prefixflow"), "submit", str(data), "--out", str(out), "--job", job,
-            "--max-tokens", "4", "--no-progress", "--timeout", "300"]
-    proc = subprocess.Popen(argv, env=fleet.cli_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = [str(VENV_BIN / "prefixflow"), "submit", data, "--out", s3.uri(f"out/{job}/"), "--job", job,
+            "--max-tokens", "4", "--no-progress", "--no-report", "--timeout", "300"]
+    proc = subprocess.Popen(argv, env={**fleet.cli_env(2), **s3.env}, cwd=fleet.workdir / "laptop",
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     t_kill = None
     while proc.poll() is None:
         if fault and t_kill is None and len(watch.first) >= KILL_AT * N:
@@ -156,8 +168,8 @@ async def run_job(fleet: Fleet, data, job: str, fault: bool) -> dict:
     output = proc.stdout.read()  # type: ignore[union-attr]
     await watch.stop()
     assert proc.returncode == 0, f"{output}\npipeline: {await pipeline_state(fleet)}"
-    summary = json.loads((out / "_summary.json").read_text())
-    result = {"wall": summary["wall_seconds"], "out": out}
+    summary = json.loads(s3.filesystem().open_input_stream(f"{s3.bucket}/out/{job}/_summary.json").read())
+    result = {"wall": summary["wall_seconds"], "out": f"out/{job}"}
     if fault:
         before = sum(1 for t in watch.first.values() if t <= t_kill)
         assert t_kill is not None and before < N, "the kill landed mid-job"
@@ -172,10 +184,28 @@ async def run_job(fleet: Fleet, data, job: str, fault: bool) -> dict:
     return result
 
 
-def assert_exactly_once(out) -> None:
-    table = pq.read_table(out)
-    assert sorted(table.column("id").to_pylist()) == list(range(N)), "every id exactly once"
+def assert_exactly_once(s3: S3Server, prefix: str, want: pa.Table) -> None:
+    """Only committed objects under the prefix (no multipart upload open), a plain dataset
+    read of it sees every id once, input columns as they went in, no error rows."""
+    assert_final(s3, prefix)
+    table = read_out(s3, prefix)
+    assert table.column("id").to_pylist() == list(range(N)), "every id exactly once"
     assert table.column("error").null_count == N, "no error rows"
+    for name in want.column_names:
+        assert table.column(name).equals(want.column(name)), name
+
+
+def assert_private(fleet: Fleet, data: Path) -> None:
+    """Each node sees its own directories only: not another node's config or store, not
+    the people's configs, not the test's input file."""
+    for i in range(fleet.n):
+        def sees(path: Path) -> bool:
+            return subprocess.run(fleet.prefix(i) + ["test", "-e", str(path)], timeout=30).returncode == 0
+
+        other = (i + 1) % fleet.n
+        assert sees(fleet.etc(i) / "env") and sees(fleet.model / "config.json"), f"node {i + 1} sees its own"
+        for path in (fleet.etc(other) / "env", fleet.home(other) / "nats", fleet.etc_root / "clients" / "env", data):
+            assert not sees(path), f"node {i + 1} sees {path}"
 
 
 async def rejoined(fleet: Fleet, timeout: float = 60) -> dict:
@@ -219,11 +249,27 @@ def connections(fleet: Fleet, name: str) -> list[tuple[str, str]]:
 
 def test_fleet_survives_losing_a_nats_server_mid_job(tmp_path, tiny_model):
     table = prefix_repetition(tokenizer_dir=tiny_model, num_prompts=N, prefix_len=128, suffix_len=16, num_prefixes=24, seed=12)
-    data = tmp_path / "prompts.parquet"
-    pq.write_table(pa.Table.from_pylist([{"id": r["id"], "prompt": r["prompt"]} for r in table.to_pylist()]), data)
+    want = pa.Table.from_pylist([{"id": r["id"], "prompt": r["prompt"], "tag": f"row-{r['id']}"} for r in table.to_pylist()])
+    (tmp_path / "data").mkdir()
+    data = tmp_path / "data" / "prompts.parquet"  # the laptop's file, uploaded as 4 shards
+    pq.write_table(want, data)
 
-    fleet = Fleet(tmp_path / "fleet", 3, model=tiny_model).start()
+    fleet = Fleet(tmp_path / "fleet", 3, model=tiny_model, hide=(tmp_path / "data",), out_root="s3://pfx-data/out")
+    fleet.private_disks = fleet.lan is not None  # root: each node on its own disk too
+    (fleet.workdir / "laptop").mkdir()
+    s3 = None
     try:
+        fleet.start()  # the bridge first: the S3 server listens on its address, for every node
+        s3 = S3Server(tmp_path / "moto.log", bucket="pfx-data", host=fleet.lan.bridge_addr if fleet.lan else "127.0.0.1").start()
+        fs = s3.filesystem()
+        step = -(-N // 4)
+        for k in range(4):
+            pq.write_table(want.slice(k * step, step), f"{s3.bucket}/in/part-{k}.parquet", filesystem=fs)
+        # The operator gives the sink's node its object-store credentials (sink.env).
+        with (fleet.etc(2) / "sink.env").open("a") as f:
+            f.writelines(f"{k}={v}\n" for k, v in s3.env.items())
+        if fleet.private_disks:
+            assert_private(fleet, data)
         for i in (0, 1):
             fleet.service("prefixflow-bucketer.service", i)
             fleet.service("prefixflow-engine@.service", i, instance="0", env=ECHO)
@@ -232,12 +278,13 @@ def test_fleet_survives_losing_a_nats_server_mid_job(tmp_path, tiny_model):
         startup = asyncio.run(wait_ready(fleet.url(2), fleet.options("admin"), REPLICAS, 90, fleet.check_alive))
         print(f"\nfleet ready in {startup:.1f} s ({'network namespaces' if fleet.lan else 'loopback'})")
 
-        base = asyncio.run(run_job(fleet, data, "no-fault", fault=False))
-        assert_exactly_once(base["out"])
+        base = asyncio.run(run_job(fleet, s3, s3.uri("in/"), "no-fault", fault=False))
+        assert_exactly_once(s3, base["out"], want)
         state = asyncio.run(drained(fleet))
         assert settled(state) and state["PFX_WORK"]["messages"] == 0, f"work left behind after the job: {state}"
-        hurt = asyncio.run(run_job(fleet, data, "nats-killed", fault=True))
-        assert_exactly_once(hurt["out"])
+        hurt = asyncio.run(run_job(fleet, s3, s3.uri("in/"), "nats-killed", fault=True))
+        assert_exactly_once(s3, hurt["out"], want)
+        assert not any(fleet.out_root.iterdir()), "nothing written to a local disk"
         state = asyncio.run(rejoined(fleet))
 
         # Each node's services were on their own node's server; node 2's moved away when it died.
@@ -266,3 +313,5 @@ def test_fleet_survives_losing_a_nats_server_mid_job(tmp_path, tiny_model):
         )
     finally:
         fleet.stop()
+        if s3 is not None:
+            s3.stop()

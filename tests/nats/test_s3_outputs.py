@@ -75,10 +75,11 @@ def s3_sink(clusters, s3_server, sink_out_root):
 
 
 def run_s3(data: str, out: str, env: dict[str, str], workdir) -> subprocess.Popen:
-    """`prefixflow run` (echo engine) with `env` (the run's sink: its credentials)."""
+    """`prefixflow run` (echo engine) with `env` (the run's sink: its credentials); it
+    writes its report too (into the bucket, under `_report/`)."""
     return subprocess.Popen(
         [str(VENV_BIN / "prefixflow"), "run", data, "--out", out, "--engine", "echo", "--replicas", "1",
-         "--workdir", str(workdir / "run-work"), "--no-progress", "--no-report", "--max-tokens", "2"],
+         "--workdir", str(workdir / "run-work"), "--no-progress", "--max-tokens", "2"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env},
     )
 
@@ -108,8 +109,9 @@ def read_out(s3_server, prefix: str) -> pa.Table:
 
 
 def assert_final(s3_server, prefix: str) -> list[str]:
-    """Only the manifest's data files and the job's small files under the prefix."""
-    names = objects(s3_server, prefix)
+    """Only the manifest's data files and the job's small files under the prefix (and the
+    report's files, under `_report/`)."""
+    names = {n for n in objects(s3_server, prefix) if not n.startswith("_report/")}
     manifest = json.loads(s3_server.filesystem().open_input_stream(f"{s3_server.bucket}/{prefix}/_manifest.json").read())
     assert set(names) == FINAL | set(manifest["files"]), names
     assert not open_uploads(s3_server), "no multipart upload left open"
@@ -158,6 +160,9 @@ def test_s3_shards_to_an_s3_out_through_run_then_again(s3_server, tmp_path):
     (code, text), = settle({"run": run_s3(s3_server.uri("run-shards/"), out, s3_server.env, tmp_path)}).values()
     assert code == 0, text
     assert_final(s3_server, "out/run")
+    report = {n for n in objects(s3_server, "out/run") if n.startswith("_report/")}
+    assert {"_report/index.html", "_report/bucket_sizes.png"} <= report, (report, text)
+    assert f"report: {out}_report/index.html" in text, text
     got, want = read_out(s3_server, "out/run"), pa.concat_tables(tables)
     assert got.column("id").to_pylist() == list(range(want.num_rows))
     for name in want.column_names:
@@ -224,3 +229,24 @@ def test_bad_outputs_are_clear_errors_and_the_sink_goes_on(s3_sink, s3_server, t
     (code, text), = settle({"next": submit(cluster.url, data, s3_server.uri("out/next"), "s3-next")}).values()
     assert code == 0, text
     assert read_out(s3_server, "out/next").column("id").to_pylist() == list(range(5))
+
+
+def test_python_api_reads_an_s3_out_by_its_manifest(s3_sink, s3_server, monkeypatch):
+    """`Client.submit(table, out="s3://...")`: the handle keeps the URI, and `to_arrow`
+    reads the committed files with this process's credentials."""
+    import prefixflow
+
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    n = 300
+    table = pa.table({"prompt": [f"say {i}" for i in range(n)], "k": pa.array(range(n), pa.int16())})
+    out = s3_server.uri("out/pyapi/")
+    with prefixflow.Client(s3_sink.cluster.url) as client:
+        job = client.submit(table, out=out, max_tokens=2)
+        result = job.wait(120)
+    assert job.out == out and result.out == out and (result.rows, result.errors) == (n, 0)
+    got = result.to_arrow().sort_by("id")
+    assert got.column("id").to_pylist() == list(range(n))
+    assert got.column("k").combine_chunks().equals(table.column("k").combine_chunks())
+    assert result.dataset().count_rows() == n
+    assert_final(s3_server, "out/pyapi")

@@ -1,5 +1,7 @@
-"""A real S3 API server for the suite: moto's server mode (`moto_server`, from PyPI) on a
-loopback port, with IAM authentication on, so wrong credentials are refused as by S3.
+"""A real S3 API server for the suite and `prefixflow bench s3`: moto's server mode
+(`moto_server`, from PyPI: `make install` puts it in the virtualenv) on a loopback port (or
+a test fleet's bridge address), with IAM authentication on, so wrong credentials are
+refused as by S3.
 
 `S3Server.start()` starts it, creates a user with a policy allowing everything and its
 access key, a bucket, then turns authentication on (moto's `/moto-api/reset-auth`):
@@ -20,20 +22,23 @@ from pathlib import Path
 from prefixflow.launch.local_cluster import free_port
 
 VENV_BIN = Path(sys.executable).parent
+"""Where `moto_server` is (this interpreter's virtualenv)."""
 ALLOW_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
 
 
 class S3Server:
-    def __init__(self, log: Path, bucket: str = "pfx-data") -> None:
+    def __init__(self, log: Path, bucket: str = "pfx-data", host: str = "127.0.0.1") -> None:
+        """`host`: the address it listens on (a fleet's bridge address, for its nodes)."""
         self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.endpoint = f"http://{host}:{self.port}"
         self.bucket = bucket
         self.log = log
         self.proc: subprocess.Popen | None = None
         self.key = self.secret = ""
 
     def start(self) -> S3Server:
-        self.proc = subprocess.Popen([str(VENV_BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+        self.proc = subprocess.Popen([str(VENV_BIN / "moto_server"), "-H", self.host, "-p", str(self.port)],
                                      stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while True:
