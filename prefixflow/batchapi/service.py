@@ -61,7 +61,7 @@ class Api:
         nc = await connect(self.cfg.nats_url, "api")
         js = nc.jetstream()
         await provision(js)
-        store = await Store(nc, self.ledger).open()
+        store = await Store(nc, self.ledger, self.cfg.files_uri).open()
         await self.count_usage(store)
         runner = await Runner(store, self.cfg.nats_url, self.cfg, js, nc).open()
         await runner.resume_all()

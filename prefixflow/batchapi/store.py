@@ -1,4 +1,5 @@
-"""The batch service's records: files in the JetStream object store (`subjects.FILES_OBJ`),
+"""The batch service's records: files in the JetStream object store (`subjects.FILES_OBJ`)
+or an object store prefix (`files_uri`: `prefixflow/shared/file_objects.py`),
 their metadata and the batches in a key-value bucket (`subjects.BATCHES_KV`), each key
 under its tenant (`file.<tenant>.<id>`, `batch.<tenant>.<id>`): a tenant's request can only
 ever name its own keys, so another tenant's file or batch is simply not found. Both
@@ -26,11 +27,11 @@ from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from prefixflow.batchapi.quotas import Ledger
 from prefixflow.shared.bus.kv_keys import kv_keys
-from prefixflow.shared.bus.objects import read_object
+from prefixflow.shared.file_objects import file_objects
 from prefixflow.shared.wire import subjects
 
 
@@ -135,23 +136,26 @@ async def update_record(kv, key: str, cls: type[R], change: Callable[[R], R | No
 
 
 class Store:
-    def __init__(self, nc, ledger: Ledger | None = None) -> None:
+    def __init__(self, nc, ledger: Ledger | None = None, files_uri: str = "") -> None:
+        """`files_uri`: where the files' contents live (`prefixflow/shared/file_objects.py`:
+        an object store prefix; "": the NATS object store)."""
         self.nc = nc
         self.js = nc.jetstream()
+        self.files_uri = files_uri
         self.ledger = ledger
         """Told of every file written or deleted and of every batch record change (quotas)."""
 
     async def open(self) -> Store:
         self.kv = await self.js.key_value(subjects.BATCHES_KV)
-        self.objects = await self.js.object_store(subjects.FILES_OBJ)
+        self.objects = file_objects(self.js, self.files_uri)
         return self
 
     # --- files ---------------------------------------------------------------------
 
     async def put_file(self, tenant: str, filename: str, purpose: str, data: BinaryIO, lines: int = 0) -> FileRec:
         fid = new_id("file")
-        info = await self.objects.put(fid, data)
-        rec = FileRec(fid, tenant, filename, purpose, info.size or 0, now(), fid, lines)
+        size = await self.objects.put(fid, data)
+        rec = FileRec(fid, tenant, filename, purpose, size, now(), fid, lines)
         await self.save_file(rec)
         return rec
 
@@ -201,22 +205,16 @@ class Store:
 
     async def delete_object(self, name: str) -> None:
         """Delete an object (gone already: nothing to do)."""
-        try:
-            await self.objects.delete(name)
-        except NotFoundError:
-            pass
+        await self.objects.delete(name)
 
     async def read_object(self, name: str, into: BinaryIO) -> None:
-        await read_object(self.js, subjects.FILES_OBJ, name, into)  # the stream named: no stream lookup to grant
+        await self.objects.read_into(name, into)
 
     async def put_object(self, name: str, data: BinaryIO) -> int:
-        return (await self.objects.put(name, data)).size or 0
+        return await self.objects.put(name, data)
 
     async def object_size(self, name: str) -> int | None:
-        try:
-            return (await self.objects.get_info(name)).size or 0
-        except NotFoundError:
-            return None
+        return await self.objects.size(name)
 
     # --- batches -------------------------------------------------------------------
 

@@ -26,6 +26,16 @@ VENV_BIN = Path(sys.executable).parent
 ALLOW_ALL = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
 
 
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """SIGTERM a server process, SIGKILL if it has not exited 10 s later."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 class S3Server:
     def __init__(self, log: Path, bucket: str = "pfx-data", host: str = "127.0.0.1") -> None:
         """`host`: the address it listens on (a fleet's bridge address, for its nodes)."""
@@ -81,9 +91,4 @@ class S3Server:
         return f"s3://{self.bucket}/{key}"
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)

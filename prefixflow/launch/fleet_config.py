@@ -125,6 +125,18 @@ def client_urls(node: Node | None, nodes: list[Node], tls: bool) -> str:
     return ",".join(f"{scheme}://{n.host}:{n.client_port}" for n in ordered)
 
 
+def files_uri(text: str) -> str:
+    """`--files-uri`: an object store prefix (argparse's type check; "": none)."""
+    from prefixflow.shared.outputs import OutputLocationError, object_prefix
+
+    if not text:
+        return text
+    try:
+        return object_prefix(text)
+    except OutputLocationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def render_env(node: Node, nodes: list[Node], args: argparse.Namespace) -> str:
     tls = tls_paths(node, args)
     lines = [
@@ -143,6 +155,9 @@ def render_env(node: Node, nodes: list[Node], args: argparse.Namespace) -> str:
         lines.append(f"PFX_NATS_TLS_CA={tls[2]}")
     if args.model:
         lines.append(f"PFX_MODEL={args.model}")
+    if getattr(args, "files_uri", ""):
+        lines += ["# The batch service's files (read by the api and the sink; their object store credentials",
+                  "# go in api.env and sink.env).", f"PFX_FILES_URI={args.files_uri}"]
     return "\n".join(lines) + "\n"
 
 
@@ -313,6 +328,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tls-key", default="", help="the certificate's key on each node")
     p.add_argument("--tls-ca", default="", help="CA certificate that signed the servers' certificates (clients and servers verify with it)")
     p.add_argument("--model", default="", help="PFX_MODEL for every node (the model directory on the nodes)")
+    p.add_argument("--files-uri", default="", type=files_uri,
+                   help="the batch service's files in an object store prefix (s3://bucket/prefix) instead of the NATS "
+                        "object store (PFX_FILES_URI for the api and the sink)")
     p.set_defaults(fn=cmd_cluster_config)
 
 

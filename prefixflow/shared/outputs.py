@@ -62,6 +62,14 @@ def canonical(uri: str) -> str:
     return f"{scheme}://{bucket}/{key}" if key else f"{scheme}://{bucket}"
 
 
+def object_prefix(text: str) -> str:
+    """`text` as an object store prefix (canonical); `OutputLocationError` for anything
+    else (a local path, a bad URI)."""
+    if not is_output_uri(text):
+        raise OutputLocationError(f"{text!r}: want s3://bucket/prefix or gs://bucket/prefix")
+    return canonical(text)
+
+
 def within(uri: str, root: str) -> bool:
     """`uri` is the output root `root` or below it (whole segments: `s3://b/out` is not
     under `s3://b/o`)."""
@@ -79,7 +87,7 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
         return pafs.S3FileSystem(endpoint_override=endpoint, region=region, allow_delayed_open=True), base
-    return pafs.GcsFileSystem(), base  # NOTE: untested here (no GCS emulator in the suite)
+    return pafs.GcsFileSystem(), base  # an emulator: CLOUD_STORAGE_EMULATOR_ENDPOINT (tests/nats/test_gcs.py)
 
 
 REFUSED = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "AccessDenied", "Forbidden")

@@ -36,6 +36,8 @@ pytestmark = [pytest.mark.timeout(300)]
 FINAL = {"_job.json", "_summary.json", "_common_metadata", "_manifest.json"}
 """The objects beside the data files of a finished job's output."""
 NO_BUCKET = "s3://no-such-bucket-pfx/out"
+FILES = "s3://pfx-data/batch-files"
+"""The batch service's files (`--files-uri`), for the API and the sink of this module."""
 
 
 class S3Sink:
@@ -46,7 +48,7 @@ class S3Sink:
         self.original = next(p for p in cluster.procs if p.name == "sink")
         roots = f"{root},{s3_server.uri('out')},{NO_BUCKET}"
         self.s3_sink = dataclasses.replace(self.original, env={**self.original.env, **s3_server.env,
-                                                                "PFX_OUT_ROOT": roots})
+                                                                "PFX_OUT_ROOT": roots, "PFX_FILES_URI": FILES})
 
     def start(self, proc: Process | None = None, *, kill: bool = False) -> None:
         """Stop the running sink (SIGKILL with `kill`), start `proc` (the S3 one)."""
@@ -250,3 +252,49 @@ def test_python_api_reads_an_s3_out_by_its_manifest(s3_sink, s3_server, monkeypa
     assert got.column("k").combine_chunks().equals(table.column("k").combine_chunks())
     assert result.dataset().count_rows() == n
     assert_final(s3_server, "out/pyapi")
+
+
+def test_batch_api_files_in_s3(s3_sink, s3_server, tiny_model, tmp_path):
+    """`serve api --files-uri s3://...` with a sink given the same: the upload, the parsed
+    input and the results live in the bucket (none in the NATS object store); the batch
+    completes and its output file downloads, every request answered once."""
+    import asyncio
+
+    from nats.js.errors import NotFoundError
+
+    from prefixflow.shared.bus.connection import close, connect
+    from prefixflow.shared.wire import subjects
+    from tests.nats.test_batch_api import ApiProcess, chat_line, lines_of, wait_for, write_batch
+
+    api = ApiProcess(s3_sink.cluster.url, tiny_model, tmp_path)
+    api.env.update({**s3_server.env, "PFX_FILES_URI": FILES})
+    api.start()
+    try:
+        alice = api.client("key-a")
+        path = write_batch(tmp_path / "batch.jsonl", [chat_line(i) for i in range(40)])
+        f = alice.files.create(file=path.open("rb"), purpose="batch")
+        assert objects(s3_server, "batch-files")[f.id] == path.stat().st_size
+        assert alice.files.content(f.id).content == path.read_bytes()
+        batch = alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = wait_for(alice, batch.id, {"completed", "failed", "cancelled", "expired"})
+        assert done.status == "completed" and done.request_counts.completed == 40, done
+        out = lines_of(alice, done.output_file_id)
+        assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(40))
+        names = objects(s3_server, "batch-files")
+        assert f"{batch.id}/output.jsonl" in names, names  # the sink's export, in the bucket
+
+        async def in_nats(name: str) -> bool:
+            nc = await connect(s3_sink.cluster.url, "check")
+            try:
+                await (await nc.jetstream().object_store(subjects.FILES_OBJ)).get_info(name)
+                return True
+            except NotFoundError:
+                return False
+            finally:
+                await close(nc)
+
+        assert not asyncio.run(in_nats(f.id)) and not asyncio.run(in_nats(f"{batch.id}/output.jsonl"))
+        alice.files.delete(f.id)
+        assert f.id not in objects(s3_server, "batch-files")
+    finally:
+        api.stop()

@@ -1,7 +1,7 @@
 """A batch job's results for the batch service (`prefixflow serve api`): when a job whose
 spec says `deliver="openai-batch"` completes (done, cancelled or expired), the sink turns
 its Parquet parts into OpenAI Batch result lines (`prefixflow/shared/openai_batch.py`) and puts them
-into the files object store as `<job>/output.jsonl` and `<job>/errors.jsonl`, before the
+into the batch service's files (the NATS object store, or `--files-uri`) as `<job>/output.jsonl` and `<job>/errors.jsonl`, before the
 job's done status: a service that sees the job done finds its results there, from any
 machine. Memory: one record batch of a part at a time; the lines go through local files
 (`OUT/_batch/`) that the object store reads in chunks.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from prefixflow.shared.openai_batch import object_names, result_line
-from prefixflow.shared.wire import subjects
+from prefixflow.shared.file_objects import file_objects
 
 DELIVER = "openai-batch"
 """`JobSpec.deliver` of a job whose results the sink exports."""
@@ -50,10 +50,11 @@ def write_lines(parts: list[Path], model: str, ok_path: Path, err_path: Path) ->
     return n_ok, n_err
 
 
-async def put_results(js, job: str, ok_path: Path, err_path: Path) -> None:
-    """Store the two files as the job's result objects (replacing an earlier export)."""
+async def put_results(js, job: str, ok_path: Path, err_path: Path, files_uri: str = "") -> None:
+    """Store the two files as the job's result objects (replacing an earlier export), in
+    the batch service's files (`files_uri`: `prefixflow/shared/file_objects.py`)."""
     try:
-        store = await js.object_store(subjects.FILES_OBJ)
+        store = file_objects(js, files_uri)
         for name, path in zip(object_names(job), (ok_path, err_path), strict=True):
             with path.open("rb") as f:
                 await store.put(name, f)

@@ -13,7 +13,7 @@ from prefixflow.services.sink.writer import JobOutput
 from prefixflow.shared.wire import messages as m
 
 
-async def write_final(js: JetStreamContext, job: str, out: JobOutput, spec: m.JobSpec) -> dict:
+async def write_final(js: JetStreamContext, job: str, out: JobOutput, spec: m.JobSpec, files_uri: str = "") -> dict:
     """Write the finished job's files (the caller holds the sink's disk lock). Returns
     its summary; raises `export.ExportFailed` if its results could not be exported."""
     if not out.parts():
@@ -27,5 +27,5 @@ async def write_final(js: JetStreamContext, job: str, out: JobOutput, spec: m.Jo
             raise ValueError(f"a batch job's output must be a local directory, not {out.store.where}")
         ok_path, err_path = out.dir / "_batch" / "output.jsonl", out.dir / "_batch" / "errors.jsonl"
         await asyncio.to_thread(export.write_lines, out.parts(), spec.model, ok_path, err_path)
-        await export.put_results(js, job, ok_path, err_path)
+        await export.put_results(js, job, ok_path, err_path, files_uri)
     return summary

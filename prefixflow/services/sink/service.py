@@ -405,7 +405,7 @@ class Sink:
             finally:
                 lifecycle.exit_now(job)
         async with self.disk:
-            return await finishing.write_final(self.js, job, out, spec)
+            return await finishing.write_final(self.js, job, out, spec, self.cfg.files_uri)
 
     async def put_status(self, job: str, status: m.JobStatus, *, done: bool) -> bool:
         """Store a job's status; False (logged) if the put failed: retried next round."""

@@ -77,6 +77,13 @@ class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file {path!r}")
+        if getattr(self, "files_uri", ""):
+            from prefixflow.shared.outputs import OutputLocationError, object_prefix
+
+            try:
+                object_prefix(self.files_uri)
+            except OutputLocationError as exc:
+                raise ValueError(f"files_uri: {exc} (or nothing: the NATS object store)") from None
 
 
 class ModelConfig(CommonConfig, kw_only=True):
@@ -311,6 +318,11 @@ class SinkConfig(CommonConfig, kw_only=True):
         _d("local directory for the input columns the sink joins to the results (a job's files are removed "
            "when it is done; default: a new temporary directory)"),
     ] = ""
+    files_uri: Annotated[
+        str, _d("where the batch service's files live: an object store prefix (s3://bucket/prefix, gs://...; "
+                "the api and the sink must name the same, each with its own credentials), or nothing: the NATS "
+                "object store")
+    ] = ""
     fail_done_puts: Annotated[
         int, _d("test hook (fault tests): the first this many done-status puts fail, to prove they are retried "
                 "(0: off)", ge=0)
@@ -346,6 +358,11 @@ class ApiConfig(CommonConfig, kw_only=True):
     task: Annotated[
         Literal["generate", "embed"], _d("what the cluster's engines do (its batches serve the matching endpoints)")
     ] = "generate"
+    files_uri: Annotated[
+        str, _d("where the batch service's files live: an object store prefix (s3://bucket/prefix, gs://...; "
+                "the api and the sink must name the same, each with its own credentials), or nothing: the NATS "
+                "object store")
+    ] = ""
     out_prefix: Annotated[
         str, _d("batch outputs go to <sink out root>/<this>/<tenant>/<batch id> (relative to the sink's root)")
     ] = "batches"
