@@ -298,3 +298,32 @@ def test_batch_api_files_in_s3(s3_sink, s3_server, tiny_model, tmp_path):
         assert f.id not in objects(s3_server, "batch-files")
     finally:
         api.stop()
+
+
+def test_run_sigkilled_mid_job_then_again_completes_once(s3_server, tmp_path):
+    """`prefixflow run` itself SIGKILLed once a part is in the bucket (its cluster gets
+    SIGTERM from the kernel: parent-death signal, and drains), then the same command: it
+    resumes from what the bucket holds, every id once, nothing left open."""
+    n = 6_000
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": [f"count to {i}" for i in range(n)], "k": pa.array(range(n), pa.int32())}), data)
+    out = s3_server.uri("out/run-killed/")
+    slow = {**s3_server.env, "PFX_ECHO_DELAY": "0.01"}  # a job of seconds: the kill lands mid-job
+    first = run_s3(str(data), out, slow, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(name.startswith("part-") for name in objects(s3_server, "out/run-killed")):
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "no part written"
+            time.sleep(0.05)
+    finally:
+        first.kill()
+        first.communicate()
+    before = sum(name.startswith("part-") for name in objects(s3_server, "out/run-killed"))
+    (code, text), = settle({"again": run_s3(str(data), out, s3_server.env, tmp_path)}, timeout=240).values()
+    assert code == 0, text
+    print(f"\nrun SIGKILLed with {before} parts in the bucket; then: {text.splitlines()[-3:]}")
+    assert_final(s3_server, "out/run-killed")
+    got = read_out(s3_server, "out/run-killed")
+    assert got.column("id").to_pylist() == list(range(n)), "every id once"
+    assert got.column("k").equals(pa.chunked_array([pa.array(range(n), pa.int32())]))
