@@ -72,3 +72,28 @@ def test_guard_ignores_sigterm_while_the_worker_lives():
         worker.kill()
         worker.wait()
         time.sleep(0.5)
+
+
+def test_a_worker_dying_during_a_scan_keeps_the_last_view(monkeypatch):
+    """The worker dies while the guard lists its descendants: its children are already
+    re-parented, so that scan finds none; the guard kills the ones of the scan before
+    (a found flake: it used to forget them and kill nothing)."""
+    from prefixflow.services.engine_worker import guard
+
+    state = {"parent": 4242, "scans": 0}
+    killed = []
+
+    def scan(root):
+        state["scans"] += 1
+        if state["scans"] == 1:
+            return {777: 5}
+        state["parent"] = 1  # dies mid-scan: the child already belongs to init
+        return {}
+
+    monkeypatch.setattr(guard, "descendants", scan)
+    monkeypatch.setattr(guard.os, "getppid", lambda: state["parent"])
+    monkeypatch.setattr(guard, "proc_stat", lambda pid: (1, 5) if pid == 777 else None)
+    monkeypatch.setattr(guard.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(guard.time, "sleep", lambda s: None)
+    guard._watch(4242, 0.1)
+    assert killed == [(777, signal.SIGKILL)]

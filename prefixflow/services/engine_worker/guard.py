@@ -53,7 +53,10 @@ def _watch(worker: int, interval: float) -> None:
     seen: dict[int, int] = {}
     me = os.getpid()
     while os.getppid() == worker:
-        seen = {pid: started for pid, started in descendants(worker).items() if pid != me}
+        now = {pid: started for pid, started in descendants(worker).items() if pid != me}
+        if os.getppid() != worker:
+            break  # it died during the scan: its children were already handed to init, keep the last view
+        seen = now
         time.sleep(interval)
     for pid, started in seen.items():
         st = proc_stat(pid)
