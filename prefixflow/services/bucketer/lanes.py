@@ -16,6 +16,16 @@ small job waits for the large one (FIFO). With a lane per job:
 - prefix affinity within a job is untouched: a lane is a `PrefixBuffer`, buckets are
   the job's own.
 
+Tenants first, then their jobs (two-level fair queuing): a job id `TENANT.NAME` belongs
+to its tenant, and a tenant competes as one group of weight 1 with its own virtual time
+(`tenant_vtime`: its lanes' tokens released); the group furthest behind releases next, and
+within it the job furthest behind by its own virtual time (tokens / its weight). A job
+without a tenant (the operator's) is a group of its own, its lane's virtual time as
+before. Intake shares the bounds the same way (`effective`). So one tenant's 100 jobs get
+together what another tenant's single job gets, the second tenant's job competes from the
+moment it lands (not after each of the 100 has had a turn), and jobs without a tenant
+share as before.
+
 Without a budget (eager release off, or the router unreachable) each lane follows the
 reference rules (max_wait, size), lanes in virtual-time order. A lane whose job has
 nothing left upstream and no new input is flushed (its end of input), whatever the
@@ -25,10 +35,12 @@ budget; the total bounds release the largest buckets of the lane furthest over i
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from prefixflow.services.bucketer.buffer import Bucket, Item, PrefixBuffer
+from prefixflow.shared.wire.subjects import tenant_of
 
 LANE_IDLE = 30.0
 """Seconds an empty lane is kept (with its virtual time) after its last input."""
@@ -68,7 +80,9 @@ class Lanes:
         """Work tokens a new job may release ahead of the jobs already flowing (0: none)."""
         self.lanes: dict[str, Lane] = {}
         self.clock = 0.0
-        """Virtual time of the fair queue: the least vtime of the lanes holding prompts."""
+        """Virtual time of the fair queue: the least group time of the lanes holding prompts."""
+        self.tenant_vtime: dict[str, float] = {}
+        """Tenant -> work tokens its lanes released (weight 1), plus the clock when it joined."""
 
     # --- inspection -------------------------------------------------------------------
 
@@ -96,14 +110,35 @@ class Lanes:
         times = [t for lane in self.lanes.values() if (t := lane.buffer.oldest()) is not None]
         return min(times) if times else None
 
+    def effective(self, weights: dict[str, float]) -> dict[str, float]:
+        """Each job's effective weight among `weights` (job -> its own weight): a tenant's
+        jobs together weigh 1 (one default job's weight), split by their own weights; a
+        job without a tenant weighs its own weight."""
+        per_tenant: dict[str, float] = defaultdict(float)
+        for job, w in weights.items():
+            per_tenant[tenant_of(job)] += w
+        return {job: w / per_tenant[t] if (t := tenant_of(job)) else w for job, w in weights.items()}
+
+    def group_time(self, lane: Lane) -> float:
+        """The virtual time `lane` competes with between groups: its tenant's, or its own
+        (no tenant)."""
+        tenant = tenant_of(lane.job)
+        return self.tenant_vtime.get(tenant, self.clock) if tenant else lane.vtime
+
+    def order(self, lane: Lane) -> tuple[float, float, str]:
+        """Release order: the group furthest behind, then its job furthest behind."""
+        return self.group_time(lane), lane.vtime, lane.job
+
     def share(self, job: str, weight: float = 1.0, competing: Collection[str] = ()) -> tuple[int, int]:
-        """(prompts, bytes) `job`'s lane may hold: the bounds split by weight among the
-        lanes holding prompts and the jobs in `competing` (with prompts waiting upstream)."""
+        """(prompts, bytes) `job`'s lane may hold: the bounds split by effective weight
+        (tenants first) among the lanes holding prompts and the jobs in `competing` (with
+        prompts waiting upstream)."""
         weights = {j: lane.weight for j, lane in self.lanes.items() if len(lane.buffer)}
         for j in competing:
             weights.setdefault(j, self.lanes[j].weight if j in self.lanes else 1.0)
         weights[job] = self.lanes[job].weight if job in self.lanes else weight
-        part = weights[job] / sum(weights.values())
+        eff = self.effective(weights)
+        part = eff[job] / sum(eff.values())
         return max(self.min_share, int(self.max_prompts * part)), max(1, int(self.max_bytes * part))
 
     def room(self, job: str, weight: float = 1.0, competing: Collection[str] = ()) -> int:
@@ -123,12 +158,25 @@ class Lanes:
 
     # --- intake -----------------------------------------------------------------------
 
+    def start_time(self, job: str) -> float:
+        """Where a lane joining now starts: the clock (no tenant), or the least time of its
+        tenant's lanes holding prompts (0 if none: within a tenant only the order of its
+        jobs counts), its tenant joining at the clock."""
+        tenant = tenant_of(job)
+        if not tenant:
+            return self.clock
+        if not any(len(ln.buffer) for ln in self.lanes.values() if tenant_of(ln.job) == tenant):
+            self.tenant_vtime[tenant] = max(self.tenant_vtime.get(tenant, self.clock), self.clock)
+        busy = [ln.vtime for ln in self.lanes.values() if len(ln.buffer) and tenant_of(ln.job) == tenant]
+        return min(busy) if busy else 0.0
+
     def insert(self, job: str, weight: float, item: Item) -> None:
         lane = self.lanes.get(job)
         if lane is None:
-            lane = self.lanes[job] = Lane(job, self.make_buffer(), vtime=self.clock)
+            start = self.start_time(job)
+            lane = self.lanes[job] = Lane(job, self.make_buffer(), vtime=start)
         elif not len(lane.buffer):  # rejoining: no credit for the time it was away
-            lane.vtime = max(lane.vtime, self.clock)
+            lane.vtime = max(lane.vtime, self.start_time(job))
         lane.weight = max(float(weight), 1e-3)
         lane.last_input = max(lane.last_input, item.arrived)
         lane.buffer.insert(item)
@@ -141,9 +189,11 @@ class Lanes:
             return
         lane = self.lanes.get(job)
         if lane is None:
-            lane = self.lanes[job] = Lane(job, self.make_buffer(), vtime=self.clock)
+            lane = self.lanes[job] = Lane(job, self.make_buffer(), vtime=self.start_time(job))
         work = PrefixBuffer.work(items)
         lane.vtime -= work / lane.weight
+        if tenant := tenant_of(job):
+            self.tenant_vtime[tenant] = self.tenant_vtime.get(tenant, self.clock) - work
         lane.released -= work
         for item in items:
             lane.buffer.insert(item)
@@ -169,19 +219,19 @@ class Lanes:
                 self._emit(out, lane, lane.buffer.pop(now, flush=True))
         while self.over() or (budget is None and self.full()):
             lane = max((ln for ln in self.lanes.values() if len(ln.buffer)),
-                       key=lambda ln: len(ln.buffer) / self.share(ln.job)[0])
+                       key=lambda ln: len(ln.buffer) / self.share(ln.job, ln.weight)[0])
             before = len(out)
             self._emit(out, lane, lane.buffer.pop(now, budget=1, bounded=True, why="size"))
             if len(out) == before:
                 break
         if budget is None:
-            for lane in sorted(self.lanes.values(), key=lambda ln: ln.vtime):
+            for lane in sorted(self.lanes.values(), key=self.order):
                 if len(lane.buffer):
                     self._emit(out, lane, lane.buffer.pop(now))
         elif math.isinf(budget):
             # Room without a bound (the router knows no cap yet): one turn per lane, not
             # everything - what is released now is committed ahead of later jobs.
-            for lane in sorted(self.lanes.values(), key=lambda ln: (ln.vtime, ln.job)):
+            for lane in sorted(self.lanes.values(), key=self.order):
                 if len(lane.buffer) and (lane.flowing or eligible(lane)):
                     if not lane.flowing:
                         self._enter(lane)
@@ -194,7 +244,7 @@ class Lanes:
                 for ln in ready:
                     if not ln.flowing:
                         self._enter(ln)
-                lane = min(ready, key=lambda ln: (ln.vtime, ln.job))
+                lane = min(ready, key=self.order)
                 piece = max(1.0, budget / len(ready))
                 budget -= max(1, self._emit(out, lane, lane.buffer.pop(now, budget=piece, bounded=True)))
         self._advance_clock()
@@ -206,12 +256,25 @@ class Lanes:
         while it was still landing its input, engines that would have idled otherwise, is
         no debt of theirs). A new job (nothing released yet) enters up to `burst` tokens
         behind them, at most as far as each of them has released: its first tokens go out
-        first beside running jobs, while jobs that start together start even.)"""
+        first beside running jobs, while jobs that start together start even. Between
+        groups this is done for its group (a tenant's time, when none of its lanes flows
+        yet), within a tenant for its lane among the tenant's flowing lanes."""
+        tenant = tenant_of(lane.job)
         flowing = [ln for ln in self.lanes.values() if ln.flowing and len(ln.buffer)]
-        if flowing:
-            lane.vtime = max(lane.vtime, min(ln.vtime for ln in flowing))
-            if not lane.released:
-                lane.vtime -= min(self.burst, min(ln.released for ln in flowing)) / lane.weight
+        others = [ln for ln in flowing if not tenant or tenant_of(ln.job) != tenant]
+        group_joins = not tenant or not any(tenant_of(ln.job) == tenant for ln in flowing)
+        if others and group_joins:
+            floor = min(self.group_time(ln) for ln in others)
+            burst = min(self.burst, min(ln.released for ln in others)) if not lane.released else 0
+            if tenant:
+                t = max(self.tenant_vtime.get(tenant, self.clock), floor) - burst
+                self.tenant_vtime[tenant] = t
+            else:
+                lane.vtime = max(lane.vtime, floor) - burst / lane.weight
+        if tenant:
+            siblings = [ln for ln in flowing if tenant_of(ln.job) == tenant]
+            if siblings:
+                lane.vtime = max(lane.vtime, min(ln.vtime for ln in siblings))
         lane.flowing = True
 
     def _emit(self, out: list[tuple[str, Bucket]], lane: Lane, buckets: list[Bucket]) -> int:
@@ -219,19 +282,21 @@ class Lanes:
             lane.flowing = False
         work = sum(PrefixBuffer.work(b.items) for b in buckets)
         lane.vtime += work / lane.weight
+        if tenant := tenant_of(lane.job):
+            self.tenant_vtime[tenant] = self.tenant_vtime.get(tenant, self.clock) + work
         lane.released += work
         out.extend((lane.job, b) for b in buckets)
         return work
 
     def _advance_clock(self) -> None:
-        """The least virtual time of the lanes holding prompts; when none holds any (each
+        """The least group time of the lanes holding prompts; when none holds any (each
         released all it had, more on its way), the most any has reached: a job that
         arrives then must not be owed what the others were served meanwhile."""
-        busy = [lane.vtime for lane in self.lanes.values() if len(lane.buffer)]
+        busy = [self.group_time(lane) for lane in self.lanes.values() if len(lane.buffer)]
         if busy:
             self.clock = max(self.clock, min(busy))
         elif self.lanes:
-            self.clock = max(self.clock, max(lane.vtime for lane in self.lanes.values()))
+            self.clock = max(self.clock, max(self.group_time(lane) for lane in self.lanes.values()))
 
     def forget(self, now: float, keep: Collection[str] = ()) -> list[str]:
         """Drop lanes empty for `LANE_IDLE` seconds (jobs not in `keep`); their names."""
@@ -239,4 +304,7 @@ class Lanes:
                 if not len(lane.buffer) and job not in keep and now - lane.last_input >= LANE_IDLE]
         for job in gone:
             del self.lanes[job]
+        live = {tenant_of(job) for job in self.lanes}
+        for tenant in [t for t in self.tenant_vtime if t not in live]:
+            del self.tenant_vtime[tenant]
         return gone

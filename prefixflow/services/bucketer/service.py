@@ -49,6 +49,7 @@ from prefixflow.shared.bus.poison import error_rows, reject
 from prefixflow.shared.bus.publish import PublishError, message_limit, publish
 from prefixflow.shared.bus.pull import DurablePull, keep_in_progress
 from prefixflow.services.bucketer.buffer import Bucket, Item
+from prefixflow.services.bucketer.consumers import admit
 from prefixflow.services.bucketer.lanes import Lanes
 from prefixflow.services.bucketer.release import (DISPATCH_WAIT, INTAKE_WAIT, RETRY_WAIT, SEND_CONCURRENCY, Inflow,
                                                   Release)
@@ -221,16 +222,15 @@ class Bucketer:
             log.debug("consumer not deleted", consumer=pull.spec.durable, error=repr(exc))
 
     def intake_order(self, waiting: Mapping[str, int]) -> list[str]:
-        """Jobs to pull from this round: those with a consumer open, then, while fewer than
-        `max_job_consumers` are, the ones first seen here longest ago (the others wait
-        their turn in the stream), each group furthest behind in virtual time first."""
+        """Jobs to pull from this round: those with a consumer open, then those that get
+        one now (`consumers.admit`: tenants first, up to `max_job_consumers`; the others
+        wait their turn in the stream), each group furthest behind in virtual time first."""
         for job in waiting:
             self.first_seen.setdefault(job, time.monotonic())
         for job in [j for j in self.first_seen if j not in self.here]:
             del self.first_seen[job]
         open_ = sorted((j for j in waiting if j in self.pulls), key=self.lane_time)
-        free = max(0, self.cfg.max_job_consumers - len(self.pulls))
-        new = sorted((j for j in waiting if j not in self.pulls), key=lambda j: self.first_seen[j])[:free]
+        new = admit([j for j in waiting if j not in self.pulls], self.pulls, self.first_seen, self.cfg.max_job_consumers)
         return open_ + sorted(new, key=self.lane_time)
 
     async def poisoned(self, batch: m.PromptBatch, lease: Lease) -> None:

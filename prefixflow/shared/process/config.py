@@ -145,7 +145,8 @@ class BucketerConfig(CommonConfig, kw_only=True):
         bool, _d("also release the largest buckets whenever the router reports free room on the replicas")
     ] = True
     max_job_consumers: Annotated[
-        int, _d("jobs pulled at once (one consumer each; a stream takes 1,000 in all): more jobs wait their turn", gt=0)
+        int, _d("jobs pulled at once (one consumer each; a stream takes 1,000 in all): more jobs wait their turn; "
+                "a tenant below its fair number still gets one, up to twice this (tenants first)", gt=0)
     ] = 64
     eager_delay: Annotated[
         float,
