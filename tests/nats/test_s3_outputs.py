@@ -120,6 +120,28 @@ def assert_final(s3_server, prefix: str) -> list[str]:
     return manifest["files"]
 
 
+def counted_prompts(tmp_path, n: int):
+    """A Parquet file of `n` prompts and an int32 column `k` = the row number."""
+    data = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": [f"count to {i}" for i in range(n)], "k": pa.array(range(n), pa.int32())}), data)
+    return data
+
+
+def kill_once_a_part_is_in(proc: subprocess.Popen, s3_server, prefix: str) -> None:
+    """SIGKILL `proc` (a `submit` or `run`) once a part is in the bucket, mid-job (the
+    job's summary not written yet)."""
+    try:
+        deadline = time.monotonic() + 120
+        while not any(name.startswith("part-") for name in objects(s3_server, prefix)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no part written"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert "_summary.json" not in objects(s3_server, prefix), "the kill landed after the job's end"
+
+
 def test_s3_shards_to_an_s3_out_through_submit_then_again(s3_sink, s3_server, tmp_path):
     cluster, fs = s3_sink.cluster, s3_server.filesystem()
     tables = shard_tables()
@@ -176,19 +198,9 @@ def test_s3_shards_to_an_s3_out_through_run_then_again(s3_server, tmp_path):
 def test_sigkilled_mid_job_then_again_completes_once(s3_sink, s3_server, tmp_path):
     cluster = s3_sink.cluster
     n = 5_000
-    data = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": [f"count to {i}" for i in range(n)], "k": pa.array(range(n), pa.int32())}), data)
+    data = counted_prompts(tmp_path, n)
     out = s3_server.uri("out/killed")
-    first = submit(cluster.url, data, out, "s3-killed", s3_server.env)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(name.startswith("part-") for name in objects(s3_server, "out/killed")):
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline, "no part written"
-            time.sleep(0.05)
-    finally:
-        first.kill()  # SIGKILL, mid-job
-        first.communicate()
+    kill_once_a_part_is_in(submit(cluster.url, data, out, "s3-killed", s3_server.env), s3_server, "out/killed")
     s3_sink.start(kill=True)  # the sink too: SIGKILL, then a new one (recovers from the bucket)
     before = objects(s3_server, "out/killed")
     (code, text), = settle({"again": submit(cluster.url, data, out, "s3-killed", s3_server.env)}, timeout=240).values()
@@ -305,20 +317,10 @@ def test_run_sigkilled_mid_job_then_again_completes_once(s3_server, tmp_path):
     SIGTERM from the kernel: parent-death signal, and drains), then the same command: it
     resumes from what the bucket holds, every id once, nothing left open."""
     n = 6_000
-    data = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": [f"count to {i}" for i in range(n)], "k": pa.array(range(n), pa.int32())}), data)
+    data = counted_prompts(tmp_path, n)
     out = s3_server.uri("out/run-killed/")
     slow = {**s3_server.env, "PFX_ECHO_DELAY": "0.01"}  # a job of seconds: the kill lands mid-job
-    first = run_s3(str(data), out, slow, tmp_path)
-    try:
-        deadline = time.monotonic() + 120
-        while not any(name.startswith("part-") for name in objects(s3_server, "out/run-killed")):
-            assert first.poll() is None, first.communicate()
-            assert time.monotonic() < deadline, "no part written"
-            time.sleep(0.05)
-    finally:
-        first.kill()
-        first.communicate()
+    kill_once_a_part_is_in(run_s3(str(data), out, slow, tmp_path), s3_server, "out/run-killed")
     before = sum(name.startswith("part-") for name in objects(s3_server, "out/run-killed"))
     (code, text), = settle({"again": run_s3(str(data), out, s3_server.env, tmp_path)}, timeout=240).values()
     assert code == 0, text

@@ -4,7 +4,7 @@ out tenants first. Pure logic, no I/O (the bucketer calls it; tested on its own)
 
 With consumers given out oldest job first, one tenant's 64 long jobs would hold every
 consumer and another tenant's job would wait at 0 rows until one of them ends. Here the
-tenant holding the fewest consumers goes first (its job seen here longest ago first), and
+tenant holding the fewest consumers goes first (its job seen here longest ago first; jobs without a tenant, the operator's, count as one tenant), and
 a tenant below its fair number (`limit` / tenants with jobs here) still gets one when
 `limit` is reached, up to twice `limit` in all: a new tenant's job starts at once; the
 jobs over the limit end as their jobs do (a consumer is closed once its job has nothing
