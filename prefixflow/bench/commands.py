@@ -12,6 +12,7 @@ def add_parsers(sub) -> None:
     from prefixflow.bench.methods import add_methods_parser
     from prefixflow.bench.object_store import add_s3_parser
     from prefixflow.bench.peer_runs import add_peers_parser
+    from prefixflow.bench.plan_accuracy import add_plan_accuracy_parser
     from prefixflow.bench.pipeline import add_pipeline_parser
     from prefixflow.bench.router import add_router_parser
     from prefixflow.bench.soak import add_soak_parser
@@ -28,4 +29,5 @@ def add_parsers(sub) -> None:
     add_lora_parser(sub)
     add_batch_limits_parser(sub)
     add_eta_parser(sub)  # the ETA of a running job against its real end (docs/plan.md)
+    add_plan_accuracy_parser(sub)  # `plan --calibrate` against a real run (docs/plan.md)
     add_torture_parser(sub, minutes=60.0)  # the long torture run (docs/torture.md)

@@ -41,3 +41,38 @@ def test_run_service_exits_nonzero_on_an_unexpected_error():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 1, proc.stderr
+
+
+
+SERVICES = ("ingestor", "bucketer", "router", "sink", "engine-worker")
+
+
+def test_sigterm_before_nats_answers_stops_every_service_at_once(tmp_path, tiny_model):
+    """Services started before their nats-server (a supervisor starting everything at once)
+    and stopped before it came up exit 0 within seconds, not after their 120 s connect wait."""
+    import os
+    import signal
+    import time
+
+    from prefixflow.launch.local_cluster import free_port
+
+    env = {**os.environ, "PFX_NATS_URL": f"nats://127.0.0.1:{free_port()}", "PFX_MODEL": str(tiny_model)}  # nothing listens
+    procs = {}
+    for service in SERVICES:
+        extra = ["--engine", "echo", "--replica", "r0"] if service == "engine-worker" else []
+        procs[service] = subprocess.Popen([sys.executable, "-m", "prefixflow.cli.main", "serve", service, *extra], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        time.sleep(4)  # past their imports, inside the connect wait
+        for service, proc in procs.items():
+            assert proc.poll() is None, (service, proc.stdout.read())
+            proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        outs = {service: proc.communicate(timeout=30)[0] for service, proc in procs.items()}
+        took = time.monotonic() - sent
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    for service, proc in procs.items():
+        assert proc.returncode == 0 and "stopped before connecting" in outs[service], (service, outs[service])
+    assert took < 10, took

@@ -12,6 +12,7 @@ that (`prefixflow submit`) reads the same `PFX_NATS_*` variables from its enviro
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,6 +25,15 @@ from nats.aio.client import Client
 from prefixflow.shared.wire import subjects
 
 log = structlog.get_logger()
+
+
+SHUTDOWN: contextvars.ContextVar[asyncio.Event | None] = contextvars.ContextVar("pfx_shutdown", default=None)
+"""The service's stop event (`prefixflow/shared/process/supervise.py` sets it): a SIGTERM while
+`connect` still waits for a server ends the wait at once (`StoppedWhileConnecting`)."""
+
+
+class StoppedWhileConnecting(Exception):
+    """The process was asked to stop before any NATS server answered."""
 
 
 TLS_CUT_OFF = ("APPLICATION_DATA_AFTER_CLOSE_NOTIFY", "UNEXPECTED_EOF", "EOF OCCURRED", "CONNECTION RESET")
@@ -204,13 +214,20 @@ async def connect(
             )
         )
         watch = asyncio.ensure_future(refused_event.wait())
+        stop = SHUTDOWN.get()
+        stopping = asyncio.ensure_future(stop.wait()) if stop is not None else None
         try:
-            await asyncio.wait({attempt, watch}, timeout=max(deadline - loop.time(), 0.1), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({attempt, watch, *([stopping] if stopping else [])}, timeout=max(deadline - loop.time(), 0.1),
+                               return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
+            if stopping is not None:
+                stopping.cancel()
         if not attempt.done():
             attempt.cancel()
             await asyncio.gather(attempt, return_exceptions=True)
+            if stop is not None and stop.is_set():
+                raise StoppedWhileConnecting(f"asked to stop before a NATS server answered at {url}")
             if refused:
                 raise NatsRefused(f"{url}: {refused[0]}")
             raise TimeoutError(f"no NATS server answered at {url} within {wait:g} s")

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 import uvloop
 
+from prefixflow.shared.bus.connection import SHUTDOWN, StoppedWhileConnecting
 from prefixflow.shared.outcomes import Exit
 
 log = structlog.get_logger()
@@ -65,7 +66,11 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig)
         loop.add_signal_handler(signal.SIGUSR1, log_tasks)
-        await main(stop)
+        SHUTDOWN.set(stop)  # a stop while NATS is not up yet ends the service's connect wait
+        try:
+            await main(stop)
+        except StoppedWhileConnecting as exc:
+            log.info("stopped before connecting", reason=str(exc))
         log.info("stopped", shutdown_seconds=round(time.monotonic() - signalled[0], 2) if signalled else None)
 
     try:
