@@ -27,7 +27,7 @@ from prefixflow.shared.process.logs import setup_logging
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
-pytest_plugins = ["tests.tiers", "pytester"]
+pytest_plugins = ["tests.tiers", "tests.cpu_account", "pytester"]
 
 setup_logging("tests", fmt="console", level="warning")
 

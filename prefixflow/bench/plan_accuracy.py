@@ -35,11 +35,11 @@ def add_plan_accuracy_parser(sub) -> None:
     p = sub.add_parser("plan", help="`plan --calibrate`'s prediction against a real `prefixflow run` of the same file")
     p.add_argument("--shapes", default="seed,zipf,hierarchical", help="`prefixflow dataset` shapes, comma-separated")
     p.add_argument("--rows", type=int, default=512, help="rows per shape's file (the dataset's default)")
-    p.add_argument("--output-len", type=int, default=64, help="output tokens per row (min_tokens = max_tokens)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per row (min_tokens = max_tokens)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--engine", choices=("vllm", "echo"), default="vllm")
     p.add_argument("--kv-cache-blocks", type=int, default=0, help="each replica's KV blocks (0: uncapped)")
-    p.add_argument("--calibrate-rows", type=int, default=96)
+    p.add_argument("--calibrate-rows", type=int, default=None, help="default: `plan`'s own")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", default=None, help="write the report here")
@@ -71,8 +71,8 @@ def one(shape: str, rnd: int, args: argparse.Namespace, model: str, work: Path) 
     if args.kv_cache_blocks:
         common += ["--kv-cache-blocks", str(args.kv_cache_blocks)]
     t0 = time.monotonic()
-    plan = json.loads(cli("plan", str(data), "--calibrate", "--calibrate-rows", str(args.calibrate_rows), "--json",
-                          "--workdir", str(d / "plan"), *common).stdout)
+    own = ["--calibrate-rows", str(args.calibrate_rows)] if args.calibrate_rows else []
+    plan = json.loads(cli("plan", str(data), "--calibrate", *own, "--json", "--workdir", str(d / "plan"), *common).stdout)
     plan_s = time.monotonic() - t0
     predicted = here_prediction(plan)
     out = d / "out"

@@ -48,7 +48,9 @@ def add_parser(sub) -> None:
     cal.add_argument("--calibrate", action="store_true",
                      help="first run a short real job here (`prefixflow run` on a sample of INPUT with mixed output "
                           "lengths) to fit this machine's profile, then predict the full job run here")
-    cal.add_argument("--calibrate-rows", type=int, default=96, metavar="N", help="rows of the calibration job (default 96)")
+    cal.add_argument("--calibrate-rows", type=int, default=None, metavar="N",
+                     help="rows of the calibration job (default: 192 per replica, at most half the input's rows and "
+                          "at least 96): enough for the engines to run as many requests at once as the full job will")
     cal.add_argument("--replicas", type=int, default=2, help="replicas of the calibration job and of the predicted run (default 2)")
     cal.add_argument("--engine", choices=cfgmod.ENGINES, default="vllm", help="engine of the calibration job (default vllm)")
     cal.add_argument("--kv-cache-blocks", type=int, default=0,

@@ -1,7 +1,9 @@
 """`prefixflow plan --calibrate`: fit this machine's profile on a short real job, then
 predict the full job on this machine (docs/plan.md).
 
-1. A calibration input: `--calibrate-rows` rows of the plan's sample (uniform), each given
+1. A calibration input: `--calibrate-rows` rows of the plan's sample (uniform; default
+   `calibration_rows`: 192 per replica, so the engines run as many requests at once as
+   in the full job), each given
    one of two output lengths (the job's `max_tokens` and a quarter of it, as many rows
    of each: `prefixflow.sim.calibrate.with_output_lengths`): with one output length a
    decode step's cost cannot be told from a prefill token's.
@@ -29,9 +31,23 @@ import numpy as np
 
 from prefixflow.shared.outcomes import CommandError, Exit
 
+ROWS_PER_REPLICA = 192
+"""Calibration rows per replica by default: a replica then runs about as many requests at once
+as in a long job (the engine-worker's window, up to vLLM's `max_num_seqs`, fills), so the step
+costs are fitted where the full job will run. A 96-row job (48 at a time per replica) fitted
+costs that over-predicted a 2,048-row run by up to 33 % of its engine time (`prefixflow bench
+plan`, docs/plan.md)."""
+MIN_ROWS = 96
+
 UNCAPPED_KV_BLOCKS = 4096
 """KV blocks per replica assumed when the run caps none (`--kv-cache-blocks 0`): vLLM's CPU
 backend then holds far more than a calibration job or a plan's sample needs."""
+
+
+def calibration_rows(replicas: int, input_rows: int) -> int:
+    """The calibration job's default size: ROWS_PER_REPLICA per replica, at most half the
+    input (the full job is predicted, not run twice), at least MIN_ROWS."""
+    return max(min(ROWS_PER_REPLICA * replicas, input_rows // 2), min(MIN_ROWS, input_rows))
 
 
 def calibration_input(rows: list[dict[str, Any]], n: int, max_tokens: int, seed: int, workdir: Path) -> Path:
@@ -60,7 +76,8 @@ def calibrated_fleet(args: argparse.Namespace, rows: list[dict[str, Any]], wl, m
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pfx-plan-calibrate-"))
     workdir.mkdir(parents=True, exist_ok=True)
     max_tokens = int(np.median(wl.output_len))
-    src = calibration_input(rows, args.calibrate_rows, max_tokens, args.sample_seed, workdir)
+    n = args.calibrate_rows or calibration_rows(args.replicas, len(rows))
+    src = calibration_input(rows, n, max_tokens, args.sample_seed, workdir)
     out = workdir / "out"
     job = f"plan-calibrate-{time.strftime('%Y%m%d-%H%M%S')}"
     if args.nats:  # a running cluster: submit to it
@@ -72,7 +89,7 @@ def calibrated_fleet(args: argparse.Namespace, rows: list[dict[str, Any]], wl, m
                "--no-progress", "--no-report", "--workdir", str(workdir / "cluster")]
         if args.kv_cache_blocks:
             cmd += ["--kv-cache-blocks", str(args.kv_cache_blocks)]
-    print(f"calibrating: a real job of {args.calibrate_rows} rows ({' '.join(cmd[3:])})", file=sys.stderr, flush=True)
+    print(f"calibrating: a real job of {n} rows ({' '.join(cmd[3:])})", file=sys.stderr, flush=True)
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True)
     job_seconds = time.monotonic() - started

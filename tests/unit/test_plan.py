@@ -138,3 +138,17 @@ def test_no_method_beats_the_workloads_limit(seed):
             assert r.hit_rate <= lim.ideal_hit_rate + 1e-9
         assert lim.wall_seconds > 0.3 * min(simulate(wl, profile, replicas, m, Options()).wall_seconds
                                             for m in P.PLAN_METHODS)  # a bound, not a trivial one
+
+
+@given(st.integers(1, 64), st.integers(1, 100_000))
+def test_the_calibration_job_fills_the_replicas_and_stays_short_of_the_input(replicas, rows):
+    """192 rows per replica (a replica's window fills as in a long job), never more than half
+    the input when that is larger than the 96-row floor, never more rows than there are."""
+    from prefixflow.planner.calibrate import MIN_ROWS, ROWS_PER_REPLICA, calibration_rows
+
+    n = calibration_rows(replicas, rows)
+    assert 1 <= n <= rows
+    assert n >= min(MIN_ROWS, rows)
+    assert n <= max(rows // 2, min(MIN_ROWS, rows))
+    if rows >= 2 * ROWS_PER_REPLICA * replicas:
+        assert n == ROWS_PER_REPLICA * replicas
