@@ -6,7 +6,8 @@ tokens (`min_tokens` = `max_tokens`), the second half 4x that. It runs with `pre
 run` (the echo engine with a per-prompt and a per-output-token delay, or vLLM); the
 harness reads the job's status from the cluster's NATS every `--poll` seconds, as
 `prefixflow status` does, and records each reading's ETA by the model
-(`JobStatus.eta_seconds`, `prefixflow/shared/eta.py`) and by rows/s alone. At the end,
+(`JobStatus.eta_seconds`, `prefixflow/shared/eta.py`: output tokens weighed by the cost the
+job's engines measured, `JobStatus.decode_cost`) and by rows/s alone. At the end,
 for the first reading at or past each checkpoint (25 %, 50 %, 75 % of the rows) it
 reports both ETAs against the remaining time actually measured (until the status says
 done).
@@ -97,7 +98,7 @@ async def follow(url: str, poll: float, proc: subprocess.Popen) -> list[dict]:
             now = time.time()
             rows_eta = (st.total - st.rows) / st.rate if st.total and st.rate > 0 else None
             readings.append({"t": now, "rows": st.rows, "total": st.total, "done": st.done,
-                             "eta_model": st.eta_seconds(), "eta_rows": rows_eta})
+                             "eta_model": st.eta_seconds(), "eta_rows": rows_eta, "decode_cost": st.decode_cost})
             if st.done:
                 break
             await asyncio.sleep(poll)
@@ -115,7 +116,8 @@ def score(readings: list[dict]) -> list[dict]:
         if r is None or end is None:
             continue
         actual = end - r["t"]
-        row = {"checkpoint": frac, "rows": r["rows"], "actual_remaining_s": round(actual, 2)}
+        row = {"checkpoint": frac, "rows": r["rows"], "actual_remaining_s": round(actual, 2),
+               "decode_cost": r.get("decode_cost")}
         for k in ("eta_model", "eta_rows"):
             row[k + "_s"] = None if r[k] is None else round(r[k], 2)
             row[k + "_error"] = None if r[k] is None or actual <= 0 else round(r[k] / actual - 1, 3)

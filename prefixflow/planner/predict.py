@@ -58,7 +58,9 @@ def plan_job(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[s
 
         fleet, profile, fit = calibrated_fleet(args, rows, wl, model)
         report["calibration"] = fit
-        report["fleets"] = [plan_fleet(fleet, profile, wl, ok_rows, args.sample_rows, None, args.sample_seed)]
+        from prefixflow.planner.calibrate import here_options
+
+        report["fleets"] = [plan_fleet(fleet, profile, wl, ok_rows, args.sample_rows, None, args.sample_seed, here_options())]
         if not args.fleet:
             fleets, prices = [], []  # only this machine, unless fleets were asked too
     else:
@@ -83,8 +85,10 @@ def uniform(wl, n: int, seed: int):
                     [wl.lora[i] for i in keep] if wl.lora else None)
 
 
-def plan_fleet(fleet, profile, wl, rows: int, sample_rows: int, price: float | None, seed: int) -> dict[str, Any]:
-    """The plan of one fleet: each method's prediction and the workload's limit."""
+def plan_fleet(fleet, profile, wl, rows: int, sample_rows: int, price: float | None, seed: int,
+               opts=None) -> dict[str, Any]:
+    """The plan of one fleet: each method's prediction and the workload's limit (`opts`: the
+    simulated product's knobs, default its services' defaults)."""
     from prefixflow.sim import plan as P
     from prefixflow.sim.cluster import Options
     from prefixflow.sim.limit import workload_limit
@@ -94,7 +98,7 @@ def plan_fleet(fleet, profile, wl, rows: int, sample_rows: int, price: float | N
     sub = uniform(wl, sc.sample_rows, seed)
     sub.name = f"{wl.name}@{fleet}"
     profile = P.scaled_profile(profile, sc)
-    jobs = [(sub, m, sc.sample_replicas, profile, Options()) for m in P.PLAN_METHODS]
+    jobs = [(sub, m, sc.sample_replicas, profile, opts or Options()) for m in P.PLAN_METHODS]
     results = run_many(jobs)
     preds = [P.predict(fleet, r["method"], r["wall_seconds"], r["hit_rate"], price) for r in results]
     limit = workload_limit(sub, profile, sc.sample_replicas)

@@ -37,10 +37,15 @@ PREFIXES = 12
 BAD_ROWS = 5
 
 
+ECHO_DELAY, ECHO_TOKEN_DELAY = 0.04, 0.0005
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    """Two slowed echo replicas (~100 prompts/s each); every service serves metrics."""
-    procs = processes(2, engine="echo", extra_engine_args=["--echo-delay", "0.04", "--window", "4"])
+    """Two slowed echo replicas (~100 prompts/s each: 40 ms a prompt and 0.5 ms an output
+    token); every service serves metrics."""
+    procs = processes(2, engine="echo", extra_engine_args=["--echo-delay", str(ECHO_DELAY), "--echo-token-delay",
+                                                           str(ECHO_TOKEN_DELAY), "--window", "4"])
     ports = {}
     for p in procs:
         if p.name != "nats":
@@ -229,6 +234,12 @@ def test_top_in_a_terminal_shows_replicas_and_progress_with_eta(cluster, tmp_pat
         assert re.search(r"top-job\s.*2,400/2,400.*done", screens[-1]), screens[-1]
     finally:
         tmux("kill-session", "-t", session)
+
+    # The status carries what an output token cost the engines, in prompt tokens (the ETA's
+    # weight of the remaining output): for the echo engine, what its delays make it.
+    prompt = pq.read_table(tmp_path / "out", columns=["prompt_tokens"]).column("prompt_tokens").to_pylist()
+    want = ECHO_TOKEN_DELAY / (ECHO_DELAY / (sum(prompt) / len(prompt)))
+    assert status.decode_cost == pytest.approx(want, rel=0.15), (status.decode_cost, want)
 
     # `prefixflow status` reads the same job from the job-status bucket.
     res = run_cli("status", "--nats", cluster.url, "top-job", timeout=60)

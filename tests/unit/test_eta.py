@@ -131,3 +131,58 @@ def test_the_echo_engines_token_delay_makes_longer_outputs_slower():
     (short, n_short), (long, n_long) = asyncio.run(one(2)), asyncio.run(one(12))
     assert (n_short, n_long) == (2, 12)
     assert short >= 0.02 and long >= 0.12 and long > short
+
+
+def test_a_status_weighs_output_tokens_by_its_jobs_measured_cost():
+    """The sink puts the cost its engines measured into the status, so `prefixflow status`
+    (which asks the engines nothing) gives the ETA the progress bar gives with the fleet's."""
+    base = dict(rows=250, total=1000, prompt_tokens=25_000, cached_tokens=0, output_tokens=4_000,
+                planned_output_tokens=40_000, rate=40.0, uncached_rate=4_000.0, output_rate=640.0)
+    measured = m.JobStatus("j", decode_cost=30.0, **base)
+    assert measured.eta_seconds() == pytest.approx(m.JobStatus("j", **base).eta_seconds(decode_cost=30.0))
+    assert measured.eta_seconds() > 2 * m.JobStatus("j", **base).eta_seconds()  # the default (1) says far sooner
+    assert measured.eta_seconds(decode_cost=1.0) == pytest.approx(m.JobStatus("j", **base).eta_seconds())  # a caller's wins
+
+
+def test_result_batches_decode_across_one_version_of_difference():
+    """A batch with the engine's cost decodes where the field is unknown (a sink one version
+    behind) and a batch without it decodes here as not measured."""
+    import msgspec
+
+    class OldResultBatch(msgspec.Struct, array_like=True):
+        job: str
+        results: list[m.Result]
+
+    new = m.encode(m.ResultBatch("j", [m.Result(1, output="x")], 12.5))
+    assert msgspec.msgpack.decode(new, type=OldResultBatch).results[0].output == "x"
+    old = msgspec.msgpack.encode(OldResultBatch("j", [m.Result(2)]))
+    assert m.result_batch_decoder.decode(old).decode_cost == 0.0
+    assert m.result_batch_decoder.decode(new).decode_cost == 12.5
+
+
+@given(st.lists(st.tuples(st.sampled_from(["r0", "r1", "r2"]), st.floats(0.05, 200)), min_size=1, max_size=40))
+def test_the_sinks_job_cost_is_the_mean_of_each_replicas_last(batches):
+    from prefixflow.services.sink.progress import Progress as SinkProgress
+
+    p = SinkProgress()
+    for replica, cost in batches:
+        p.note_cost("j", replica, cost)
+    last = dict(batches)
+    assert p.decode_cost("j") == pytest.approx(sum(last.values()) / len(last), abs=1e-3)
+    p.forget("j")
+    assert p.decode_cost("j") == 0.0
+
+
+@given(st.floats(0.0001, 0.01), st.floats(0.00001, 0.01), st.lists(st.integers(1, 2000), min_size=1, max_size=20))
+def test_an_echo_engine_reports_what_its_delays_make_an_output_token_cost(delay, token_delay, prompts):
+    """Per prompt `delay` + `token_delay` per output token: an output token costs
+    token_delay / (delay / mean prompt tokens) prompt tokens (within the fit's bounds)."""
+    from prefixflow.services.engine_worker.cost_fit import MAX_RATIO, MIN_RATIO
+    from prefixflow.services.engine_worker.engines.echo import EchoEngine
+
+    e = EchoEngine(delay, token_delay=token_delay)
+    for n in prompts:
+        e.cost(n)
+    want = token_delay / (delay / (sum(prompts) / len(prompts)))
+    assert e.snapshot().decode_cost == pytest.approx(min(max(want, MIN_RATIO), MAX_RATIO))
+    assert EchoEngine(delay).snapshot().decode_cost == 0.0  # no per-token delay: not measured

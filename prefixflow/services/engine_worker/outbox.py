@@ -36,11 +36,14 @@ log = structlog.get_logger()
 
 class Outbox:
     def __init__(
-        self, js: JetStreamContext, ledger: AckLedger, *, batch: int, linger: float, on_published: Callable[[], None]
+        self, js: JetStreamContext, ledger: AckLedger, *, batch: int, linger: float, on_published: Callable[[], None],
+        decode_cost: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.js, self.ledger = js, ledger
         self.batch, self.linger = batch, linger
         self.on_published = on_published
+        self.decode_cost = decode_cost
+        """The engine's measured cost of an output token now (each batch carries it: the job's ETA)."""
         """Called after rows are published (completed work frees room at the router)."""
         self.rows: dict[str, list[tuple[m.Result, Lease]]] = defaultdict(list)
 
@@ -56,7 +59,8 @@ class Outbox:
             return
         try:
             limit = message_limit(self.js, subjects.RESULTS_STREAM.max_msg_size)
-            wrap = lambda run: m.ResultBatch(job, run)  # noqa: E731
+            cost = round(float(self.decode_cost()), 3)
+            wrap = lambda run: m.ResultBatch(job, run, cost)  # noqa: E731
             room = limit - m.envelope_size(wrap)
             results = [await self.by_reference(job, r, room) for r, _ in rows]
             for batch in m.encode_batches(results, wrap, limit, self.batch):

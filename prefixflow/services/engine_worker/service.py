@@ -160,7 +160,8 @@ class EngineWorker(Recovery, StatusReport, Fanout):
         await self.jobs.follow_cancels(nc)
         self.sub = DurablePull(self.js, subjects.engine_consumer(self.cfg.replica))
         self.outbox = Outbox(
-            self.js, self.ledger, batch=self.cfg.result_batch, linger=self.cfg.result_linger, on_published=self.status_due.set
+            self.js, self.ledger, batch=self.cfg.result_batch, linger=self.cfg.result_linger, on_published=self.status_due.set,
+            decode_cost=lambda: self.engine.snapshot().decode_cost,
         )
         await self.serve(nc)
         self.ready = True

@@ -13,6 +13,8 @@ from prefixflow.shared.bus.provision import job_retention
 from prefixflow.shared.process import metrics
 from prefixflow.shared.wire import messages as m
 
+MAX_REPLICAS = 4096
+"""Replicas whose costs a job's status averages (a bound on what result batches can add)."""
 RATE_WINDOW = 30.0
 """Seconds of progress a job's rate (rows per second, hence its ETA) is measured over."""
 
@@ -23,9 +25,24 @@ class Progress:
 
     def __init__(self) -> None:
         self.seen: dict[str, deque[tuple[float, int, int, int]]] = {}
+        self.costs: dict[str, dict[str, float]] = {}
+        """Open jobs -> replica -> the output token cost its last result batch carried."""
 
     def forget(self, job: str) -> None:
         self.seen.pop(job, None)
+        self.costs.pop(job, None)
+
+    def note_cost(self, job: str, replica: str, cost: float) -> None:
+        """A result batch of `job` from `replica` says an output token costs its engine
+        `cost` uncached prompt tokens (bounded: one entry per replica that wrote rows)."""
+        costs = self.costs.setdefault(job, {})
+        if replica in costs or len(costs) < MAX_REPLICAS:
+            costs[replica] = float(cost)
+
+    def decode_cost(self, job: str) -> float:
+        """The mean over the job's replicas of their last measured cost (0: none measured)."""
+        costs = self.costs.get(job)
+        return round(sum(costs.values()) / len(costs), 3) if costs else 0.0
 
     def status(self, job: str, out: JobOutput, spec: m.JobSpec, summary: dict | None) -> m.JobStatus:
         """The job's status: progress, or done with its summary (no per-replica totals)."""
@@ -36,7 +53,7 @@ class Progress:
         return m.JobStatus(
             job, out.rows, out.errors, spec.total, done, now, lifecycle.status_summary(summary),
             created_at=spec.created_at, rate=rates[0], uncached_rate=rates[1], output_rate=rates[2],
-            planned_output_tokens=spec.planned_output_tokens,
+            planned_output_tokens=spec.planned_output_tokens, decode_cost=self.decode_cost(job),
             prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, expires_at=now + job_retention(),
             duplicates=out.duplicates,
             cancelled=done and bool(spec.ended_at(now)) and (spec.total is None or out.rows < spec.total),

@@ -303,6 +303,8 @@ class Sink:
             await dead_letter(self.js, msg, "sink failed repeatedly")
             why = f"poison message: result could not be written after {self.pauses.excused.own(msg)} deliveries"
             results = [m.error_result(r.id, why, replica=r.replica, src=r.src, row=r.row) for r in results]
+        if batch.decode_cost > 0 and results:  # what an output token costs the engine that wrote these (the ETA)
+            self.progress.note_cost(batch.job, results[0].replica, batch.decode_cost)
         reached = msg.metadata.timestamp.timestamp()  # the finish time of rows that have none
         added = sum(out.add(r, reached) for r in results)
         self.pending_rows += added

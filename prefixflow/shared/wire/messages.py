@@ -280,6 +280,10 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     """Uncached prompt tokens of rows written per second, over the same window as `rate`."""
     output_rate: float = 0.0
     """Output tokens of rows written per second, over the same window as `rate`."""
+    decode_cost: float = 0.0
+    """What an output token of this job costs its engines in uncached prompt tokens: the
+    mean over the replicas that wrote its rows of what each measured last
+    (`ResultBatch.decode_cost`; 0: none measured). The ETA weighs output tokens by it."""
 
     @property
     def hit_rate(self) -> float:
@@ -289,13 +293,14 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     def eta_seconds(self, decode_cost: float | None = None) -> float | None:
         """Seconds until every row is written, by the model of the remaining work
         (`prefixflow/shared/eta.py`: remaining rows' tokens / the token rate, an output token
-        at `decode_cost` prompt tokens, default the router's), else at the current rows/s;
+        at `decode_cost` prompt tokens: the one given, else the job's engines' measured one,
+        else the router's default), else at the current rows/s;
         None while the total is unknown (not sealed) or nothing is being written; 0 once done."""
         if self.done:
             return 0.0
         progress = EtaProgress(self.rows, self.total, self.prompt_tokens, self.cached_tokens, self.output_tokens,
                             self.planned_output_tokens, self.rate, self.uncached_rate, self.output_rate)
-        return EtaModel(decode_cost or DEFAULT_DECODE_COST).eta_seconds(progress)
+        return EtaModel(decode_cost or self.decode_cost or DEFAULT_DECODE_COST).eta_seconds(progress)
 
 
 # --- data plane (msgpack) ------------------------------------------------------------
@@ -488,6 +493,11 @@ class ResultBatch(msgspec.Struct, array_like=True, gc=False):
 
     job: str
     results: list[Result]
+    decode_cost: float = 0.0
+    """The producing engine's measured cost of an output token in uncached prompt tokens
+    (`EngineStats.decode_cost`; 0: not measured, or not from an engine). The sink puts
+    the job's into its status, for the ETA. (Trailing and optional: a peer one version
+    apart decodes the batch either way.)"""
 
 
 OLDEST_IDS = 5

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 
+from prefixflow.services.engine_worker.cost_fit import MAX_RATIO, MIN_RATIO
 from prefixflow.services.engine_worker.engines.base import Completion, EngineDead, EngineStats
 from prefixflow.shared.prefix import tokens as tk
 from prefixflow.shared.wire.messages import FinishReason, PromptId, SamplingSpec
@@ -95,6 +96,8 @@ class EchoEngine:
         self.dead = False
         self.adapters: list[str] = []
         self.lora_slots = 0
+        self.prompts_served = 0
+        self.prompt_tokens_served = 0
 
     async def start(self) -> None:
         if self.start_seconds:
@@ -126,6 +129,7 @@ class EchoEngine:
                 raise EngineDead("echo engine died")
             done = echo_completion(tokens, sampling, self.task, self.embed_dim)
             self.stats.generated += done.output_tokens
+            self.cost(len(tokens))
             return done
         finally:
             self.running -= 1
@@ -137,6 +141,18 @@ class EchoEngine:
         """Serves if not dead (the fault hooks count real prompts only)."""
         if self.dead:
             raise EngineDead("echo engine died")
+
+    def cost(self, prompt_tokens: int) -> None:
+        """What its delays make an output token cost in prompt tokens (`decode_cost`, as a
+        vLLM engine measures it): `token_delay` over the prompt's share `delay` / prompt
+        tokens, averaged over the prompts served (0 without a per-token delay; the most a
+        fit reports when only output tokens take time)."""
+        self.prompts_served += 1
+        self.prompt_tokens_served += prompt_tokens
+        if self.token_delay > 0:
+            per_prompt_token = self.delay * self.prompts_served / max(self.prompt_tokens_served, 1)
+            ratio = self.token_delay / per_prompt_token if per_prompt_token > 0 else MAX_RATIO
+            self.stats.decode_cost = min(max(ratio, MIN_RATIO), MAX_RATIO)
 
     def snapshot(self) -> EngineStats:
         self.stats.running = self.running
