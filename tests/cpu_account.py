@@ -1,7 +1,7 @@
 """Where the suite's CPU goes: with `PFX_TEST_CPU=FILE`, each test's CPU seconds (setup,
 call and teardown) are appended to FILE as JSON lines, counted over the test process and
-every process under it (live ones by their own counters, ended ones through the reaped
-children's counters), so a cluster a test starts or a shared one it drives is charged to
+every process under it (each live one with what it has reaped; ended ones through their
+reaper's counters; only a process orphaned to init escapes), so a cluster a test starts or a shared one it drives is charged to
 it. The suite is CPU-bound on 2 cores: its wall time is about its CPU over two, so this,
 not each test's wall time, says what to cut. Off by default.
 
@@ -33,7 +33,8 @@ def tree_cpu() -> float:
             c = child.cpu_times()
         except psutil.Error:
             continue
-        total += c.user + c.system  # its own reaped children are in its children_* only once it is reaped: skip them
+        total += c.user + c.system + c.children_user + c.children_system  # and what it has reaped (counted once:
+        # a process is live, or in its reaper's children_*; only orphans reaped by init escape)
     return total
 
 
