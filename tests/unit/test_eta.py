@@ -169,6 +169,9 @@ def test_the_sinks_job_cost_is_the_mean_of_each_replicas_last(batches):
         p.note_cost("j", replica, cost)
     last = dict(batches)
     assert p.decode_cost("j") == pytest.approx(sum(last.values()) / len(last), abs=1e-3)
+    for bad in (float("nan"), float("inf"), -1.0, 1e9):  # a foreign or broken message changes nothing
+        p.note_cost("j", "r9", bad)
+    assert p.decode_cost("j") == pytest.approx(sum(last.values()) / len(last), abs=1e-3)
     p.forget("j")
     assert p.decode_cost("j") == 0.0
 

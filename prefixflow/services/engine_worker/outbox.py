@@ -42,9 +42,9 @@ class Outbox:
         self.js, self.ledger = js, ledger
         self.batch, self.linger = batch, linger
         self.on_published = on_published
+        """Called after rows are published (completed work frees room at the router)."""
         self.decode_cost = decode_cost
         """The engine's measured cost of an output token now (each batch carries it: the job's ETA)."""
-        """Called after rows are published (completed work frees room at the router)."""
         self.rows: dict[str, list[tuple[m.Result, Lease]]] = defaultdict(list)
 
     async def add(self, job: str, result: m.Result, lease: Lease) -> None:

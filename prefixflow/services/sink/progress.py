@@ -15,6 +15,8 @@ from prefixflow.shared.wire import messages as m
 
 MAX_REPLICAS = 4096
 """Replicas whose costs a job's status averages (a bound on what result batches can add)."""
+MAX_COST = 1000.0
+"""The largest output token cost a result batch may report (a message is not trusted)."""
 RATE_WINDOW = 30.0
 """Seconds of progress a job's rate (rows per second, hence its ETA) is measured over."""
 
@@ -35,6 +37,8 @@ class Progress:
     def note_cost(self, job: str, replica: str, cost: float) -> None:
         """A result batch of `job` from `replica` says an output token costs its engine
         `cost` uncached prompt tokens (bounded: one entry per replica that wrote rows)."""
+        if not (0 < cost <= MAX_COST):  # NaN, infinite or absurd: from no engine's fit (it reports 0.05-200)
+            return
         costs = self.costs.setdefault(job, {})
         if replica in costs or len(costs) < MAX_REPLICAS:
             costs[replica] = float(cost)
