@@ -1,8 +1,14 @@
 """Replicas that become ready apart, as a fleet's GPUs load a model tens of seconds apart
 (issue #26): through `prefixflow run --stagger`, the replica ready first must not take
 the whole job (it holds its window plus a bounded lead; the rest waits in the bucketer),
-the later one gets its share, and prefix affinity holds (the hit rate stays near the
-ideal)."""
+the later one gets its share of the work left when it is ready, and prefix affinity holds
+(the hit rate stays near the ideal).
+
+How much is left then depends on the machine (the first replica works alone for the gap,
+20-35 s here), so the share is measured against the rows started once the later replica
+started its first: had the first replica been handed the whole job, the later one would get
+none of them; with the bounded lead it gets about its throughput's share (a cold cache
+makes it the slower one at first, ~25-30 % here)."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-N = 960
+N = 1280
 STAGGER = 20
 """Seconds between the replicas' starts: each engine is pinned to its own core, so a busy core
 (the other xdist worker's test) can slow one engine's start by ~10-20 s; the gap must stay
@@ -45,5 +51,11 @@ def test_replicas_ready_apart_both_get_work_and_the_hit_rate_holds(tmp_path, tin
     hit = summary["prefix_cache_hit_rate"]
     print(f"\nready apart: {ready['r1'] - ready['r0']:.1f} s; rows per replica {per}; hit rate {hit:.3f} "
           f"(ideal {ideal:.3f})")
-    assert min(per.values()) >= 0.15 * N, f"the replica ready later got little of the job: {per}"
+    late = "r1"
+    t_late = min(r["started_at"] for r in rows if r["replica"] == late)
+    left = [r for r in rows if r["started_at"] >= t_late]
+    got = sum(r["replica"] == late for r in left)
+    print(f"rows started once {late} started: {len(left)}, {late} got {got}")
+    assert len(left) >= 150, f"the job ended too soon after {late} was ready to measure its share: {len(left)} rows"
+    assert got >= 0.15 * len(left), f"the replica ready later got little of the work left: {got} of {len(left)} ({per})"
     assert hit >= ideal - 0.02, (hit, ideal)
