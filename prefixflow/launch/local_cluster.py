@@ -131,14 +131,24 @@ def ready_marker(p: Process) -> bytes:
     return f"{p.args[1]} ready".encode()
 
 
-try:  # Linux: a child gets SIGTERM when `prefixflow run` dies without stopping it (SIGKILL, OOM).
+PARENT_DEATH_SIGNAL = signal.SIGKILL
+"""What a child gets from the kernel when `prefixflow run` dies without stopping it
+(SIGKILL, OOM). SIGKILL, not SIGTERM: a cluster whose `run` is gone must write nothing
+more. Drained on SIGTERM, its sink would flush the rows it holds into the output while
+the user's next `run` of the same command (a new cluster) has already listed what is
+done: those rows would be written twice. Killed, it leaves what a crash leaves (rows not
+acked: computed again by the next run; a temporary file or an open multipart upload: the
+next sink's recovery removes it); a `run` that is asked to stop (SIGTERM, Ctrl-C) still
+stops its cluster in order, every service draining."""
+
+try:  # Linux only
     import ctypes
 
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
     PR_SET_PDEATHSIG = 1
 
     def _die_with_parent() -> None:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        _prctl(PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
 except (OSError, AttributeError):  # pragma: no cover - not Linux
     _die_with_parent = None  # type: ignore[assignment]
 

@@ -120,6 +120,16 @@ def assert_final(s3_server, prefix: str) -> list[str]:
     return manifest["files"]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its reaper has ended)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def counted_prompts(tmp_path, n: int):
     """A Parquet file of `n` prompts and an int32 column `k` = the row number."""
     data = tmp_path / "prompts.parquet"
@@ -314,14 +324,25 @@ def test_batch_api_files_in_s3(s3_sink, s3_server, tiny_model, tmp_path):
 
 def test_run_sigkilled_mid_job_then_again_completes_once(s3_server, tmp_path):
     """`prefixflow run` itself SIGKILLed once a part is in the bucket (its cluster gets
-    SIGTERM from the kernel: parent-death signal, and drains), then the same command: it
-    resumes from what the bucket holds, every id once, nothing left open."""
+    SIGKILL from the kernel: the parent-death signal), then the same command: it resumes
+    from what the bucket holds, every id once, nothing left open. The dead run's cluster
+    writes nothing after its death: had it drained (as it did on SIGTERM), its sink's
+    last flush could land after the next run listed what is done, and those rows came out
+    twice (seen in CI: 2,337 of 6,000)."""
     n = 6_000
     data = counted_prompts(tmp_path, n)
     out = s3_server.uri("out/run-killed/")
     slow = {**s3_server.env, "PFX_ECHO_DELAY": "0.01"}  # a job of seconds: the kill lands mid-job
     kill_once_a_part_is_in(run_s3(str(data), out, slow, tmp_path), s3_server, "out/run-killed")
-    before = sum(name.startswith("part-") for name in objects(s3_server, "out/run-killed"))
+    at_death = objects(s3_server, "out/run-killed")
+    pids = [p["pid"] for p in json.loads((tmp_path / "run-work" / "pids.json").read_text())["processes"].values()]
+    deadline = time.monotonic() + 3  # killed by the kernel: at once (a drain took 5 s)
+    while (alive := [pid for pid in pids if pid_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive, f"processes of the killed run still alive: {alive}"
+    time.sleep(1.0)  # anything a drain would still write
+    assert objects(s3_server, "out/run-killed") == at_death, "the killed run's cluster wrote after its death"
+    before = sum(name.startswith("part-") for name in at_death)
     (code, text), = settle({"again": run_s3(str(data), out, s3_server.env, tmp_path)}, timeout=240).values()
     assert code == 0, text
     print(f"\nrun SIGKILLed with {before} parts in the bucket; then: {text.splitlines()[-3:]}")
