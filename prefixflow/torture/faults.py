@@ -8,8 +8,11 @@ Kinds:
 - `sigstop`: SIGSTOP one process for `hold` seconds, then SIGCONT (a long GC pause, a
   VM stall, a process swapped out).
 - `disk_full`: the job's `--out` is on a small tmpfs from the start of the round until
-  `hold` seconds in, when it grows (space returns). Needs root (`mount`); without it the
-  kind is never drawn (the run says so once).
+  `at` seconds in, when it grows (space returns); or (`target` `until-paused`, a fifth of
+  them) until the command ends: a job that fills it pauses, its command exits 75 naming
+  the disk, the space returns and the harness runs the same command again, which must
+  complete it (every id once). Needs root (`mount`); without it the kind is never drawn
+  (the run says so once).
 - `api_restart` (batch rounds only): the batch API stopped (`target`: `sigterm`, as
   systemd stops it, or `sigkill`, a crash), down for `hold` seconds, started again; it
   resumes its batches from their records (`prefixflow/torture/api.py`).
@@ -37,6 +40,10 @@ SMALL_FS = "12k"
 GROWN_FS = "256m"
 
 
+UNTIL_PAUSED = "until-paused"
+"""A `disk_full` whose space returns only once the command has ended (paused, exit 75)."""
+
+
 @dataclass(frozen=True)
 class Fault:
     kind: str
@@ -50,7 +57,7 @@ class Fault:
 
     def __str__(self) -> str:
         if self.kind == "disk_full":
-            return f"disk_full until {self.at:.1f}s"
+            return "disk_full until the job pauses" if self.target == UNTIL_PAUSED else f"disk_full until {self.at:.1f}s"
         if self.kind == "api_restart":
             return f"api_restart ({self.target}) at {self.at:.1f}s, down {self.hold:.1f}s"
         extra = f" for {self.hold:.1f}s" if self.kind == "sigstop" else ""
@@ -70,7 +77,8 @@ def plan(rng: random.Random, targets: list[str], *, disk: bool, api: bool = Fals
         faults.append(Fault(kind, round(rng.uniform(0.0, within), 2), rng.choice(targets),
                             round(rng.uniform(0.2, 3.0), 2) if kind == "sigstop" else 0.0))
     if disk and rng.random() < 0.3:
-        faults.append(Fault("disk_full", round(rng.uniform(1.0, 6.0), 2)))
+        at = round(rng.uniform(1.0, 6.0), 2)  # no further draw: the plans of earlier seeds stay as they were
+        faults.append(Fault("disk_full", at, UNTIL_PAUSED if at > 5.0 else ""))
     if api and rng.random() < 0.6:
         faults.append(Fault("api_restart", round(rng.uniform(0.0, within), 2), rng.choice(("sigterm", "sigkill")),
                             round(rng.uniform(0.0, 2.0), 2)))
@@ -127,6 +135,9 @@ class Injector:
 
     async def one(self, fault: Fault, pids: Callable[[], dict[str, int]], mount: Path | None) -> None:
         if fault.kind == "disk_full":
+            if fault.target == UNTIL_PAUSED:  # the harness grows it once the command has ended
+                self.done.append(f"{fault}: held")
+                return
             if mount is not None:
                 grow(mount)
                 self.done.append(f"{fault}: space returned")

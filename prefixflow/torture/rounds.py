@@ -78,6 +78,9 @@ class RoundResult:
     """Invariant checks passed, by invariant."""
     violations: list[Violation] = field(default_factory=list)
     seconds: float = 0.0
+    paused: int | None = None
+    """The job paused for its full disk (exit 75): the exit code of the same command run
+    again once the space was back (0: it completed the job)."""
 
     def passed(self, invariant: str) -> None:
         self.checks[invariant] = self.checks.get(invariant, 0) + 1
@@ -114,6 +117,8 @@ def summarize(seed: int, results: list[RoundResult], entries: tuple[str, ...], f
     return {"seed": seed, "rounds": len(results), "seconds": round(seconds, 1),
             "entries": dict(Counter(res.entry for res in results)),
             "faults": dict(fault_counts), "disk_faults": disk,
+            "disk_pauses": {"paused": sum(res.paused is not None for res in results),
+                            "completed_again": sum(res.paused == 0 for res in results)},
             "checks_passed": dict(checks), "checks_passed_total": sum(checks.values()),
             "ok": sum(res.verdict == "ok" for res in results),
             "known": sum(res.verdict == "known" for res in results),

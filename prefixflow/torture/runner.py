@@ -271,6 +271,7 @@ class Torture:
             if outcome.code == 75 and mount is not None:  # paused for its disk: space is back, the same again
                 result.record("exit", checkers.check_exit(outcome, len(plan.dataset.ids())))
                 outcome = await self.job(plan, plan.dataset, out, job=plan.job, overwrite=False, name="again")
+                result.paused = outcome.code
             self.check_output(result, plan.dataset, out, outcome)
             if plan.second and outcome.code == 0:
                 await self.second_input(plan, result, out)
@@ -386,6 +387,7 @@ def main(args) -> None:
         print(text)
     print(f"torture: {summary['rounds']} rounds in {summary['seconds']:.0f} s: {summary['ok']} ok, "
           f"{summary['known']} known, {summary['failed']} failed; faults {summary['faults']}; "
+          f"paused for the disk {summary['disk_pauses']['paused']}, completed again {summary['disk_pauses']['completed_again']}; "
           f"{summary['checks_passed_total']} checks passed; report {workdir / 'torture.json'}", flush=True)
     for f in summary["failures"]:
         if f["verdict"] == "FAILED":

@@ -173,3 +173,19 @@ def test_a_round_is_its_seed_and_number_alone(seed, r):
     no_disk = plan_round(seed, r, ("raw",), disk=False, max_rows=20)
     assert no_disk.entry == "raw" and all(f.kind != "disk_full" for f in no_disk.faults)
     assert replay_command(seed, r, ("raw",)) == f"prefixflow torture --seed {seed} --round {r} --rounds 1 --entries raw"
+
+
+def test_a_fifth_of_full_disks_last_until_the_job_pauses_and_the_pauses_are_counted():
+    import random
+    from collections import Counter
+
+    from prefixflow.torture.rounds import RoundResult, summarize
+
+    disks = [f for i in range(2000) for f in faults.plan(random.Random(i), ["sink"], disk=True) if f.kind == "disk_full"]
+    held = [f for f in disks if f.target == faults.UNTIL_PAUSED]
+    assert 0.12 < len(held) / len(disks) < 0.28, (len(held), len(disks))
+    assert all(f.at > 5.0 for f in held) and all(f.at <= 5.0 for f in disks if f not in held)
+    assert str(held[0]) == "disk_full until the job pauses"
+    results = [RoundResult(1, i, "run", "") for i in range(4)]
+    results[1].paused, results[2].paused = 0, 1  # completed again; paused again (a violation elsewhere)
+    assert summarize(1, results, ("run",), Counter(), True, 1.0)["disk_pauses"] == {"paused": 2, "completed_again": 1}
