@@ -14,12 +14,13 @@ What runs for real (imported, called as the services call it):
   assignment's charge is shared out over its prompts (`messages.cost_shares`) and
   reported done in that unit;
 - admission by KV memory (`prefixflow.services.engine_worker.admission.KvAdmission`);
-- feeding: the engine-worker's window (`prefixflow.services.engine_worker.window`: `next_window`, or
-  with `Options.window_probe` its adaptive `Window` with the first-result probe) and
-  prefix-group priorities (`prefixflow.services.engine_worker.grouping.GroupPriorities`).
+- feeding: the engine-worker's `Feeder` itself (`prefixflow.services.engine_worker.feeder`: its
+  window, `window.Window`, with the first-result probe under `Options.window_probe`, and
+  admission by KV memory), and prefix-group priorities
+  (`prefixflow.services.engine_worker.grouping.GroupPriorities`).
 
 What is simulated: the engines (`prefixflow.sim.engine`), time (`prefixflow.sim.cost`), and NATS as a fixed
-hop latency. The engine-worker's loop is `prefixflow/sim/worker.py`, the glue around the router's
+hop latency. The engine-worker's glue around its `Feeder` is `prefixflow/sim/worker.py`, the glue around the router's
 and the bucketers' cores `prefixflow/sim/services.py`; this module holds the clock, the methods
 and the results. `tests/unit/test_sim_decisions.py` checks that the router service answers a
 recorded stream as the simulator did; `tests/unit/test_sim_no_rules.py` that `prefixflow/sim/`
@@ -62,7 +63,7 @@ from prefixflow.shared.process.config import (
 from prefixflow.sim.cost import Profile
 from prefixflow.sim.engine import Engine, EngineConfig
 from prefixflow.sim.services import BucketerSim, RouterSim  # noqa: F401 (tests patch them here)
-from prefixflow.sim.worker import Worker
+from prefixflow.sim.worker import FedWorker, Worker
 from prefixflow.sim.workload import Workload
 
 DIRECT_METHODS = ("naive", "continuous", "sorted")
@@ -90,9 +91,10 @@ class Options:
     nodes: int = 0
     """Bucketer nodes (0: replicas / profile.gpus_per_node)."""
     window_probe: bool = False
-    """Drive the worker's adaptive `window.Window` (a fresh engine runs one prompt alone
-    first) instead of `initial_window` / `next_window`. Off by default; the calibration
-    benchmark turns it on because its real runs had it."""
+    """The worker's `window.Window` starts a burst of work with the first-result probe (a
+    fresh engine runs one prompt alone first), as a real worker does; off, it sizes the
+    window by `next_window` alone. Off by default (GPU fleets); the calibration and the
+    plan of this machine turn it on because their real runs have it."""
     include_startup: bool = True
     stagger: tuple[float, float] | None = None
     """Replicas ready at staggered times, evenly spread over [lo, hi] seconds in a
@@ -211,19 +213,14 @@ class Sim:
         self.workers = []
         admission = prefix_groups and self.opts.worker.kv_admission  # the product's worker, not the reference's
         for k in range(replicas):
-            w = Worker(self, f"r{k}", Engine(ecfg, profile.step_seconds), prefix_groups, admission)
+            engine = Engine(ecfg, profile.step_seconds)
+            w = FedWorker(self, f"r{k}", engine, admission) if prefix_groups else Worker(self, f"r{k}", engine)
             w.index = k
-            w.receive = functools.partial(self._receive, w)
+            w.receive = w.accept
             self.workers.append(w)
         self.workers_by_name = {w.name: w for w in self.workers}
         self.t0 = 0.0
         self.starts: list[float] = [0.0]
-
-    def _receive(self, w: Worker, now: float, batch: list[int], key: tuple[int, ...] = ()) -> None:
-        if self.wl.lora:
-            w.loras.update(a for a in map(self.wl.lora_of, batch) if a)
-        w.queue.append((batch, key))
-        w.pull(now)
 
     def at(self, t: float, fn: Callable, *args) -> None:
         self._seq += 1

@@ -170,3 +170,34 @@ def test_the_simulator_and_the_services_hold_the_same_decision_classes():
     for name in ("eligible", "settled", "route_request", "reference_rules"):
         assert not hasattr(bucketer_service.Bucketer, name), name
     assert "policy.route" not in inspect.getsource(router_service.Router)
+
+
+def test_the_simulated_worker_feeds_through_the_services_feeder():
+    """The product's engine-worker in the simulator is the service's `Feeder` on the
+    simulation's clock: every prompt of a run passes through it (held, submitted in its
+    order, finished), and none is left in it at the end."""
+    from prefixflow.services.engine_worker import feeder as worker_feeder
+    from prefixflow.services.engine_worker import service as worker_service
+    from prefixflow.sim import cluster, worker
+    from prefixflow.sim.cost import load_profile
+    from prefixflow.sim.workload import prefix_repetition
+
+    assert worker.Feeder is worker_feeder.Feeder is worker_service.Feeder
+    wl = prefix_repetition(num_prompts=400, prefix_len=64, suffix_len=32, num_prefixes=8, output_len=16, seed=1)
+    fed: list[int] = []
+    original = worker_feeder.Feeder.feed
+
+    def counting_feed(self):
+        before = self.inflight
+        original(self)
+        fed.append(self.inflight - before)
+
+    for probe in (False, True):
+        fed.clear()
+        worker_feeder.Feeder.feed = counting_feed
+        try:
+            res = cluster.simulate(wl, load_profile("l4-8b"), 2, "prefix-aware", cluster.Options(window_probe=probe))
+        finally:
+            worker_feeder.Feeder.feed = original
+        assert res.prompts == len(wl) and (res.finish_times >= res.start_times).all()
+        assert sum(fed) == len(wl), "every prompt went into an engine through the feeder, once"

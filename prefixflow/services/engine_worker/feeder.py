@@ -71,8 +71,13 @@ class Feeder:
     def __init__(
         self, window: Window, submit: Callable[[Held], None], generated: Callable[[], int], *,
         admission: KvAdmission | None = None, steps: Callable[[], int] | None = None, lora_slots: int = 0,
+        clock: Callable[[], float] = time.monotonic, budget: Callable[[Held], int] = max_tokens,
     ) -> None:
         self.window = window
+        self.clock = clock
+        """Monotonic seconds (the simulator passes its own clock)."""
+        self.budget = budget
+        """A held prompt's token budget (`max_tokens`: from its job's sampling and its own)."""
         self.lora_slots = lora_slots
         """Adapters the engine runs at once (0: no limit)."""
         self.engine_loras: Counter[str] = Counter()
@@ -140,7 +145,7 @@ class Feeder:
         return not lora or not self.lora_slots or lora in self.engine_loras or len(self.engine_loras) < self.lora_slots
 
     def ticket(self, held: Held) -> Ticket:
-        return self.admission.ticket(held.prompt.tokens, max_tokens(held), held.prompt.lora)
+        return self.admission.ticket(held.prompt.tokens, self.budget(held), held.prompt.lora)
 
     def feed(self) -> None:
         """Submit pending prompts while the window and the KV cache have room."""
@@ -168,7 +173,7 @@ class Feeder:
             if lora:
                 self.engine_loras[lora] += 1
             if self.inflight == 0:
-                self.window.work_arrives(time.monotonic(), 0, max_tokens(held), self.generated())
+                self.window.work_arrives(self.clock(), 0, self.budget(held), self.generated())
             self.alone = held.lease if held.suspect else None
             self.inflight += 1
             self.submit(held)
@@ -185,7 +190,7 @@ class Feeder:
                 self.engine_loras[prompt.lora] -= 1
                 if self.engine_loras[prompt.lora] <= 0:
                     del self.engine_loras[prompt.lora]
-            self.window.completed(time.monotonic())
+            self.window.completed(self.clock())
             if self.inflight == 0:
                 self.alone = None
         self.held_tokens -= prompt.load

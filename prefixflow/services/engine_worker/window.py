@@ -70,6 +70,10 @@ class Window:
     configured: int
     adaptive: bool = True
     first_result_seconds: float = 10.0
+    probing: bool = True
+    """With `adaptive`: start each burst of work after a quiet spell with the probe (the
+    worker's setting); False: size by `next_window` alone (the simulator's GPU fleets,
+    where the first result's latency is not what is measured)."""
     size: int = 0
     """The throughput window (`next_window`)."""
     max_running: int = 0
@@ -97,7 +101,7 @@ class Window:
     def work_arrives(self, now: float, inflight: int, max_tokens: int, generated: int) -> None:
         """A prompt is about to be submitted with `inflight` already in the engine."""
         quiet = self.last_work is None or now - self.last_work >= PROBE_AFTER_IDLE
-        if self.adaptive and inflight == 0 and quiet and self.probe_since is None:
+        if self.adaptive and self.probing and inflight == 0 and quiet and self.probe_since is None:
             self.probe_since, self.probe_tokens, self.probe_limit, self.probe_steps = now, max_tokens, PROBE_SIZE, 0.0
             self.judged_at, self.judged_generated = now, generated
             self.probes += 1
