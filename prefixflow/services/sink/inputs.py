@@ -23,11 +23,40 @@ from nats.js import JetStreamContext
 
 from prefixflow.shared.bus.blobs import BlobMissing, get_blob
 from prefixflow.shared.wire import messages as m
+from prefixflow.shared.wire.ipc_size import MAGIC, NotArrowIpc, decompressed_bytes
 
 log = structlog.get_logger()
 
 MAX_OPEN = 64
 """Memory-mapped blob tables kept open (least recently used closed first)."""
+
+MAX_INFLATE = 32 << 20
+"""Bytes a blob may take once read beyond its own size. An uncompressed blob is memory-
+mapped (it costs address space); a compressed one is read into memory, so the open
+tables hold at most `MAX_OPEN` x this much. A blob over it (a few KB of ZSTD can claim
+gigabytes) is refused like a missing one: its rows get null input columns, logged."""
+
+
+def refusal(data: bytes) -> str | None:
+    """Why the sink will not read blob `data` (None: it will): not Arrow IPC, or it
+    decompresses past `MAX_INFLATE` (told from its headers, nothing decompressed)."""
+    try:
+        inflated = decompressed_bytes(data) - len(data)
+    except NotArrowIpc as exc:
+        return f"not an Arrow IPC file: {exc}"
+    if inflated > MAX_INFLATE:
+        return f"it decompresses to {inflated + len(data):,} bytes from {len(data):,}, past the sink's cap of {MAX_INFLATE:,} more"
+    return None
+
+
+def read_blob(path: Path) -> pa.Table:
+    """A cached blob, memory-mapped, read as the stream of messages the file holds after
+    its magic: the very messages `refusal` measured (a file's footer could point at
+    others)."""
+    buf = pa.memory_map(str(path)).read_buffer()
+    if buf.size >= 8 and buf.slice(0, 6).to_pybytes() == MAGIC:
+        buf = buf.slice(8)
+    return pa.ipc.open_stream(buf).read_all()
 
 
 class InputCache:
@@ -53,6 +82,10 @@ class InputCache:
                 log.error("input columns not found: those rows get null input columns", job=job, src=src, error=str(exc))
                 self.missing.add((job, src))
                 continue
+            if (why := refusal(data)) is not None:
+                log.error("input columns refused: those rows get null input columns", job=job, src=src, reason=why)
+                self.missing.add((job, src))
+                continue
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(data)
@@ -66,7 +99,7 @@ class InputCache:
             path = self.path(job, src)
             if src < 0 or not path.exists():
                 return None
-            table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+            table = read_blob(path)
         self.open[key] = table
         while len(self.open) > MAX_OPEN:
             self.open.popitem(last=False)
