@@ -242,6 +242,7 @@ class Client:
     async def _cancel(self, job: str, wait: bool, timeout: float):
         from prefixflow.client.lifecycle import canceller, wait_cancelled
         from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
+        from prefixflow.shared.bus.kv_keys import bound
         from prefixflow.shared.wire import subjects
 
         nc = await self._connection()
@@ -251,7 +252,7 @@ class Client:
         except UnknownJob:
             raise OptionError(f"no job {job!r} in the cluster (never submitted, or expired)") from None
         if wait:
-            await wait_cancelled(await js.key_value(subjects.JOB_STATUS_KV), job, timeout)
+            await wait_cancelled(bound(js, subjects.JOB_STATUS_KV), job, timeout)
         return await self._status(job)
 
     async def _follow(self, src: Any, out: str, job: str, opts, created: concurrent.futures.Future) -> Result:

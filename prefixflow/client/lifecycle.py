@@ -25,6 +25,7 @@ import time
 from nats.js.errors import KeyNotFoundError
 
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
+from prefixflow.shared.bus.kv_keys import bound
 from prefixflow.shared.outcomes import Exit
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
@@ -75,7 +76,7 @@ def cmd_cancel(args) -> None:
             return Exit.FAILED
         try:
             js = nc.jetstream()
-            status_kv = await js.key_value(subjects.JOB_STATUS_KV)
+            status_kv = bound(js, subjects.JOB_STATUS_KV)
             try:
                 before = m.job_status_decoder.decode((await status_kv.get(args.job)).value)
             except KeyNotFoundError:

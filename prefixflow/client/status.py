@@ -35,6 +35,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from prefixflow.client.fmt import fmt_duration
 from prefixflow.client.waiting import Waiting, engine_statuses, waiting_on
 from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.bus.kv_keys import bound
 from prefixflow.shared.outcomes import FINAL, CommandError, Exit, JobState, usage_error
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
@@ -125,11 +126,14 @@ async def _all_keys(kv) -> list[str]:
 async def read_jobs(nc, job: str | None = None) -> list[JobView]:
     """The jobs (or `job`), most recently updated first."""
     js = nc.jetstream()
-    try:
-        status_kv = await js.key_value(subjects.JOB_STATUS_KV)
-        jobs_kv = await js.key_value(subjects.JOBS_KV)
-    except NotFoundError:  # no service has provisioned the buckets yet: no job ever ran
-        return []
+    if job:  # its own keys only: a tenant may not ask about the buckets' streams (`kv_keys.bound`)
+        status_kv, jobs_kv = bound(js, subjects.JOB_STATUS_KV), bound(js, subjects.JOBS_KV)
+    else:
+        try:
+            status_kv = await js.key_value(subjects.JOB_STATUS_KV)
+            jobs_kv = await js.key_value(subjects.JOBS_KV)
+        except NotFoundError:  # no service has provisioned the buckets yet: no job ever ran
+            return []
     names = [job] if job else sorted(set(await _all_keys(status_kv)) | set(await _all_keys(jobs_kv)))
     names = [n for n in names if not subjects.is_dir_key(n)]  # output directories' owners
 
@@ -137,12 +141,12 @@ async def read_jobs(nc, job: str | None = None) -> list[JobView]:
         status = spec = None
         try:
             status = m.job_status_decoder.decode((await status_kv.get(name)).value)
-        except (KeyNotFoundError, msgspec.DecodeError):
+        except (KeyNotFoundError, msgspec.DecodeError, nats.errors.NoRespondersError):  # no bucket yet: no job
             pass
         if status is None or not (status.done or status.failed):  # queued, running or cancelling?
             try:
                 spec = m.job_spec_decoder.decode((await jobs_kv.get(name)).value)
-            except (KeyNotFoundError, msgspec.DecodeError):
+            except (KeyNotFoundError, msgspec.DecodeError, nats.errors.NoRespondersError):
                 if job and status is None:
                     return None
         return JobView.of(name, status, spec)

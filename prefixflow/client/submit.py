@@ -163,7 +163,7 @@ async def submit(
         batch = openai_batch.read_batch(source.shards[0], task)
         source = resolve(openai_batch.write_rows(batch, Path(tempfile.mkdtemp(prefix="pfx-batch-")) / "rows.jsonl"))
     expected = count_rows(source)
-    async with Submitter(nats_url) as client:
+    async with Submitter(nats_url, tenant=subjects.tenant_of(job)) as client:
         if adopt and (owner := await client.dir_job(out_dir, job, asked, overwrite)) != job:
             job = spec.job = owner  # OUT's job, asked the same: resumed, or reported done
         # A job the cluster already marked failed would only fail again: say so now,

@@ -5,6 +5,7 @@ status, wait for its end (`prefixflow/client/submit.py` drives it)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,8 @@ from prefixflow.shared.bus.blobs import put_blob
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.fingerprint import Fingerprint, difference
-from prefixflow.shared.bus.connection import close, connect
+from prefixflow.shared.bus.connection import close, connect, current_options
+from prefixflow.shared.bus.kv_keys import bound, wait_buckets
 from prefixflow.shared.bus.provision import provision
 from prefixflow.client.endings import DirTaken, JobCancelled, JobFailed, JobMismatch, PauseWatch, mismatch_text
 from prefixflow.shared.bus.publish import message_limit, publish
@@ -34,15 +36,20 @@ EMPTY_JOB_WAIT = 60.0
 
 
 class Submitter:
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, tenant: str | None = None) -> None:
         self.nats_url = nats_url
+        self.tenant = os.environ.get("PFX_TENANT", "") if tenant is None else tenant
+        """Whose jobs it submits ('' none): its check of the buckets reads only its own keys."""
 
     async def __aenter__(self) -> Submitter:
         self.nc = await connect(self.nats_url, "prefixflow-client")
         self.js = self.nc.jetstream()
-        await provision(self.js)
-        self.jobs_kv = await self.js.key_value(subjects.JOBS_KV)
-        self.status_kv = await self.js.key_value(subjects.JOB_STATUS_KV)
+        if current_options().provision:  # a local cluster: create what is missing (or wait for the services')
+            await provision(self.js)
+        else:  # a fleet: a client may not ask about streams (stream info names every tenant's jobs)
+            await wait_buckets(self.js, subjects.JOBS_KV, subjects.probe_key(self.tenant))
+        self.jobs_kv = bound(self.js, subjects.JOBS_KV)
+        self.status_kv = bound(self.js, subjects.JOB_STATUS_KV)
         self.cancelled: set[str] = set()
         """Jobs of this client (`follow_cancel`) whose spec says cancelled after a notice."""
         return self

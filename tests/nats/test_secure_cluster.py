@@ -43,6 +43,7 @@ from prefixflow.datagen.dataset import prefix_repetition
 from prefixflow.launch.local_cluster import free_port
 from prefixflow.shared.bus.connection import NatsOptions, NatsRefused, close, connect
 from prefixflow.shared.wire import messages as m
+from prefixflow.shared.bus.kv_keys import bound
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.permissions import kv_stream
 from tests.conftest import VENV_BIN
@@ -217,9 +218,11 @@ async def check_tenants_are_apart(fleet: Fleet, job: str) -> None:
     denied_calls = (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError, nats.js.errors.APIError)
     try:
         await nc.subscribe(subjects.results(job), cb=on_msg)
-        jobs_kv = await js.key_value(subjects.JOBS_KV)  # stream info: allowed
-        status_kv = await js.key_value(subjects.JOB_STATUS_KV)
+        jobs_kv = bound(js, subjects.JOBS_KV)  # as every client binds it: no stream info
+        status_kv = bound(js, subjects.JOB_STATUS_KV)
         for call in (jobs_kv.get(job), status_kv.get(job), jobs_kv.put(job, b'{"job": "hijacked"}'),
+                     js.stream_info(f"KV_{subjects.JOBS_KV}", subjects_filter=">"),  # would list every job id
+                     js.stream_info(subjects.INGEST_STREAM.name, subjects_filter=">"),
                      js.publish(subjects.ingest(job), b"[]", timeout=2),
                      nc.request(subjects.done_query(job), b"", timeout=2)):
             with pytest.raises(denied_calls):
@@ -236,6 +239,8 @@ async def check_tenants_are_apart(fleet: Fleet, job: str) -> None:
         b = bucket.lower()
         assert f'permissions violation for publish to "$js.api.direct.get.kv_{b}.$kv.{b}.{j}"' in denied, bucket
     assert f'permissions violation for publish to "$kv.{subjects.JOBS_KV.lower()}.{j}"' in denied
+    for stream in (f"KV_{subjects.JOBS_KV}", subjects.INGEST_STREAM.name):
+        assert f'permissions violation for publish to "$js.api.stream.info.{stream.lower()}"' in denied, stream
     assert f'permissions violation for publish to "{subjects.ingest(job).lower()}"' in denied
     assert f'permissions violation for publish to "{subjects.done_query(job).lower()}"' in denied
     assert got == []
@@ -278,7 +283,7 @@ async def alice_cancels_her_own(fleet: Fleet) -> m.JobSpec:
     covers the spec's compare-and-set and the notice; the spec records who cancelled."""
     nc = await connect(fleet.url(2), "alice", options=fleet.options("tenant-alice"))
     try:
-        kv = await nc.jetstream().key_value(subjects.JOBS_KV)
+        kv = bound(nc.jetstream(), subjects.JOBS_KV)  # her grant: no stream info
         await kv.put("alice.stop", m.encode_json(m.JobSpec(job="alice.stop", out_dir=str(fleet.out_root / "alice" / "stop"))))
     finally:
         await close(nc)

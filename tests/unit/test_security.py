@@ -109,6 +109,17 @@ def test_a_tenant_may_touch_only_its_own_jobs():
         assert not alice("publish", subject), "gets that name the key in the body, status writes, results, listing"
     for subject in ("pfx.results.>", subjects.results(mine), subjects.ALL_STATUS, f"$KV.{subjects.JOBS_KV}.>"):
         assert not alice("subscribe", subject), subject
+    # No stream info on any stream: with a subject filter it lists every tenant's job,
+    # batch and file ids (issue 40, item 5); the client binds its buckets without it.
+    from prefixflow.shared.wire.permissions import ALL_STREAMS, JS_API
+
+    for role, tenant in (("tenant", "alice"), ("submitter", "")):
+        for stream in ALL_STREAMS:
+            assert not allowed(role, "publish", f"{JS_API}.STREAM.INFO.{stream}", tenant), (role, stream)
+        assert not allowed(role, "publish", f"{JS_API}.STREAM.NAMES", tenant)
+        assert not allowed(role, "publish", f"{JS_API}.STREAM.LIST", tenant)
+        probe = subjects.probe_key(tenant)  # its check that the buckets are there: one of its own keys
+        assert allowed(role, "publish", f"{JS_API}.DIRECT.GET.KV_{subjects.JOBS_KV}.$KV.{subjects.JOBS_KV}.{probe}", tenant)
     # The submitter (jobs without a tenant) cannot touch a tenant's either.
     assert allowed("submitter", "publish", subjects.ingest(plain))
     assert not allowed("submitter", "publish", subjects.ingest(mine))

@@ -22,6 +22,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from prefixflow.shared.bus.kv_keys import bound
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.wire.messages import JobLookup, job_spec_decoder
@@ -98,7 +99,7 @@ async def cancel_job(js, nc, job: str, *, by: str, at: float | None = None) -> t
     """Mark `job` cancelled by `by` (`JobSpec.cancelled_by`) at `at` (default now), then
     announce it on the job's own subject: (its spec, True if this call cancelled it; False
     if it was cancelled already). Raises `UnknownJob`."""
-    kv = await js.key_value(subjects.JOBS_KV)
+    kv = bound(js, subjects.JOBS_KV)
     while True:
         try:
             entry = await kv.get(job)
@@ -168,7 +169,7 @@ async def seal(js, spec: m.JobSpec, total: int, planned_output_tokens: int = 0) 
     """Seal `spec.job` with `total` rows (and their output budget `planned_output_tokens`,
     for the ETA), unless it was cancelled meanwhile (then its cancelled spec is returned,
     unsealed). A compare-and-set: never undoes a cancel."""
-    kv = await js.key_value(subjects.JOBS_KV)
+    kv = bound(js, subjects.JOBS_KV)
     while True:
         try:
             entry = await kv.get(spec.job)

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 
-from nats.errors import NoRespondersError
-from nats.js.errors import APIError, ServiceUnavailableError
+import asyncio
+
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.js.errors import APIError, KeyNotFoundError, ServiceUnavailableError
+from nats.js.kv import KeyValue
 
 from prefixflow.shared.wire.permissions import JS_API, kv_stream
 
@@ -47,3 +50,34 @@ async def kv_keys(nc, bucket: str, pattern: str = ">", *, timeout: float = 5.0) 
         if not page or len(keys) >= resp.get("total", 0):
             return keys
     raise RuntimeError(f"{bucket}: over {len(keys)} keys match {pattern!r}; listing stopped")
+
+
+def bound(js, bucket: str) -> KeyValue:
+    """`bucket` bound without asking the server. nats.py's `js.key_value` asks
+    `$JS.API.STREAM.INFO` for the bucket's stream, which answers anyone it allows with
+    every key's subject (every tenant's job ids): clients (`submit`, `status`, `cancel`,
+    the Python API) may not ask it. Every bucket here is provisioned with direct gets
+    (`provision.ensure_kv`), which name the key in the API subject, so a grant can hold a
+    tenant to its own keys."""
+    return KeyValue(name=bucket, stream=kv_stream(bucket), pre=f"$KV.{bucket}.", js=js, direct=True)
+
+
+class NotProvisioned(RuntimeError):
+    """The streams and buckets are not there (nobody ran `prefixflow cluster provision`)."""
+
+
+async def wait_buckets(js, bucket: str, probe_key: str, *, attempts: int = 60, every: float = 0.5) -> None:
+    """Wait until `bucket` answers a direct get of `probe_key` (one of the caller's own keys:
+    found or not, the bucket is there; provisioning creates the buckets after the streams,
+    so the streams are too). A client's check that the cluster is provisioned, with no
+    stream info. Raises `NotProvisioned` after `attempts`."""
+    kv = bound(js, bucket)
+    for _ in range(attempts):
+        try:
+            await kv.get(probe_key)
+            return
+        except KeyNotFoundError:
+            return
+        except (NoRespondersError, NatsTimeout, asyncio.TimeoutError, ServiceUnavailableError):
+            await asyncio.sleep(every)
+    raise NotProvisioned(f"bucket {bucket} not there: run `prefixflow cluster provision` with admin credentials")

@@ -130,8 +130,9 @@ def kv_write(bucket: str) -> list[str]:
 def kv_read_keys(bucket: str, keys: str) -> list[str]:
     """Read only the keys matching `keys` (a subject pattern): direct gets that name the
     key in the API subject, so the server can check them (no gets with the key in the
-    request body)."""
-    return [f"{JS_API}.STREAM.INFO.{kv_stream(bucket)}", f"{JS_API}.DIRECT.GET.{kv_stream(bucket)}.$KV.{bucket}.{keys}"]
+    request body), and no stream info (it lists every key's subject: the client binds
+    the bucket without it, `prefixflow/shared/bus/kv_keys.py` `bound`)."""
+    return [f"{JS_API}.DIRECT.GET.{kv_stream(bucket)}.$KV.{bucket}.{keys}"]
 
 
 def object_read(bucket: str) -> list[str]:
@@ -285,8 +286,7 @@ def _tenant(tenant: str = ""):
     job = f"{tenant}.{ANY}" if tenant else ANY
     keys = f"{tenant}.>" if tenant else ANY  # a tenant's job specs and its directories' bindings
     dirs = [] if tenant else [f"{s.DIR_KEY_PREFIX}{ANY}"]  # `dir.<hash>`: the jobs without a tenant's
-    pub = [
-        *stream_info(ALL_STREAMS),  # `provision` only checks that they exist
+    pub = [  # no stream info: with a subject filter it lists every tenant's job, batch and file ids
         s.ingest(job),
         s.done_query(job),  # which rows of a resumed job are done (the sink answers)
         s.job_cancelled(job),  # `prefixflow cancel` of its own jobs: the services read the spec again

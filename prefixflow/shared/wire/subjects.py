@@ -218,6 +218,12 @@ def qualify(job: str, tenant: str) -> str:
     return job_id(tenant, job) if tenant and "." not in job else job
 
 
+def probe_key(tenant: str) -> str:
+    """A key of the jobs bucket a client of `tenant` ('' none) may read, found or not: its
+    check that the buckets are there (`kv_keys.wait_buckets`)."""
+    return f"{tenant}.pfx-probe" if tenant else "pfx-probe"
+
+
 def tenant_of(job: str) -> str:
     """The tenant of a job id ('' for a job without one)."""
     return job.split(".", 1)[0] if "." in job else ""
