@@ -49,3 +49,21 @@ def test_an_engine_without_a_kv_cache_keeps_the_configured_window():
     w.ready = True
     w.adapt_window()
     assert w.status().window == 256
+
+
+def test_without_probing_the_window_sizes_by_next_window_alone():
+    """`Window(probing=False)` (the simulator's GPU fleets): work after a quiet spell starts
+    at the full window, no probe; the size still follows the engine (`next_window`), as
+    with the probe once it has ended."""
+    from prefixflow.services.engine_worker.window import PROBE_SIZE, Window, next_window
+
+    probing, plain = Window(512), Window(512, probing=False)
+    for w in (probing, plain):
+        w.work_arrives(0.0, 0, 16, 0)
+    assert probing.limit == PROBE_SIZE and probing.probes == 1
+    assert plain.limit == START_WINDOW and plain.probes == 0 and plain.probe_since is None
+    plain.observe(1.0, kv_blocks=1000, running=100, generated=50, inflight=64)
+    assert plain.limit == next_window(START_WINDOW, 512, 1000, 100, 0)[0] == 200
+    plain.completed(2.0)
+    plain.work_arrives(100.0, 0, 16, 60)  # long idle: still no probe
+    assert plain.probe_since is None and plain.limit == 200
