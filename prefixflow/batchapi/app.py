@@ -40,6 +40,7 @@ from prefixflow.batchapi.store import BatchRec, Store, new_id, now, page_of
 from prefixflow.shared.api_keys import KeyRing
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 from prefixflow.shared.outcomes import API_ERRORS
+from prefixflow.shared.wire import subjects
 
 MAX_BATCH_PAGE = 100
 """Most batches one list request returns (OpenAI's)."""
@@ -129,7 +130,7 @@ def make_app(store: Store, runner: Runner, keys: KeyRing, cfg, js, nc, ledger: L
             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "errors": None,
             "output_file_id": None, "error_file_id": None,
         }
-        rec = BatchRec(who, bid, batch, lines=file.lines)
+        rec = BatchRec(who, subjects.api_job(bid), batch, lines=file.lines)
         try:
             await store.create_batch(rec)
         except BaseException:

@@ -56,7 +56,8 @@ class FileRec(msgspec.Struct, omit_defaults=True):
 class BatchRec(msgspec.Struct, omit_defaults=True):
     tenant: str
     job: str
-    """The prefixflow job that runs it (its id: the batch id)."""
+    """The prefixflow job that runs it: `pfxapi.<batch id>` (`subjects.api_job`; a record
+    written before that namespace names the bare batch id, and keeps it)."""
     batch: dict[str, Any]
     """OpenAI's `Batch` object as the API returns it."""
     requests: int = 0

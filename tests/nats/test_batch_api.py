@@ -251,13 +251,14 @@ def test_batches_whose_jobs_finish_while_the_api_is_down_complete_at_its_restart
     n = 2000  # each: ~10 s of the slow echo engine for both, so they run on after the stop
     kept, gone = (created_batch(alice, tmp_path / f"{name}.jsonl", n) for name in ("kept", "gone"))
     # Every row published (the job sealed): the jobs go on without the API.
-    wait_jobs(cluster.url, [kept.id, gone.id], subjects.JOBS_KV, m.job_spec_decoder, lambda s: s.total == n)
+    jobs = [subjects.api_job(b.id) for b in (kept, gone)]  # the batch service's namespace
+    wait_jobs(cluster.url, jobs, subjects.JOBS_KV, m.job_spec_decoder, lambda s: s.total == n)
     alice.files.delete(gone.input_file_id)
     with pytest.raises(openai.NotFoundError):
         alice.files.retrieve(gone.input_file_id)
     assert {alice.batches.retrieve(b.id).status for b in (kept, gone)} == {"in_progress"}
     api.stop()
-    statuses = wait_jobs(cluster.url, [kept.id, gone.id], subjects.JOB_STATUS_KV, m.job_status_decoder,
+    statuses = wait_jobs(cluster.url, jobs, subjects.JOB_STATUS_KV, m.job_status_decoder,
                          lambda st: st.done)
     assert all(st.rows == n and not st.cancelled for st in statuses), statuses
     api.start()
@@ -270,7 +271,7 @@ def test_batches_whose_jobs_finish_while_the_api_is_down_complete_at_its_restart
         assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(n))
         assert done.error_file_id is None
     # The parsed input kept for finalizing is gone once the batches are final.
-    assert objects_present(cluster.url, [name for b in (kept, gone) for name in parsed_names(b.id)]) == []
+    assert objects_present(cluster.url, [name for job in jobs for name in parsed_names(job)]) == []
 
 
 def test_a_cancel_right_after_create_is_never_undone(api, tmp_path):

@@ -19,6 +19,7 @@ import pytest
 
 from prefixflow.batchapi.runner import error_file_object
 from prefixflow.shared.openai_batch import object_names
+from prefixflow.shared.wire import subjects
 from tests.conftest import SLOW_ECHO
 from tests.nats.test_batch_api import ApiProcess, chat_line, lines_of, objects_present, wait_for, write_batch
 
@@ -145,7 +146,7 @@ def test_a_tenant_over_each_quota_is_refused_while_another_tenant_goes_on(api, f
         with pytest.raises(openai.NotFoundError):
             alice.files.retrieve(fid)
     assert usage(api, "key-a")["stored_bytes"]["used"] == before["stored_bytes"]["used"] - out_bytes
-    assert objects_present(api.cluster_url, [*object_names(b1.id), error_file_object(b1.id)]) == []
+    assert objects_present(api.cluster_url, [*object_names(subjects.api_job(b1.id)), error_file_object(subjects.api_job(b1.id))]) == []
     assert alice.files.retrieve(b1.input_file_id).id == f_big.id, "its input file is the tenant's own: kept"
     assert b1.id not in {b.id for b in alice.batches.list()} and b2.id in {b.id for b in alice.batches.list()}
 

@@ -303,7 +303,7 @@ def test_batch_api_files_in_s3(s3_sink, s3_server, tiny_model, tmp_path):
         out = lines_of(alice, done.output_file_id)
         assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(40))
         names = objects(s3_server, "batch-files")
-        assert f"{batch.id}/output.jsonl" in names, names  # the sink's export, in the bucket
+        assert f"{subjects.api_job(batch.id)}/output.jsonl" in names, names  # the sink's export, in the bucket
 
         async def in_nats(name: str) -> bool:
             nc = await connect(s3_sink.cluster.url, "check")
@@ -315,7 +315,7 @@ def test_batch_api_files_in_s3(s3_sink, s3_server, tiny_model, tmp_path):
             finally:
                 await close(nc)
 
-        assert not asyncio.run(in_nats(f.id)) and not asyncio.run(in_nats(f"{batch.id}/output.jsonl"))
+        assert not asyncio.run(in_nats(f.id)) and not asyncio.run(in_nats(f"{subjects.api_job(batch.id)}/output.jsonl"))
         alice.files.delete(f.id)
         assert f.id not in objects(s3_server, "batch-files")
     finally:

@@ -478,3 +478,29 @@ def test_a_tls_failure_refuses_only_when_retrying_cannot_help(exc, refusal):
     from prefixflow.shared.bus.connection import tls_refusal
 
     assert tls_refusal(exc) is refusal
+
+
+def test_a_job_without_a_tenant_may_not_write_into_a_tenants_directory(tmp_path):
+    """The batch service's jobs live in a namespace no user may be (`pfxapi`); a tenant's
+    directory of the sink's root is marked when its first job opens; a job without a
+    tenant (the `submitter`'s) is refused in either, wherever else in the root it may go."""
+    from prefixflow.services.sink.store import TENANT_MARK, Roots, confine_store
+
+    roots = Roots(tmp_path.resolve())
+    assert subjects.job_problem(subjects.api_job("batch_abc")) is None, "the batch service's job ids are valid"
+    assert subjects.tenant_of(subjects.api_job("batch_abc")) == subjects.API_NAMESPACE
+    assert "reserved" in subjects.tenant_problem(subjects.API_NAMESPACE), "no tenant may be called that"
+    assert not allowed("submitter", "publish", subjects.ingest(subjects.api_job("batch_abc")))
+    assert not allowed("tenant", "publish", subjects.ingest(subjects.api_job("batch_abc")), "alice")
+    assert allowed("api", "publish", subjects.ingest(subjects.api_job("batch_abc")))
+
+    api = confine_store(roots, "batches/alice/batch_abc", subjects.API_NAMESPACE)
+    assert api.local_dir == tmp_path.resolve() / "pfxapi" / "batches" / "alice" / "batch_abc"
+    assert confine_store(roots, "nightly", "alice").local_dir == tmp_path.resolve() / "alice" / "nightly"
+    assert (tmp_path / "alice" / TENANT_MARK).exists()
+    for theirs in ("alice/nightly", "alice", str(tmp_path / "alice" / "other"), "pfxapi/batches/alice/batch_abc",
+                   "./pfxapi/x"):
+        with pytest.raises(OutsideRoot, match="tenant .* directory"):
+            confine_store(roots, theirs)
+    assert confine_store(roots, "bob/x").local_dir == tmp_path.resolve() / "bob" / "x", "no tenant bob has written yet"
+    assert confine_store(roots, "mine").local_dir == tmp_path.resolve() / "mine"

@@ -26,6 +26,7 @@ from prefixflow.services.sink import parts as files
 from prefixflow.services.sink.parts import Part, fsync_dir
 from prefixflow.services.sink.roots import OutsideRoot, Roots, confine
 from prefixflow.shared.outputs import OutputLocationError, canonical, is_output_uri, within
+from prefixflow.shared.wire.subjects import API_NAMESPACE
 
 __all__ = ["LocalStore", "OutputStore", "OutsideRoot", "Roots", "confine_store", "open_store"]
 
@@ -153,12 +154,49 @@ def open_store(location: str | Path | OutputStore) -> OutputStore:
     return location
 
 
+TENANT_MARK = ".pfx-tenant"
+"""An empty file the sink puts in `<root>/<tenant>/` when it opens a tenant's job there:
+that directory is the tenant's, and a job without a tenant may not write into it."""
+
+
+def tenant_dir_of(root: Path, path: Path) -> str | None:
+    """The tenant whose directory of the local root `path` lies in (the batch service's
+    namespace, or a directory holding `TENANT_MARK`), or None."""
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        return None
+    if not parts:
+        return None
+    first = parts[0]
+    return first if first == API_NAMESPACE or (root / first / TENANT_MARK).exists() else None
+
+
+def mark_tenant_dir(base: Path) -> None:
+    """`TENANT_MARK` in a tenant's directory (made if missing). Best effort: a disk that
+    cannot take it (full, read-only) is the job's own output condition, met right after."""
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        (base / TENANT_MARK).touch(exist_ok=True)
+    except OSError:
+        pass
+
+
 def confine_store(roots: Roots, out_dir: str, tenant: str = "") -> OutputStore:
     """The store a job whose spec says `out_dir` writes to: a URI under one of the URI
-    roots, or a local path under the local root (each with the tenant's own part of it);
-    else `OutsideRoot` with the reason."""
+    roots, or a local path under the local root (each with the tenant's own part of it;
+    a job without a tenant not inside a tenant's directory, `tenant_dir_of`); else
+    `OutsideRoot` with the reason."""
     if not is_output_uri(out_dir):
-        return LocalStore(confine(roots.local / tenant if tenant else roots.local, out_dir))
+        if tenant:
+            path = confine(roots.local / tenant, out_dir)
+            mark_tenant_dir(roots.local / tenant)
+            return LocalStore(path)
+        path = confine(roots.local, out_dir)
+        if (owner := tenant_dir_of(roots.local.resolve(), path)) is not None:
+            raise OutsideRoot(f"out_dir {out_dir!r} is in tenant {owner!r}'s directory of the sink's output root: "
+                              "a job without a tenant may not write there; job refused, nothing written")
+        return LocalStore(path)
     try:
         uri = canonical(out_dir)
     except OutputLocationError as exc:

@@ -365,7 +365,7 @@ class ApiConfig(CommonConfig, kw_only=True):
                 "object store")
     ] = ""
     out_prefix: Annotated[
-        str, _d("batch outputs go to <sink out root>/<this>/<tenant>/<batch id> (relative to the sink's root)")
+        str, _d("batch outputs go to <sink out root>/pfxapi/<this>/<tenant>/<batch id> (the batch service's jobs are pfxapi.<batch id>: their own part of the root)")
     ] = "batches"
     max_requests: Annotated[int, _d("most requests (lines) in one batch's input file, checked when the batch is "
                                     "created (OpenAI's limit: 50,000)", gt=0)] = 50_000

@@ -197,12 +197,23 @@ def is_valid_name(name: str) -> bool:
 RESERVED_TENANTS = ("dir",)
 """`dir.<hash>` keys of `JOBS_KV` bind output directories (`dir_key`)."""
 
+API_NAMESPACE = "pfxapi"
+"""The batch service's jobs are `pfxapi.<batch id>` (`api_job`): the namespace of a tenant
+no user may be (`tenant_problem`), so neither the `submitter` (one-token jobs) nor any
+tenant's grant reaches them, and the sink writes them under `<root>/pfxapi/` only."""
 
-def tenant_problem(tenant: str) -> str | None:
-    """Why `tenant` cannot be a tenant name, or None."""
+
+def api_job(batch_id: str) -> str:
+    """The job id of a batch of the batch service."""
+    return f"{API_NAMESPACE}.{batch_id}"
+
+
+def tenant_problem(tenant: str, *, in_job: bool = False) -> str | None:
+    """Why `tenant` cannot be a tenant name (`in_job`: the tenant part of a job id, where
+    the batch service's namespace is valid), or None."""
     if (problem := name_problem(tenant)) is not None:
         return problem
-    if tenant in RESERVED_TENANTS:
+    if tenant in RESERVED_TENANTS or (tenant == API_NAMESPACE and not in_job):
         return f"{tenant!r} is reserved"
     return None
 
@@ -235,7 +246,7 @@ def job_problem(job: str) -> str | None:
         return "it contains more than one '.' (a job id is NAME, or TENANT.NAME)"
     if "." in job:
         tenant, name = job.split(".")
-        if (problem := tenant_problem(tenant)) is not None:
+        if (problem := tenant_problem(tenant, in_job=True)) is not None:
             return f"its tenant {tenant!r}: {problem}"
         if (problem := name_problem(name)) is not None:
             return f"its name {name!r}: {problem}"
