@@ -307,10 +307,10 @@ async def replicas(fleet: Fleet) -> dict[str, int]:
         await close(nc)
 
 
-def submit(fleet: Fleet, data, out, job: str) -> subprocess.CompletedProcess:
+def submit(fleet: Fleet, data, out, job: str, *extra: str) -> subprocess.CompletedProcess:
     """`prefixflow submit` on node 3 as the submitter (README: set -a; . env; . submitter.env)."""
     argv = [str(VENV_BIN / "prefixflow"), "submit", str(data), "--out", str(out), "--job", job,
-            "--max-tokens", "4", "--no-progress", "--timeout", "120"]
+            "--max-tokens", "4", "--no-progress", "--timeout", "120", *extra]
     return subprocess.run(argv, capture_output=True, text=True, timeout=180, env=fleet.cli_env(2))
 
 
@@ -365,6 +365,10 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
                 capture_output=True, text=True, timeout=180, env=fleet.cli_env(2, "tenant-bob"))
             assert res.returncode != 0 and "outside the sink's output root" in res.stderr, res.stdout + res.stderr
             assert not (fleet.out_root / "alice" / "mine").exists()
+            # nor the submitter's (a job without a tenant), even with --overwrite of hers
+            res = submit(fleet, data, alice_out, "hijack", "--overwrite")
+            assert res.returncode != 0 and "tenant 'alice''s directory" in res.stderr, res.stdout + res.stderr
+            assert sorted(pq.read_table(alice_out).column("id").to_pylist()) == list(range(N)), "her output untouched"
             stopped = asyncio.run(alice_cancels_her_own(fleet))
             assert stopped.cancelled_at and stopped.cancelled_by == "tenant-alice", stopped
 
