@@ -162,6 +162,16 @@ def work_bound(starts: list[float], busy: float) -> float:
     raise AssertionError("unreachable")
 
 
+def replica_ready_times(profile: Profile, opts: Options, replicas: int) -> list[float]:
+    """When each replica's engine is up: evenly over `Options.stagger` in a seeded order,
+    else all at the profile's start-up (`include_startup`)."""
+    if opts.stagger is None:
+        return [profile.startup_s if opts.include_startup else 0.0] * replicas
+    lo, hi = opts.stagger
+    order = np.random.default_rng(STAGGER_SEED).permutation(replicas)
+    return [lo + (hi - lo) * (order[i] + 0.5) / replicas for i in range(replicas)]
+
+
 @contextlib.contextmanager
 def memoized_sharding():
     """`sharding.ranking` is a pure function of (key, nodes); the sharder calls it once
@@ -229,13 +239,8 @@ class Sim:
     # methods ------------------------------------------------------------------------------
 
     def ready_times(self) -> list[float]:
-        """When each replica's engine is up (`Options.stagger`, else all at start-up)."""
-        R = len(self.workers)
-        if self.opts.stagger is None:
-            return [self.profile.startup_s if self.opts.include_startup else 0.0] * R
-        lo, hi = self.opts.stagger
-        order = np.random.default_rng(STAGGER_SEED).permutation(R)
-        return [lo + (hi - lo) * (order[i] + 0.5) / R for i in range(R)]
+        """When each replica's engine is up (`replica_ready_times`)."""
+        return replica_ready_times(self.profile, self.opts, len(self.workers))
 
     def start(self) -> None:
         p, n, method = self.profile, self.n, self.method

@@ -207,13 +207,20 @@ def cmd_simulate(args: argparse.Namespace) -> None:
     curves: dict[str, dict[str, dict]] = {}
     for row in rows[len(methods) :] + [r for r in table if r["method"] in scaling_methods]:
         curves.setdefault(row["method"], {})[str(row["replicas"])] = row
+    from prefixflow.sim.cluster import replica_ready_times
+    from prefixflow.sim.limit import workload_limit
+
+    limit = workload_limit(wl, profile, args.replicas, replica_ready_times(profile, opts, args.replicas))
+    for r in table:
+        r["vs_limit"] = round(r["wall_seconds"] / limit.wall_seconds, 4)
     print()
-    print_rows(table, seed.PUBLISHED if is_seed else None)
+    print_rows(table, seed.PUBLISHED if is_seed else None, limit.wall_seconds)
     report = {
         "title": f"{wl.name}, {args.replicas} x {profile.name}",
         "workload": {"name": wl.name, "prompts": len(wl), **wl.meta},
         "replicas": args.replicas,
         "profile": asdict(profile),
+        "limit": limit.row(),
         "methods": table,
         "sim_seconds": round(time.perf_counter() - t0, 1),
     }

@@ -56,8 +56,10 @@ def ideal_prefill_tokens(wl: Workload, block_size: int) -> int:
     return count.prompt_tokens - count.cached_tokens
 
 
-def workload_limit(wl: Workload, profile: Profile, replicas: int) -> Limit:
-    """The limit of `wl` on `replicas` replicas of `profile` (see the module docstring)."""
+def workload_limit(wl: Workload, profile: Profile, replicas: int, ready: list[float] | None = None) -> Limit:
+    """The limit of `wl` on `replicas` replicas of `profile` (see the module docstring),
+    each up from its `ready` time (default: all at the profile's start-up; a staggered
+    fleet's: `cluster.replica_ready_times`)."""
     prompt = wl.total_prompt_tokens()
     prefill = ideal_prefill_tokens(wl, profile.block_size)
     out = np.asarray(wl.output_len, dtype=np.int64)
@@ -66,7 +68,7 @@ def workload_limit(wl: Workload, profile: Profile, replicas: int) -> Limit:
     steps = float(np.ceil(out.sum() / profile.max_num_seqs)) if len(wl) else 0.0
     engine = profile.speed * (profile.c_pf * prefill + profile.c_dec * float(decode_steps.sum())
                               + profile.c_ctx * float((decode_steps * lens).sum()) + profile.c0 * steps)
-    ready = [profile.startup_s] * replicas
-    chain = profile.startup_s + profile.speed * profile.c0 * float(out.max() if len(wl) else 0)
+    ready = list(ready) if ready is not None else [profile.startup_s] * replicas
+    chain = min(ready) + profile.speed * profile.c0 * float(out.max() if len(wl) else 0)
     wall = max(work_bound(ready, engine), chain) + profile.tail_s
     return Limit(wall, 1 - prefill / prompt if prompt else 0.0, prefill, engine)

@@ -98,13 +98,21 @@ def plot(report: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
-def print_rows(rows: list[dict], published: dict | None = None) -> None:
+def print_rows(rows: list[dict], published: dict | None = None, limit: float | None = None) -> None:
+    """The methods' table: beside each wall time its ratio to the workload's `limit` (the
+    best any schedule could do: `prefixflow.sim.limit`), and `balanced s`: the wall the
+    run's own engine work would take perfectly balanced (`cluster.work_bound`; wall
+    minus it is the method's placement loss)."""
     published = published or {}
-    head = f"{'method':>14} {'wall s':>9} {'published':>10} {'hit (cached/prompt)':>20} {'hit (vLLM counters)':>20} {'published':>10} {'preempt':>8} {'busy':>6} {'split':>6} {'bound s':>8}"
+    if limit:
+        print(f"the workload's limit on this fleet: {limit:.1f} s (ideal hit rate, perfect balance, each GPU busy "
+              "from when it is up: no schedule does better)")
+    head = f"{'method':>14} {'wall s':>9} {'x limit':>8} {'published':>10} {'hit (cached/prompt)':>20} {'hit (vLLM counters)':>20} {'published':>10} {'preempt':>8} {'busy':>6} {'split':>6} {'balanced s':>10}"
     print(head)
     for r in rows:
         pub = published.get(r["method"])
         pt = f"{pub[0]:.0f}" if pub else ""
         ph = f"{pub[1]:.1%}" if pub else ""
-        print(f"{r['method']:>14} {r['wall_seconds']:9.1f} {pt:>10} {r['hit_rate']:20.1%} {r['logged_hit_rate']:20.1%} {ph:>10}"
-              f" {r['preemptions']:8d} {r['busy_fraction']:6.1%} {r['groups_split']:6d} {r.get('bound_seconds', math.nan):8.1f}")
+        ratio = f"{r['wall_seconds'] / limit:.3f}" if limit else ""
+        print(f"{r['method']:>14} {r['wall_seconds']:9.1f} {ratio:>8} {pt:>10} {r['hit_rate']:20.1%} {r['logged_hit_rate']:20.1%} {ph:>10}"
+              f" {r['preemptions']:8d} {r['busy_fraction']:6.1%} {r['groups_split']:6d} {r.get('bound_seconds', math.nan):10.1f}")

@@ -15,6 +15,7 @@ from prefixflow.shared.outcomes import CommandError
 from prefixflow.sim import plan as P
 from prefixflow.sim.cluster import Options, simulate
 from prefixflow.sim.cost import load_profile
+from prefixflow.sim.cluster import replica_ready_times
 from prefixflow.sim.limit import ideal_prefill_tokens, workload_limit
 from prefixflow.planner.sample import Reservoir
 from prefixflow.sim.workload import prefix_repetition
@@ -138,6 +139,13 @@ def test_no_method_beats_the_workloads_limit(seed):
             assert r.hit_rate <= lim.ideal_hit_rate + 1e-9
         assert lim.wall_seconds > 0.3 * min(simulate(wl, profile, replicas, m, Options()).wall_seconds
                                             for m in P.PLAN_METHODS)  # a bound, not a trivial one
+        # A staggered fleet (`simulate --stagger`, the limit `simulate` prints): each GPU from when it is up.
+        staggered = Options(stagger=(float(rng.uniform(0, 30)), float(rng.uniform(30, 120))))
+        slim = workload_limit(wl, profile, replicas, replica_ready_times(profile, staggered, replicas))
+        assert slim.wall_seconds >= lim.wall_seconds - 1e-9 or min(staggered.stagger) < profile.startup_s
+        for method in P.PLAN_METHODS:
+            r = simulate(wl, profile, replicas, method, staggered)
+            assert slim.wall_seconds <= r.wall_seconds + 1e-6, (name, method, "staggered", slim, r.wall_seconds)
 
 
 @given(st.integers(1, 64), st.integers(1, 100_000))
