@@ -39,7 +39,8 @@ SHOWN = 5
 @dataclass(frozen=True)
 class Violation:
     invariant: str
-    """`ids`, `columns`, `exit`, `summary`, `alive`, `clean-job`, `refusal`, `crash`."""
+    """`ids`, `columns`, `exit`, `summary`, `alive`, `clean-job`, `refusal`, `crash`, `resume`
+    (a job paused for its disk, run again once the space is back, must complete)."""
     detail: str
 
     def __str__(self) -> str:

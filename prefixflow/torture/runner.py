@@ -270,8 +270,12 @@ class Torture:
             result.faults_done = self.last_faults
             if outcome.code == 75 and mount is not None:  # paused for its disk: space is back, the same again
                 result.record("exit", checkers.check_exit(outcome, len(plan.dataset.ids())))
-                outcome = await self.job(plan, plan.dataset, out, job=plan.job, overwrite=False, name="again")
+                # `mount`: its input and cluster beside the first job's, not on the small disk
+                outcome = await self.job(plan, plan.dataset, out, job=plan.job, overwrite=False, name="again", mount=mount)
                 result.paused = outcome.code
+                tail = " | ".join(outcome.stderr.strip().splitlines()[-2:])
+                result.record("resume", [] if outcome.code == 0 else [Violation(
+                    "resume", f"the same command, the space back, exited {outcome.code} instead of completing: {tail}")])
             self.check_output(result, plan.dataset, out, outcome)
             if plan.second and outcome.code == 0:
                 await self.second_input(plan, result, out)
