@@ -166,3 +166,32 @@ def test_the_sink_s_jobs_watch_skips_a_key_outside_the_grammar():
     spec = msgspec.json.encode(m.JobSpec(job="a=b", out_dir="/x", total=1))
     assert rec.note("a=b", spec, None) is None and "a=b" not in rec
     assert rec.note("ok", msgspec.json.encode(m.JobSpec(job="ok", out_dir="/x", total=1)), None) == "ok"
+
+
+def test_a_spec_lookup_waiting_for_nats_ends_when_the_service_stops():
+    """NATS away: the lookup waits for it (never an unknown job, never fatal) until the
+    service is told to stop; then it ends at once with NATS's own error (a transport
+    fault: nothing acked), so a SIGTERM with NATS gone does not hold the shutdown for good
+    (two sinks were seen waiting 45 minutes)."""
+    import nats.errors
+
+    from prefixflow.shared.bus.connection import SHUTDOWN
+
+    class Away:
+        calls = 0
+
+        async def get(self, key):
+            Away.calls += 1
+            raise nats.errors.TimeoutError
+
+    async def main():
+        stop = asyncio.Event()
+        SHUTDOWN.set(stop)
+        lookup = asyncio.ensure_future(JobCache(Away()).get("job-1"))
+        await asyncio.sleep(0.5)
+        assert not lookup.done() and Away.calls >= 3, "it waits while the service runs"
+        stop.set()
+        with pytest.raises(nats.errors.TimeoutError):
+            await asyncio.wait_for(lookup, 3.0)
+
+    asyncio.run(main())

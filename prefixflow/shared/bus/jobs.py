@@ -22,6 +22,7 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from prefixflow.shared.bus.connection import SHUTDOWN
 from prefixflow.shared.bus.kv_keys import bound
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
@@ -68,7 +69,8 @@ class JobCache:
 
     async def _read(self, job: str) -> JobLookup:
         """The job's spec. A server that is away or restarting is waited for (with
-        backoff), never mistaken for an unknown job and never fatal to the caller. A job
+        backoff), never mistaken for an unknown job and never fatal to the caller; once
+        the service is stopping (`SHUTDOWN` set) the wait ends with NATS's error. A job
         id outside the grammar (`subjects.job_id_error`: it came from a raw subject or a
         foreign body) is never looked up (the bucket would refuse the key): no such job."""
         if (why := subjects.job_id_error(job)) is not None:
@@ -84,6 +86,10 @@ class JobCache:
                 return JobLookup(None, f"invalid job spec: {exc}")
             except (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.ConnectionClosedError,
                     nats.errors.NoRespondersError) as exc:
+                if (stop := SHUTDOWN.get()) is not None and stop.is_set():
+                    # Stopping (SIGTERM) with NATS away: waiting on would hold the shutdown
+                    # for good. The caller meets a transport fault (nothing acked: redelivered).
+                    raise
                 if attempt % 10 == 0:
                     log.warning("job spec lookup waiting for nats", job=job, error=repr(exc))
                 await asyncio.sleep(delay)
