@@ -63,6 +63,12 @@ def add_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=128)
     p.add_argument("--profile", default="l4-8b", help=f"{', '.join(PROFILES)}, or a JSON file (--calibrate --save-profile)")
     p.add_argument("--kv-blocks", type=int, default=0, help="override the profile's KV blocks per replica")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                   help="a memory scenario for every method: vLLM's KV cache dtype (fp8 halves a token's KV bytes: "
+                        "twice the blocks, half the context reads; GPU profiles)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="a memory scenario for every method: vLLM's share of GPU memory (default 0.9; the KV cache "
+                        "gets what is left after the weights and activations; GPU profiles)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
     p.add_argument("--nodes", type=int, default=0, help="bucketer nodes (default: replicas / the profile's GPUs per node)")
     p.add_argument("--buffer-prompts", type=int, default=0, help="bucketer buffer bound (default: the bucketer's)")
@@ -162,10 +168,10 @@ def shape_workload(args):
 
 def cmd_simulate(args: argparse.Namespace) -> None:
     from prefixflow.sim import seed
-    from prefixflow.sim.cost import load_profile
+    from prefixflow.sim.cost import load_profile, with_memory
     from prefixflow.sim.runner import plot, print_rows, run_many, write_json
 
-    profile = load_profile(args.profile)
+    profile = with_memory(load_profile(args.profile), args.gpu_memory_utilization, args.kv_cache_dtype)
     if args.kv_blocks:
         profile.kv_blocks = args.kv_blocks
     opts = options(args)

@@ -61,6 +61,16 @@ class Profile:
     """One NATS hop (status to router, route request and reply, work to a worker)."""
     tokenize_s_per_1k: float = 0.0
     """Tokenizing 1000 prompts before they can run (methods that tokenize up front)."""
+    mem_gib: float = 0.0
+    """The GPU's usable memory (0: not a GPU profile built from its memory: no memory scenarios)."""
+    weight_bytes: float = 0.0
+    activation_gib: float = 0.0
+    """Activations, CUDA graphs and non-torch memory at vLLM's defaults."""
+    kv_bytes_per_token: float = 0.0
+    """KV cache bytes of one token at the profile's `kv_cache_dtype`."""
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    """vLLM's `--kv-cache-dtype`: `auto` (the model's, bf16) or `fp8`."""
     notes: str = ""
 
     def step_seconds(self, prefill_tokens: int, decoding: int, context: int) -> float:
@@ -86,14 +96,53 @@ WEIGHT_BYTES_8B = 16.4e9
 FLOPS_PER_TOKEN_8B = 2 * 8.19e9
 
 
+def kv_blocks_for(mem_gib: float, utilization: float, weight_bytes: float, activation_gib: float,
+                  kv_bytes_per_token: float, block_size: int) -> int:
+    """KV blocks vLLM allocates: what `gpu_memory_utilization` of the GPU leaves after the
+    weights and the activations, in blocks of `block_size` tokens."""
+    kv_bytes = (utilization * mem_gib - weight_bytes / 2**30 - activation_gib) * 2**30
+    return max(int(kv_bytes // (block_size * kv_bytes_per_token)), 0)
+
+
+KV_DTYPE_BYTES = {"auto": 1.0, "fp8": 0.5}
+"""A KV cache dtype's bytes per element relative to the model's bf16."""
+
+
+def with_memory(profile: Profile, utilization: float | None = None, kv_cache_dtype: str | None = None) -> Profile:
+    """`profile` under another `gpu_memory_utilization` and/or `--kv-cache-dtype` (a memory
+    scenario, the same for every method): its KV blocks from the GPU's memory, and the
+    cost of reading a token of context (`c_ctx`, bandwidth-bound) scaled with the KV
+    bytes. Only for a profile built from a GPU's memory (`mem_gib`)."""
+    util = profile.gpu_memory_utilization if utilization is None else utilization
+    dtype = profile.kv_cache_dtype if kv_cache_dtype is None else kv_cache_dtype
+    if (util, dtype) == (profile.gpu_memory_utilization, profile.kv_cache_dtype):
+        return profile
+    if not profile.mem_gib:
+        raise usage_error(f"profile {profile.name!r} has no GPU memory figures: memory scenarios need a GPU profile")
+    if dtype not in KV_DTYPE_BYTES:
+        raise usage_error(f"--kv-cache-dtype {dtype!r}: one of {', '.join(KV_DTYPE_BYTES)}")
+    if not 0 < util <= 1:
+        raise usage_error(f"--gpu-memory-utilization {util}: in (0, 1]")
+    scale = KV_DTYPE_BYTES[dtype] / KV_DTYPE_BYTES[profile.kv_cache_dtype]
+    bpt = profile.kv_bytes_per_token * scale
+    blocks = kv_blocks_for(profile.mem_gib, util, profile.weight_bytes, profile.activation_gib, bpt, profile.block_size)
+    if blocks <= 0:
+        raise usage_error(f"--gpu-memory-utilization {util} leaves no KV cache on {profile.name} after the weights")
+    suffix = "".join([f"-{dtype}kv" if dtype != "auto" else "", f"-util{util:g}" if util != 0.9 else ""])
+    return Profile.from_dict({**asdict(profile), "name": profile.name.split("-fp8kv")[0].split("-util")[0] + suffix,
+                              "kv_blocks": blocks, "c_ctx": profile.c_ctx * scale, "kv_bytes_per_token": bpt,
+                              "gpu_memory_utilization": util, "kv_cache_dtype": dtype})
+
+
 def _gpu_profile(name: str, *, mem_gib: float, bandwidth: float, flops: float, activation_gib: float, **kw) -> Profile:
     """First-principles coefficients for Qwen3-8B on a GPU (vLLM defaults:
     gpu_memory_utilization 0.9, block size 16)."""
-    kv_bytes = (0.9 * mem_gib - WEIGHT_BYTES_8B / 2**30 - activation_gib) * 2**30
-    kv_blocks = int(kv_bytes // (16 * KV_BYTES_PER_TOKEN_8B))
+    kv_blocks = kv_blocks_for(mem_gib, 0.9, WEIGHT_BYTES_8B, activation_gib, KV_BYTES_PER_TOKEN_8B, 16)
     return Profile(
         name=name,
         kv_blocks=kv_blocks,
+        mem_gib=mem_gib, weight_bytes=WEIGHT_BYTES_8B, activation_gib=activation_gib,
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN_8B,
         c0=WEIGHT_BYTES_8B / bandwidth + 0.003,
         c_pf=FLOPS_PER_TOKEN_8B / (0.55 * flops),
         c_dec=0.5 * FLOPS_PER_TOKEN_8B / (0.55 * flops),
