@@ -40,6 +40,10 @@ def add_parser(sub) -> None:
                         f"proportion (default {SAMPLE_ROWS})")
     p.add_argument("--sample-seed", type=int, default=0, help="the sample's seed (default 0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                   help="the fleets' vLLM KV cache dtype (fp8: twice the KV blocks; every method alike)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="the fleets' vLLM share of GPU memory (default 0.9; every method alike)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an argument of the input's file system (as run's)")
     p.add_argument("--endpoint-url", default=None, metavar="URL", help="an S3-compatible server (as run's)")

@@ -65,8 +65,11 @@ def plan_job(args: argparse.Namespace, *, sampling: m.SamplingSpec, chat: dict[s
             fleets, prices = [], []  # only this machine, unless fleets were asked too
     else:
         report["fleets"] = []
-    report["fleets"] += [plan_fleet(f, f.load(), wl, ok_rows, args.sample_rows, price, args.sample_seed)
-                         for f, price in zip(fleets, prices)]
+    from prefixflow.sim.cost import with_memory
+
+    memory = (getattr(args, "gpu_memory_utilization", None), getattr(args, "kv_cache_dtype", None))
+    report["fleets"] += [plan_fleet(f, with_memory(f.load(), *memory), wl, ok_rows, args.sample_rows, price,
+                                    args.sample_seed) for f, price in zip(fleets, prices)]
     report["plan_seconds"] = round(time.perf_counter() - t0, 1)
     if args.json:
         print(json.dumps(report, indent=2))

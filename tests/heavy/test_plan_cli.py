@@ -70,3 +70,9 @@ def test_plan_prints_a_table_and_refuses_an_unknown_gpu(dataset):
     bad = plan(str(path), "--fleet", "8xA100", env=env, cwd=path.parent)
     assert bad.returncode == 2
     assert "A100" in bad.stderr and "L4" in bad.stderr and "H100" in bad.stderr
+    scenario = plan(str(path), "--fleet", "16xL4", "--kv-cache-dtype", "fp8", "--gpu-memory-utilization", "0.95",
+                    "--sample-rows", "250", "--json", env=env, cwd=path.parent)
+    assert scenario.returncode == 0, scenario.stderr
+    assert json.loads(scenario.stdout)["fleets"][0]["profile"] == "l4-8b-fp8kv-util0.95", "every method under it"
+    cpu = plan(str(path), "--fleet", "2xCPU", "--kv-cache-dtype", "fp8", env=env, cwd=path.parent)
+    assert cpu.returncode == 2 and "no GPU memory figures" in cpu.stderr, cpu.stderr
