@@ -42,6 +42,7 @@ from prefixflow.batchapi import batches as b
 from prefixflow.batchapi import lifecycle
 from prefixflow.batchapi.store import BatchRec, FileRec, Store, now
 from prefixflow.client.submit import AlreadyDone, JobCancelled, JobFailed, submit
+from prefixflow.shared.bus.connection import SHUTDOWN, StoppedWhileConnecting
 from prefixflow.shared.bus.jobs import UnknownJob, cancel_job
 from prefixflow.shared.bus.publish import message_limit
 from prefixflow.shared.openai_batch import object_names
@@ -90,6 +91,11 @@ class JobFailedError(ValueError):
     """The cluster marked the batch's job failed."""
 
 
+def stopping() -> bool:
+    """The service was asked to stop (`run_service`'s stop event, `SHUTDOWN`)."""
+    return (stop := SHUTDOWN.get()) is not None and stop.is_set()
+
+
 class Runner:
     def __init__(self, store: Store, nats_url: str, cfg, js, nc) -> None:
         self.store, self.nats_url, self.cfg = store, nats_url, cfg
@@ -128,6 +134,12 @@ class Runner:
         except asyncio.CancelledError:
             raise
         except (Exception, CommandError) as exc:  # noqa: BLE001 - the batch fails with the reason; the service goes on
+            if isinstance(exc, StoppedWhileConnecting) or stopping():
+                # The API is stopping (SIGTERM: a restart, systemd): what failed is this
+                # process's connection, not the batch. Its record stays as it is and the
+                # next start resumes it (`resume_all`).
+                log.info("batch left for the API's next start: stopping", batch=bid, error=repr(exc))
+                return
             # NOTE: a CommandError (what the client code raises to end a command, a SystemExit)
             # must fail this batch, never end the API.
             log.exception("batch failed", batch=bid)

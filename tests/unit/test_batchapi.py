@@ -263,3 +263,50 @@ def test_every_kind_of_result_line_validates_with_openai_types():
     assert check_error_line(error_line(None, "line 3: not JSON")) == "invalid_request"
     for code in ("batch_cancelled", "batch_expired"):
         assert check_error_line(not_run_line("r3", code)) == code
+
+
+def test_a_batch_is_not_failed_by_the_api_stopping(tmp_path):
+    """SIGTERM (a restart) while a batch's runner connects to NATS: the connect ends with
+    `StoppedWhileConnecting` — the process's fault, not the batch's. Its record stays as
+    it is for the next start to resume (the torture run, seed 13 round 100, saw it
+    `failed` with `internal_error`); any other error still fails the batch."""
+    import asyncio
+
+    from prefixflow.batchapi import runner as runner_module
+    from prefixflow.shared.bus.connection import SHUTDOWN, StoppedWhileConnecting
+
+    class Store:
+        def __init__(self):
+            self.changes = []
+
+        async def batch(self, tenant, bid):
+            return type("Rec", (), {"batch": {"id": bid, "status": "validating"}})()
+
+    def make(exc):
+        r = runner_module.Runner.__new__(runner_module.Runner)
+        r.store = Store()
+
+        async def step(rec, work):
+            raise exc
+
+        async def change(tenant, bid, change):
+            r.store.changes.append(change)
+
+        r.step, r.change = step, change
+        return r
+
+    async def main():
+        stop = asyncio.Event()
+        SHUTDOWN.set(stop)
+        left = make(StoppedWhileConnecting("asked to stop before a NATS server answered"))
+        await left.run("alice", "batch_1")
+        assert left.store.changes == [], "stopped while connecting: never the batch's failure"
+        broken = make(ValueError("a real fault"))
+        await broken.run("alice", "batch_2")
+        assert len(broken.store.changes) == 1, "anything else still fails the batch"
+        stop.set()
+        late = make(ConnectionError("nats closed while stopping"))
+        await late.run("alice", "batch_3")
+        assert late.store.changes == [], "while the API stops, nothing it meets fails a batch"
+
+    asyncio.run(main())
