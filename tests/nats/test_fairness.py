@@ -88,3 +88,64 @@ def test_priorities_share_the_replicas_by_weight(cluster, tiny_model, tmp_path):
     print(rows, round(end - start, 2))
     assert rows["w3"] >= 0.5 * HI_ROWS, rows
     assert 2.0 <= rows["w3"] / max(rows["w1"], 1) <= 4.5, rows  # the weight, 3 (`bench fairness` measures it closely)
+
+
+STALL_LARGE, STALL_SMALL = 20_000, 200
+
+
+async def _ingest_backlog(js, job: str) -> int:
+    from prefixflow.shared.wire import subjects
+
+    info = await js.stream_info(subjects.INGEST_STREAM.name, subjects_filter=subjects.ingest(job))
+    return sum((info.state.subjects or {}).values())
+
+
+async def small_job_after_a_stalled_ingest(url: str, ingestor, small: Path, large: Path, out: Path) -> dict:
+    """The ingestor SIGSTOPped (a loaded or stalled ingest) while a 20,000-row job and
+    then a 200-row one are published in full: both backlogs wait in the ingest stream,
+    the large one's first. Then SIGCONT; returns the large job's rows written when the
+    small job's `submit` exited."""
+    import signal
+
+    import nats
+
+    from prefixflow.client.submit import Submitter
+
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    ingestor.send_signal(signal.SIGSTOP)
+    try:
+        big = asyncio.create_task(fairness.submit(url, large, out / "stall-large", "stall-large", 1))
+        want = -(-STALL_LARGE // 64)  # `submit` publishes 64 rows a message
+        while await _ingest_backlog(js, "stall-large") < want:
+            assert not big.done(), big.result()
+            await asyncio.sleep(0.1)
+        small_done = asyncio.create_task(fairness.submit(url, small, out / "stall-small", "stall-small", 1))
+        while await _ingest_backlog(js, "stall-small") < -(-STALL_SMALL // 64):
+            assert not small_done.done(), small_done.result()
+            await asyncio.sleep(0.1)
+    finally:
+        ingestor.send_signal(signal.SIGCONT)
+    await small_done
+    async with Submitter(url) as client:
+        st = await client.status("stall-large")
+    await big
+    await nc.close()
+    return {"large_rows_at_small_done": st.rows if st else 0}
+
+
+def test_a_small_job_is_not_queued_behind_a_large_ones_ingest_backlog(clusters, tiny_model, tmp_path):
+    """Issue 40: the ingestor took every job through one FIFO consumer, so whenever a stage
+    before the bucketer's fair lanes was the bottleneck, a job submitted after a large one
+    waited behind the large one's whole backlog (all 20,000 rows ingested first). Now each
+    job has its own consumer and they take turns (`ingestor/shares.py`): the small job's
+    rows are ingested within the first turns, and it completes before the large one has
+    written half its rows; every row of both once."""
+    cluster = clusters.get()
+    small, large = data(tmp_path, tiny_model, "small", STALL_SMALL, 1), data(tmp_path, tiny_model, "large", STALL_LARGE, 2)
+    r = asyncio.run(small_job_after_a_stalled_ingest(cluster.url, cluster.running["ingestor"], small, large, tmp_path / "out"))
+    print(r)
+    assert r["large_rows_at_small_done"] < STALL_LARGE // 2, r
+    for job, n in (("stall-small", STALL_SMALL), ("stall-large", STALL_LARGE)):
+        ids = pq.read_table(tmp_path / "out" / job).column("id").to_pylist()
+        assert sorted(ids) == list(range(n)), job

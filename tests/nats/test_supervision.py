@@ -62,8 +62,20 @@ def test_sigterm_before_nats_answers_stops_every_service_at_once(tmp_path, tiny_
         extra = ["--engine", "echo", "--replica", "r0"] if service == "engine-worker" else []
         procs[service] = subprocess.Popen([sys.executable, "-m", "prefixflow.cli.main", "serve", service, *extra], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    def catches_sigterm(pid: int) -> bool:
+        """Its SIGTERM handler is installed (past its imports: on a loaded machine that can
+        take far more than the few seconds a quiet one needs)."""
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        return bool(caught & (1 << (signal.SIGTERM - 1)))
+
     try:
-        time.sleep(4)  # past their imports, inside the connect wait
+        deadline = time.monotonic() + 120
+        for service, proc in procs.items():
+            while not catches_sigterm(proc.pid):
+                assert proc.poll() is None and time.monotonic() < deadline, (service, proc.poll())
+                time.sleep(0.1)
+        time.sleep(1)  # inside the connect wait
         for service, proc in procs.items():
             assert proc.poll() is None, (service, proc.stdout.read())
             proc.send_signal(signal.SIGTERM)

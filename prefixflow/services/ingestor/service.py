@@ -1,6 +1,6 @@
 """Ingestor: validates and tokenizes user prompts, shards them to the node bucketers.
 
-Loop: fetch a batch from `pfx.ingest.*` -> plan it in a worker thread (parse, validate,
+Loop: fetch a batch from one job's `pfx.ingest.<job>` -> plan it in a worker thread (parse, validate,
 tokenize, shard: `prefixflow/services/ingestor/plan.py`) -> publish prompt batches to
 `pfx.bucket.<node>` and error rows to `pfx.results.<job>` -> wait for every publish ack
 -> ack the inputs. A message with no recoverable id, or on a subject whose job id is not
@@ -9,7 +9,13 @@ dead-letter stream with the reason and is acked (gone from the work queue: never
 retried); a job whose spec cannot run is marked failed in the job-status bucket. Any other
 failure of a batch naks it (redelivered one message at a time, then quarantined as
 poison): the service never goes down for one job. Several ingestors
-can share the work (one durable pull consumer).
+can share the work (one durable pull consumer per job, shared).
+
+Jobs take turns (`prefixflow/services/ingestor/shares.py`): the ingestor looks at which
+ingest subjects hold messages (stream info, every `SCAN_EVERY` s) and pulls each job
+through its own consumer, the tenant furthest behind first, then its job furthest behind,
+in short turns while several wait: a job submitted after a large one is not queued
+behind the large one's backlog, even when ingestion is the bottleneck.
 
 Beside it runs the mover (`prefixflow/services/ingestor/mover.py`): the prompts of a bucketer node
 gone for good (no heartbeat for `--bucketer-gone-after` seconds) are moved to live nodes.
@@ -29,6 +35,7 @@ from nats.aio.msg import Msg
 from prefixflow.services.ingestor.model import load_model
 from prefixflow.services.ingestor.mover import Mover
 from prefixflow.services.ingestor.plan import Incoming, Plan, plan_batch, poison_rows
+from prefixflow.services.ingestor.shares import IngestShares
 from prefixflow.shared.bus.blobs import put_blob
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.bus.jobs import JobCache
@@ -50,6 +57,13 @@ PROMPTS_OK = metrics.PROMPTS_IN.labels("ok")
 PROMPTS_ERROR = metrics.PROMPTS_IN.labels("error")
 BUCKETER_LIVE_FOR = 3.0
 """Seconds after its last heartbeat that a bucketer still gets prompts."""
+SCAN_EVERY = 0.1
+"""Seconds between looks at which ingest subjects hold messages while jobs wait."""
+QUIET_SCAN_EVERY = 1.0
+"""... and while none does. An idle ingestor also holds a core subscription on the ingest
+subjects (`idle`), which wakes it at a job's first message: the look is a backstop."""
+CONTENDED_TURN = 8
+"""Messages (up to 64 rows each from `submit`) a job's turn takes while other jobs wait."""
 
 
 def same_model(a: str, b: str) -> bool:
@@ -70,6 +84,13 @@ class Ingestor:
         self.bucketers: dict[str, float] = {}  # node -> last heartbeat (monotonic)
         self.sharder = Sharder(epsilon=cfg.shard_epsilon)
         self.mover = Mover(self.bucketers, cfg.bucketer_gone_after, BUCKETER_LIVE_FOR, cfg.hash_block_size)
+        self.shares = IngestShares(cfg.max_job_consumers)
+        self.pulls: dict[str, DurablePull] = {}
+        """job -> the pull on its ingest consumer."""
+        self.scanned_at = -1e9
+        self.woken = asyncio.Event()
+        self.wake_sub = None
+        """The core subscription on the ingest subjects held while idle (`idle`)."""
 
     def live_nodes(self) -> list[str]:
         """Bucketer nodes heard from within BUCKETER_LIVE_FOR; when none is (heartbeats
@@ -87,7 +108,7 @@ class Ingestor:
         self.jobs = JobCache(await js.key_value(subjects.JOBS_KV))
         await self.jobs.follow_cancels(nc)
         self.status_kv = await js.key_value(subjects.JOB_STATUS_KV)
-        sub = DurablePull(js, subjects.ingestor_consumer())
+        await self.drop_legacy_consumer()
 
         async def on_heartbeat(msg: Msg) -> None:
             try:
@@ -103,38 +124,118 @@ class Ingestor:
         # supervisor restarts it, JetStream redelivers what it held).
         async with asyncio.TaskGroup() as tg:
             mover = tg.create_task(self.mover.run(js, stop))
-            await self.ingest(sub, stop)
+            await self.ingest(stop)
             try:  # a move waiting on a full stream: its message is redelivered (same ids)
                 await asyncio.wait_for(asyncio.shield(mover), self.cfg.drain_timeout)
             except asyncio.TimeoutError:
                 mover.cancel()
-        await close(nc, sub)
+        await close(nc, *self.pulls.values())
 
-    async def ingest(self, sub: DurablePull, stop: asyncio.Event) -> None:
+    async def drop_legacy_consumer(self) -> None:
+        """Delete the one FIFO consumer of ingestors before per-job turns, if it is there:
+        its filter overlaps each job's, which a work-queue stream refuses."""
+        try:
+            await self.js.delete_consumer(subjects.INGEST_STREAM.name, subjects.LEGACY_INGESTOR_CONSUMER)
+            log.info("deleted the ingest stream's former single consumer", consumer=subjects.LEGACY_INGESTOR_CONSUMER)
+        except Exception as exc:  # noqa: BLE001 - not there (the usual case), or not provisioned yet
+            log.debug("no former ingest consumer deleted", error=repr(exc))
+
+    async def ingest(self, stop: asyncio.Event) -> None:
+        """Turns between the jobs with rows waiting (`IngestShares`): each turn pulls one
+        job's messages through its own consumer and ingests them."""
         while not stop.is_set():
             if not self.bucketers:  # no bucketer has reported yet: its prompts would have nowhere to go
                 await asyncio.sleep(0.1)
                 continue
-            msgs = await sub.fetch(self.cfg.fetch_batch, timeout=1.0)
-            if not msgs:
+            if time.monotonic() - self.scanned_at >= (SCAN_EVERY if self.shares.job_time else QUIET_SCAN_EVERY):
+                await self.scan()
+            order = self.shares.order(self.pulls)
+            if not order:
+                if self.shares.job_time:  # jobs wait, none may be pulled now (consumers at their bound)
+                    await asyncio.sleep(SCAN_EVERY)
+                else:
+                    await self.idle(QUIET_SCAN_EVERY - (time.monotonic() - self.scanned_at))
+                continue
+            await self.busy()
+            job = order[0]
+            msgs = await self.pull(job).fetch(self.shares.turn(self.cfg.fetch_batch, CONTENDED_TURN), timeout=0.05)
+            if not msgs:  # taken by another ingestor, or held unacked: not waiting here until the next look
+                self.shares.done(job)
                 continue
             # Redelivered messages go one at a time: a poison message must not keep
             # failing the good messages fetched with it.
             fresh = [msg for msg in msgs if deliveries(msg) == 1]
+            rows, weight = 0, 1
             for group in ([fresh] if fresh else []) + [[msg] for msg in msgs if deliveries(msg) > 1]:
-                await self.handle_safely(group)
+                took = await self.handle_safely(group)
+                rows, weight = rows + took[0], took[1]
+            self.shares.charge(job, rows, weight)
 
-    async def handle_safely(self, msgs: list[Msg]) -> None:
+    async def idle(self, seconds: float) -> None:
+        """Nothing waits: until a message lands on any ingest subject, or `seconds`. A core
+        subscription (held only while idle, so no row travels to the ingestor twice while it
+        works) wakes it at once; then it looks at the stream."""
+        if self.wake_sub is None:
+            self.woken.clear()
+            self.wake_sub = await self.nc.subscribe(subjects.ingest(">"), cb=self.wake)
+        try:
+            await asyncio.wait_for(self.woken.wait(), max(seconds, 0.0))
+            self.scanned_at = -1e9  # woken: look now
+        except asyncio.TimeoutError:
+            pass
+
+    async def wake(self, msg: Msg) -> None:
+        self.woken.set()
+
+    async def busy(self) -> None:
+        if self.wake_sub is not None:
+            sub, self.wake_sub = self.wake_sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection gone: the subscription with it
+                pass
+
+    async def scan(self) -> None:
+        """Which jobs have messages on their ingest subject; close the consumers of jobs
+        whose subject is empty (nothing unacked either: a work queue keeps a message
+        until it is acked)."""
+        self.scanned_at = time.monotonic()
+        try:
+            info = await self.js.stream_info(subjects.INGEST_STREAM.name, subjects_filter=subjects.ingest(">"))
+        except Exception as exc:  # noqa: BLE001 - reconnecting: keep the last view
+            log.debug("ingest stream scan failed", error=repr(exc))
+            return
+        waiting = {subjects.job_from_subject(subject) for subject, n in (info.state.subjects or {}).items() if n}
+        self.shares.wait(waiting)
+        for job in [j for j in self.pulls if j not in waiting]:
+            await self.close_pull(job)
+
+    def pull(self, job: str) -> DurablePull:
+        if (pull := self.pulls.get(job)) is None:
+            pull = self.pulls[job] = DurablePull(self.js, subjects.ingestor_consumer(job), label="ingestor")
+        return pull
+
+    async def close_pull(self, job: str) -> None:
+        pull = self.pulls.pop(job)
+        await pull.unsubscribe()
+        try:
+            await self.js.delete_consumer(pull.spec.stream, pull.spec.durable)
+        except Exception as exc:  # noqa: BLE001 - gone already (another ingestor), or a blip: the server's idle limit removes it
+            log.debug("ingest consumer not deleted", consumer=pull.spec.durable, error=repr(exc))
+
+    async def handle_safely(self, msgs: list[Msg]) -> tuple[int, int]:
+        """Ingest these messages (of one job); the rows and the job's priority, for its turns."""
         if len(msgs) == 1 and is_poison(msgs[0]):
             msg = msgs[0]
             why = f"poison message: failed {deliveries(msg)} deliveries"
             await quarantine(self.js, msg, "ingest failed repeatedly", poison_rows(incoming(msg), why))
-            return
+            return 1, 1
         try:
-            await self.handle(msgs)
+            return await self.handle(msgs)
         except Exception:  # noqa: BLE001 - a real failure: redelivered, counted toward poison
             log.exception("ingest batch failed; naked for redelivery")
             await asyncio.gather(*(msg.nak(delay=1.0) for msg in msgs), return_exceptions=True)
+            return len(msgs), 1
 
     async def lookup(self, job: str) -> m.JobLookup:
         """The job's spec, or why the cluster cannot run it."""
@@ -152,7 +253,8 @@ class Ingestor:
                 return m.JobLookup(None, f"invalid structured output: {exc}")
         return lookup
 
-    async def handle(self, msgs: list[Msg]) -> None:
+    async def handle(self, msgs: list[Msg]) -> tuple[int, int]:
+        """Ingest a batch of messages; the rows it held and its (first) job's priority."""
         t0 = time.perf_counter()
         batch = [incoming(msg) for msg in msgs]
         # Invalid job ids are not looked up: the plan dead-letters their messages.
@@ -165,7 +267,7 @@ class Ingestor:
             log.info("dropped ingest messages of cancelled jobs", jobs=sorted(cancelled), messages=len(msgs) - len(keep))
             msgs, batch = [msgs[i] for i in keep], [batch[i] for i in keep]
             if not msgs:
-                return
+                return 0, 1
         nodes = self.live_nodes()
         plan = await asyncio.to_thread(plan_batch, batch, jobs, self.model, lambda key: self.sharder.pick(key, nodes))
         await self.store_kept(plan)  # before anything that refers to it is published
@@ -186,6 +288,7 @@ class Ingestor:
             nodes=len(plan.prompts),
             ms=round((time.perf_counter() - t0) * 1000, 1),
         )
+        return plan.n_prompts + plan.n_errors + len(plan.dead), max(priority.values(), default=1)
 
     async def publish(self, plan: Plan, msgs: list[Msg], priority: dict[str, int]) -> None:
         """Publish everything the plan produced and wait for every ack. Prompts go to their

@@ -100,7 +100,11 @@ class ModelConfig(CommonConfig, kw_only=True):
 
 
 class IngestorConfig(ModelConfig, kw_only=True):
-    fetch_batch: Annotated[int, _d("ingest messages fetched per pull", gt=0)] = 64
+    fetch_batch: Annotated[int, _d("ingest messages fetched per pull (8 while several jobs wait: their turns)", gt=0)] = 64
+    max_job_consumers: Annotated[
+        int, _d("jobs pulled at once (one consumer each on the ingest stream, shared by the ingestors): more jobs "
+                "wait their turn in the stream; a tenant below its fair number still gets one, up to twice this", gt=0)
+    ] = 64
     hash_block_size: Annotated[int, _d("prefix-key block length in tokens (sharding key)", gt=0)] = HASH_BLOCK_SIZE
     shard_epsilon: Annotated[
         float, _d("bounded-load sharding: a bucketer may take (1 + this) x the average recent load", gt=0)

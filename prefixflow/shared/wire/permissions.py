@@ -195,7 +195,9 @@ def _service(pub: list[str], sub: list[str], *, responds: bool = False) -> tuple
 def _ingestor():
     return _service(
         [
-            *consume(s.ingestor_consumer()),
+            # One consumer per job with rows waiting (`ingest-<job>`), and deleting the one FIFO
+            # consumer of earlier versions (`ingestor`): any durable on the ingest stream.
+            *consume(s.ingestor_consumer(ANY_JOB)),
             *consume(s.bucketer_consumer(ANY, ANY_JOB)),  # takeover of a gone node's prompts (prefixflow/services/ingestor/mover.py)
             s.bucket(ANY, ANY_JOB),
             s.results(ANY_JOB),  # error rows
@@ -204,7 +206,8 @@ def _ingestor():
             *kv_read(s.JOBS_KV),
             *kv_write(s.JOB_STATUS_KV),  # jobs that cannot run are marked failed
         ],
-        [s.ALL_BUCKETER_HEARTBEATS, s.ALL_JOB_CANCELLED],
+        # the ingest subjects while idle: the first message of a job wakes it (`Ingestor.idle`)
+        [s.ALL_BUCKETER_HEARTBEATS, s.ALL_JOB_CANCELLED, s.ingest(">")],
     )
 
 

@@ -363,9 +363,28 @@ class ConsumerSpec(msgspec.Struct, frozen=True):
 IN_PROGRESS_EVERY = 3.0
 
 
-def ingestor_consumer() -> ConsumerSpec:
-    # One durable shared by every ingestor: pull consumers load-balance by themselves.
-    return ConsumerSpec(INGEST_STREAM.name, "ingestor", f"{PREFIX}.ingest.>", 4096, ack_wait=10.0)
+INGEST_CONSUMER_IDLE = 120.0
+"""Seconds a job's ingest consumer outlives its last pull (then the server deletes it: an
+ingestor deletes a job's once its subject is empty, this is for one that died)."""
+
+
+def ingestor_consumer(job: str) -> ConsumerSpec:
+    """One job's rows on its ingest subject, shared by every ingestor (pull consumers
+    load-balance by themselves): the ingestor pulls each job on its own and takes turns
+    between them (`prefixflow/services/ingestor/shares.py`). A subject whose job part is no
+    job id (`job_id_error`: its messages are dead-lettered) gets a durable name by hash."""
+    import hashlib
+
+    token = durable_token(job) if job == ">" or job_id_error(job) is None else \
+        "bad-" + hashlib.sha256(job.encode()).hexdigest()[:16]
+    return ConsumerSpec(INGEST_STREAM.name, f"ingest-{token}", ingest(job), 4096, ack_wait=10.0,
+                        inactive_threshold=INGEST_CONSUMER_IDLE)
+
+
+LEGACY_INGESTOR_CONSUMER = "ingestor"
+"""The one FIFO consumer over every ingest subject that ingestors before per-job turns
+shared: its filter overlaps every job's, which a work-queue stream refuses, so an
+ingestor deletes it at start."""
 
 
 BUCKET_CONSUMER_IDLE = 120.0
