@@ -168,3 +168,19 @@ def test_rows_of_every_attempt_find_their_own_fields_after_redeliveries(attempts
     for rid, src, row in refs:
         fields = msgspec.msgpack.decode(blobs[src][row])
         assert fields == {k: v for k, v in rows[rid].items() if k != "id"}, (rid, fields)
+
+
+def test_a_rows_work_counts_every_completion_it_asks_for():
+    """Issue 40: a row asking `n` completions is `n` times the output work (load, routing,
+    KV admission go by `Prompt.max_tokens`); its length check is per completion."""
+    from prefixflow.services.engine_worker.feeder import Held, max_tokens
+
+    spec = m.JobSpec(job="j", out_dir="/tmp/x", sampling=m.SamplingSpec(max_tokens=8, temperature=1.0, n=3))
+    batch = [msg("j", {"id": 1, "prompt": "hello world"}),
+             msg("j", {"id": 2, "prompt": "hello there", "sampling": {"n": 5}}),
+             msg("j", {"id": 3, "prompt": "z" * 50})]  # 50 + 8 <= 64: fits, whatever n
+    plan = plan_batch(batch, {"j": m.JobLookup(spec)}, MODEL, lambda key: "n0")
+    budgets = {p.id: p.max_tokens for p in plan.prompts["n0"]}
+    assert budgets == {1: 24, 2: 40, 3: 24} and not plan.errors.get("j")
+    held = {p.id: Held(None, p, m.JobLookup(spec), "b") for p in plan.prompts["n0"]}
+    assert (max_tokens(held[1]), max_tokens(held[2])) == (24, 40)

@@ -58,11 +58,14 @@ class Held(NamedTuple):
 
 
 def max_tokens(held: Held) -> int:
-    """The prompt's token budget (0 if its job or sampling is bad: it fails at once)."""
+    """The prompt's token budget: max_tokens for each of its `n` completions (vLLM keeps
+    a sequence, and its own KV blocks, for each); 0 if its job or sampling is bad (it
+    fails at once)."""
     if held.lookup.spec is None:
         return 0
     try:
-        return prompt_sampling(held.prompt, held.lookup.spec.sampling).max_tokens
+        sampling = prompt_sampling(held.prompt, held.lookup.spec.sampling)
+        return sampling.max_tokens * sampling.n
     except Exception:  # noqa: BLE001 - the worker turns it into an error row
         return 0
 

@@ -179,7 +179,9 @@ def plan_batch(
             plan.errors[job].append(m.error_result(rec.id, err, prompt_tokens=n, **ref(job, rec)))
             continue
         node = pick_node(first_block_key(tokens, model.hash_block_size))
-        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, b"", budget, row_spec, **ref(job, rec), lora=lora))
+        # Its work counts every completion it asks for (`n`): load, routing and KV admission go by it.
+        plan.prompts[node].append(m.Prompt(job, rec.id, tokens, b"", budget * sampling.n, row_spec, **ref(job, rec),
+                                           lora=lora))
     return plan
 
 

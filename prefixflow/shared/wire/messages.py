@@ -340,7 +340,8 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """Unused since input columns stay out of the pipeline (`src`, `row`); kept so that
     older peers still decode this struct (a rolling upgrade)."""
     max_tokens: int = 0
-    """The job's max_tokens, so load can be counted in tokens (prompt + output)."""
+    """The row's output budget: its max_tokens times its `n` (every completion it asks
+    for), so load can be counted in tokens (prompt + output)."""
     sampling: bytes = b""
     """The row's own sampling (msgpack `SamplingSpec`, the job's merged with the row's
     overrides and structured output); empty: the job's."""
