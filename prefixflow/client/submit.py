@@ -207,7 +207,7 @@ async def submit(
                 ended = True
                 break
             seen.update(chunk.ids)
-            planned += output_budget(chunk.rows, spec.sampling.max_tokens)
+            planned += output_budget(chunk.rows, spec.sampling.max_tokens, spec.sampling.n)
             todo = await queries.missing(chunk.rows)
             skipped += len(chunk.rows) - len(todo)
             if todo:

@@ -11,7 +11,7 @@ token costs an engine relative to an uncached prompt token; engine-workers measu
 - **Remaining work**: the rows not written yet, each with the uncached prompt tokens of
   the rows written so far (their mean prompt, at the hit rate so far), plus the output
   tokens the job was planned to generate (`JobSpec.planned_output_tokens`: every row's
-  `max_tokens`, summed by the client as it publishes) less those generated so far, at
+  `max_tokens` times its `n`, summed by the client as it publishes) less those generated so far, at
   `decode_cost`. A job whose rows stop at EOS before `max_tokens` is predicted long.
 - **Rate**: the work the sink saw written per second over its rate window (uncached
   prompt tokens/s + `decode_cost` x output tokens/s).
@@ -79,14 +79,17 @@ class EtaModel:
         return None
 
 
-def output_budget(rows: list[dict], default: int) -> int:
+def output_budget(rows: list[dict], default: int, default_n: int = 1) -> int:
     """The output tokens these input rows ask for at most: each row's own `sampling`
-    `max_tokens` (or OpenAI's `max_completion_tokens`), else the job's `default`."""
+    `max_tokens` (or OpenAI's `max_completion_tokens`), else the job's `default`, for
+    each of its `n` completions (its own `n`, else the job's `default_n`)."""
     total = 0
     for row in rows:
         own = row.get("sampling")
         value = (own.get("max_tokens") or own.get("max_completion_tokens")) if isinstance(own, dict) else None
-        total += value if isinstance(value, int) and value > 0 else default
+        n = own.get("n") if isinstance(own, dict) else None
+        total += (value if isinstance(value, int) and value > 0 else default) * (
+            n if isinstance(n, int) and n > 0 else default_n)
     return total
 
 

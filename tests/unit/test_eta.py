@@ -189,3 +189,9 @@ def test_an_echo_engine_reports_what_its_delays_make_an_output_token_cost(delay,
     want = token_delay / (delay / (sum(prompts) / len(prompts)))
     assert e.snapshot().decode_cost == pytest.approx(min(max(want, MIN_RATIO), MAX_RATIO))
     assert EchoEngine(delay).snapshot().decode_cost == 0.0  # no per-token delay: not measured
+
+
+def test_a_rows_output_budget_counts_each_of_its_n_completions():
+    rows = [{"sampling": {"n": 3}}, {"sampling": {"max_tokens": 10, "n": 2}}, {}, {"sampling": {"n": "x"}}]
+    assert output_budget(rows, 100) == 300 + 20 + 100 + 100
+    assert output_budget(rows, 100, default_n=4) == 300 + 20 + 400 + 400
