@@ -113,6 +113,20 @@ async def connect_collecting(opts: NatsOptions, urls: list[str]) -> tuple[nats.N
     return nc, errors
 
 
+DENIALS_WAIT = 60.0
+"""Seconds the server's permission denials (asynchronous -ERR lines) may take to arrive:
+a loaded machine's nats-server was seen taking 10 s over one read loop."""
+
+
+async def denials_arrived(errors: list[str], *expected: str) -> None:
+    """Until each `expected` denial (lowercased) is among the connection's errors, or
+    DENIALS_WAIT seconds (the assertions after it then say which is missing): a fixed
+    wait let a loaded machine close the connection before the -ERR lines came."""
+    deadline = time.monotonic() + DENIALS_WAIT
+    while time.monotonic() < deadline and not all(e in "\n".join(errors).lower() for e in expected):
+        await asyncio.sleep(0.1)
+
+
 async def check_submitter_is_confined(fleet: Fleet) -> None:
     """The submitter's forbidden operations are denied by the server itself."""
     opts = fleet.options("submitter")
@@ -132,7 +146,8 @@ async def check_submitter_is_confined(fleet: Fleet) -> None:
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError, nats.js.errors.APIError)):
             await js.add_consumer(subjects.RESULTS_STREAM.name, durable_name="snoop", filter_subject="pfx.results.>", timeout=2)
         await nc.flush()
-        await asyncio.sleep(0.5)
+        await denials_arrived(errors, 'permissions violation for subscription to "pfx.results.>"',
+                              'permissions violation for publish to "$js.api.consumer.durable.create.pfx_results.snoop"')
     finally:
         await nc.close()
     denied = "\n".join(errors).lower()  # nats.py lowercases the server's -ERR
@@ -174,7 +189,8 @@ async def check_engine_worker_is_confined(fleet: Fleet) -> None:
                 sub = await asyncio.wait_for(call, 3)
                 await sub.fetch(1, timeout=2)  # only the bind gets here: pulling is what is denied
         await nc.flush()
-        await asyncio.sleep(0.5)
+        await denials_arrived(errors, 'permissions violation for publish to "pfx.status.nats-2-gpu0"',
+                              'permissions violation for publish to "$js.api.consumer.msg.next.pfx_work.engine-nats-2-gpu0"')
     finally:
         await nc.close()
     denied = "\n".join(errors).lower()
@@ -228,7 +244,7 @@ async def check_tenants_are_apart(fleet: Fleet, job: str) -> None:
             with pytest.raises(denied_calls):
                 await asyncio.wait_for(call, 3)
         await nc.flush()
-        await asyncio.sleep(0.5)
+        await denials_arrived(errors, f'permissions violation for publish to "{subjects.done_query(job).lower()}"')
     finally:
         await nc.close()
     denied = "\n".join(errors).lower()
@@ -262,7 +278,7 @@ async def spoof_cancels(fleet: Fleet, job: str, submit: subprocess.Popen) -> tup
     alice, alice_errors = await connect_collecting(fleet.options("tenant-alice"), urls)
     rounds = 0
     try:
-        while submit.poll() is None:
+        while rounds == 0 or submit.poll() is None:  # at least one round, however soon her job ends
             await bob.publish(subjects.job_cancelled(job), m.encode(m.CancelNotice(job, "tenant-bob", time.time())))
             await bob.publish("pfx.jobs.cancelled", job.encode())  # the notice that stalled any job before
             await alice.publish(subjects.job_cancelled(job), m.encode(m.CancelNotice(job, "tenant-alice")))
@@ -270,7 +286,8 @@ async def spoof_cancels(fleet: Fleet, job: str, submit: subprocess.Popen) -> tup
             await alice.flush()
             rounds += 1
             await asyncio.sleep(0.1)
-        await asyncio.sleep(0.5)  # the last denials arrive
+        await denials_arrived(bob_errors, f'permissions violation for publish to "{subjects.job_cancelled(job).lower()}"',
+                              'permissions violation for publish to "pfx.jobs.cancelled"')
     finally:
         await bob.close()
         await alice.close()
