@@ -25,6 +25,7 @@ ingestor pulls each job through its own consumer, and takes turns:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Mapping
 
 from prefixflow.services.bucketer.consumers import admit
@@ -37,6 +38,8 @@ class IngestShares:
         self.tenant_time: dict[str, float] = {}
         self.job_time: dict[str, float] = {}
         self.first_seen: dict[str, float] = {}
+        self.jobs_of: Counter[str] = Counter()
+        """Tenant -> its jobs waiting (kept with `job_time`)."""
         self.ticks = 0.0
         """Order in which jobs were first seen waiting (for `admit`)."""
 
@@ -48,21 +51,20 @@ class IngestShares:
         new ones join at the current virtual time."""
         waiting = set(waiting)
         for job in [j for j in self.job_time if j not in waiting]:
-            del self.job_time[job]
-            self.first_seen.pop(job, None)
-        tenants = {tenant_of(j) for j in waiting}
-        for tenant in [t for t in self.tenant_time if t not in tenants]:
-            del self.tenant_time[tenant]
+            self.done(job)
         tenant_clock = self._clock(self.tenant_time)
-        for job in sorted(waiting):
+        job_clock: dict[str, float] = {}  # tenant -> the least virtual time of its jobs waiting
+        for job, t in self.job_time.items():
+            tenant = tenant_of(job)
+            job_clock[tenant] = min(t, job_clock.get(tenant, t))
+        for job in sorted(waiting - self.job_time.keys()):
             tenant = tenant_of(job)
             if tenant not in self.tenant_time:
                 self.tenant_time[tenant] = tenant_clock
-            if job not in self.job_time:
-                peers = {j: t for j, t in self.job_time.items() if tenant_of(j) == tenant}
-                self.job_time[job] = self._clock(peers)
-                self.ticks += 1
-                self.first_seen[job] = self.ticks
+            self.job_time[job] = job_clock.get(tenant, 0.0)
+            self.jobs_of[tenant] += 1
+            self.ticks += 1
+            self.first_seen[job] = self.ticks
 
     def order(self, holding: Collection[str]) -> list[str]:
         """The waiting jobs that may be pulled now, the next turn's first: those holding a
@@ -86,8 +88,11 @@ class IngestShares:
     def done(self, job: str) -> None:
         """`job` has nothing waiting (a pull came back empty): out of the turns until
         the stream shows it waiting again."""
-        self.job_time.pop(job, None)
+        if self.job_time.pop(job, None) is None:
+            return
         self.first_seen.pop(job, None)
         tenant = tenant_of(job)
-        if not any(tenant_of(j) == tenant for j in self.job_time):
+        self.jobs_of[tenant] -= 1
+        if self.jobs_of[tenant] <= 0:
+            del self.jobs_of[tenant]
             self.tenant_time.pop(tenant, None)
