@@ -182,7 +182,8 @@ def test_a_batch_cancelled_mid_run_keeps_its_results(api, tmp_path):
     assert done.status == "cancelled", done
     out, errors = lines_of(alice, done.output_file_id), lines_of(alice, done.error_file_id)
     assert 300 <= len(out) < n
-    assert {x["response"] is None and x["error"]["code"] for x in errors} == {"batch_cancelled"}
+    others = [x for x in errors if x["response"] is not None or x["error"]["code"] != "batch_cancelled"]
+    assert errors and not others, others[:3]
     ids = [x["custom_id"] for x in out + errors]
     assert len(ids) == len(set(ids)) == n, "every request once: a result or a batch_cancelled line"
     assert done.request_counts.completed == len(out) and done.request_counts.failed == len(errors)

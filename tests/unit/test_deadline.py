@@ -63,3 +63,19 @@ def test_threads_have_their_own_limits():
     for t in threads:
         t.join(20)
     assert results == {"slow": "stopped", "quick": "done"}
+
+
+def test_the_limit_counts_cpu_time_not_wall_time():
+    """A block that waits (a descheduled thread, a stopped process, the GIL held
+    elsewhere: the wall clock runs, the thread's CPU clock does not) is never stopped;
+    one that computes is stopped after its limit of CPU time."""
+    with time_limit(0.2):
+        time.sleep(0.6)  # 3x the limit in wall time, ~0 in CPU time
+        spin(0.05)
+    start = time.thread_time()
+    with pytest.raises(TimeLimit):
+        with time_limit(0.3):
+            while True:
+                time.sleep(0.01)  # half waiting, half computing: the CPU clock runs slower
+                spin(0.01)
+    assert 0.3 <= time.thread_time() - start < 2

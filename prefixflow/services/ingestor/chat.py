@@ -97,7 +97,7 @@ def load_template(value: str) -> str:
 
 
 TEMPLATE_TIMEOUT = 2.0
-"""Seconds one row's chat template may render (`--chat-template-timeout`)."""
+"""CPU seconds one row's chat template may render (`--chat-template-timeout`)."""
 STRIKES = 3
 """Times a job's own chat template may run past the limit before its further rows are
 refused at once (so a job's bad template costs other jobs at most this many limits)."""

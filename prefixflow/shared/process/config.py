@@ -115,7 +115,7 @@ class IngestorConfig(ModelConfig, kw_only=True):
            "in its bucket stream are moved to live nodes (at least 2: heartbeats come every second)", ge=2),
     ] = 60.0
     chat_template_timeout: Annotated[
-        float, _d("seconds one row's chat template may take to render (past it: an error row naming the limit; "
+        float, _d("CPU seconds one row's chat template may take to render (past it: an error row naming the limit; "
                   "a job's own template that overruns 3 times has its further chat rows refused at once); 0: no "
                   "limit", ge=0)
     ] = 2.0

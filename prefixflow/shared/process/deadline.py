@@ -8,6 +8,11 @@ abandoned while it burns a core. Here one watchdog thread (shared by every calle
 asynchronous exception, delivered at the thread's next bytecode), so a template with
 nested `range(100000)` loops stops at its limit and the thread goes on with the next row.
 
+The limit counts the thread's own CPU time (its POSIX thread CPU clock), not wall time:
+a healthy render on a loaded machine (the thread descheduled, the GIL held by another
+thread, the process stopped) is never mistaken for a runaway template; a template that
+loops burns CPU and is stopped after `seconds` of it.
+
 Limits: code stuck inside one long C call (a huge regex, a C extension's loop) gets the
 exception only when that call returns; callers bound such inputs otherwise (sizes and
 depths: `prefixflow/shared/wire/limits.py`). Costs per call: a lock and, when the watchdog
@@ -36,19 +41,37 @@ def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
+def _cpu_clock(thread_id: int) -> int:
+    return time.pthread_getcpuclockid(thread_id)
+
+
+def _cpu_used(clock: int) -> float:
+    try:
+        return time.clock_gettime(clock)
+    except OSError:  # the thread is gone
+        return float("inf")
+
+
+MIN_WAIT = 0.005
+"""Seconds the watchdog sleeps at least between checks (a thread that waits with a little
+CPU time left is checked this often, not continuously)."""
+
+
 class _Watchdog:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.armed: dict[int, list] = {}
-        """token -> [thread id, deadline (monotonic), fired]."""
+        """token -> [thread id, its CPU clock, CPU time at the end of its limit, fired]."""
         self.next = 0
         self.thread: threading.Thread | None = None
 
     def arm(self, seconds: float) -> int:
+        tid = threading.get_ident()
+        clock = _cpu_clock(tid)
         with self.cond:
             token = self.next = self.next + 1
-            idle = not any(not e[2] for e in self.armed.values())
-            self.armed[token] = [threading.get_ident(), time.monotonic() + seconds, False]
+            idle = not any(not e[3] for e in self.armed.values())
+            self.armed[token] = [tid, clock, time.clock_gettime(clock) + seconds, False]
             if self.thread is None:
                 self.thread = threading.Thread(target=self.run, name="time-limit watchdog", daemon=True)
                 self.thread.start()
@@ -59,7 +82,7 @@ class _Watchdog:
     def disarm(self, token: int) -> bool:
         """Whether it fired (a pending exception not yet delivered is cleared)."""
         with self.cond:
-            tid, _, fired = self.armed.pop(token, (0, 0, False))
+            tid, _, _, fired = self.armed.pop(token, (0, 0, 0.0, False))
             if fired:
                 _raise_in(tid, None)
         return fired
@@ -67,13 +90,19 @@ class _Watchdog:
     def run(self) -> None:
         with self.cond:
             while True:
-                now = time.monotonic()
+                left: list[float] = []
                 for entry in self.armed.values():
-                    if not entry[2] and entry[1] <= now:
-                        entry[2] = True
+                    if entry[3]:
+                        continue
+                    rest = entry[2] - _cpu_used(entry[1])
+                    if rest <= 0:
+                        entry[3] = True
                         _raise_in(entry[0], TimeLimit)
-                waiting = [e[1] for e in self.armed.values() if not e[2]]
-                self.cond.wait(timeout=max(min(waiting) - now, 0.001) if waiting else None)
+                    else:
+                        left.append(rest)
+                # A thread's CPU clock runs no faster than the wall clock: nothing is due
+                # before the least CPU time left has passed.
+                self.cond.wait(timeout=max(min(left), MIN_WAIT) if left else None)
 
 
 _watchdog = _Watchdog()
@@ -81,8 +110,8 @@ _watchdog = _Watchdog()
 
 @contextmanager
 def time_limit(seconds: float) -> Iterator[None]:
-    """Run the block with a time limit: `TimeLimit(seconds)` is raised inside it once it
-    has run `seconds` (0 or less: no limit). Not nestable within one thread."""
+    """Run the block with a time limit: `TimeLimit(seconds)` is raised inside it once its
+    thread has used `seconds` of CPU time in it (0 or less: no limit). Not nestable within one thread."""
     if seconds <= 0:
         yield
         return
