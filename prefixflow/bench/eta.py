@@ -31,6 +31,10 @@ from pathlib import Path
 from prefixflow.shared.outcomes import CommandError, Exit
 
 CHECKPOINTS = (0.25, 0.5, 0.75)
+VARIANTS = ("eta_model", "eta_rows", "eta_work", "eta_engine", "eta_scaled")
+"""The ETAs reported: what `status` shows (`JobStatus.eta_seconds`), rows/s alone, and
+each of the model's parts (`prefixflow/shared/eta.py`): the token-work model, the
+engines' step model alone and the rows/s scaled by the step model."""
 
 
 def add_eta_parser(sub) -> None:
@@ -73,6 +77,7 @@ def write_input(path: Path, args: argparse.Namespace, model: str) -> None:
 
 async def follow(url: str, poll: float, proc: subprocess.Popen) -> list[dict]:
     """Every reading of the (only) job's status until it is done or the run ended."""
+    import msgspec
     import nats
 
     from prefixflow.shared.wire import messages as m
@@ -101,8 +106,14 @@ async def follow(url: str, poll: float, proc: subprocess.Popen) -> list[dict]:
                 continue
             now = time.time()
             rows_eta = (st.total - st.rows) / st.rate if st.total and st.rate > 0 else None
+            model, progress = st.eta_model(), st.eta_progress()
             readings.append({"t": now, "rows": st.rows, "total": st.total, "done": st.done,
-                             "eta_model": st.eta_seconds(), "eta_rows": rows_eta, "decode_cost": st.decode_cost})
+                             "eta_model": st.eta_seconds(), "eta_rows": rows_eta, "decode_cost": st.decode_cost,
+                             "eta_work": model.work_eta(progress), "eta_engine": model.engine_eta(progress),
+                             "eta_scaled": model.scaled_eta(progress), "replicas": st.replicas,
+                             "step": None if st.step is None else msgspec.structs.asdict(st.step),
+                             "output_tokens": st.output_tokens, "prompt_tokens": st.prompt_tokens,
+                             "cached_tokens": st.cached_tokens, "rate": st.rate})
             if st.done:
                 break
             await asyncio.sleep(poll)
@@ -122,9 +133,10 @@ def score(readings: list[dict]) -> list[dict]:
         actual = end - r["t"]
         row = {"checkpoint": frac, "rows": r["rows"], "actual_remaining_s": round(actual, 2),
                "decode_cost": r.get("decode_cost")}
-        for k in ("eta_model", "eta_rows"):
-            row[k + "_s"] = None if r[k] is None else round(r[k], 2)
-            row[k + "_error"] = None if r[k] is None or actual <= 0 else round(r[k] / actual - 1, 3)
+        for k in VARIANTS:
+            v = r.get(k)
+            row[k + "_s"] = None if v is None else round(v, 2)
+            row[k + "_error"] = None if v is None or actual <= 0 else round(v / actual - 1, 3)
         out.append(row)
     return out
 

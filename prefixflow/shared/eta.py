@@ -47,9 +47,65 @@ class Progress:
     """Output tokens written per second (the sink's window)."""
 
 
+def rows_per_second(step, uncached: float, output: float, prompt: float) -> float:
+    """One engine's steady rate of rows that each compute `uncached` prompt tokens, hold
+    `prompt` tokens and generate `output` tokens, by its step model (`step`: a
+    `prefixflow.shared.wire.messages.StepModel`). Continuous batching in steady state:
+    each step starts (and ends) r rows, where r is the least of what the step's prompt
+    token budget admits (`batch_tokens` / uncached), what its slots keep running (a row
+    runs `output` steps: `slots` / output) and what its KV cache holds; the step computes
+    r x uncached prompt tokens and generates one token for each of the r x output rows
+    running. Rate = r / the step's time. 0 when the model says nothing."""
+    out = max(float(output), 1.0)
+    limits = [step.slots / out]
+    if uncached > 0 and step.batch_tokens > 0:
+        limits.append(step.batch_tokens / uncached)
+    if step.kv_tokens > 0:
+        limits.append(step.kv_tokens / (max(float(prompt), 0.0) + out) / out)
+    r = min(limits)
+    seconds = step.s0 + step.prompt_s * r * max(float(uncached), 0.0) + step.output_s * r * out
+    return r / seconds if r > 0 and seconds > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class EtaModel:
     decode_cost: float = DEFAULT_DECODE_COST
+    step: object | None = None
+    """The job's engines' step model (`StepModel`; None: none measured)."""
+    replicas: int = 0
+    """How many engines run the job (the step model is one engine's)."""
+
+    def shapes(self, p: Progress) -> tuple[float, float, float, float] | None:
+        """(uncached prompt tokens, prompt tokens, output tokens) of a row written so far,
+        and the output tokens of a row left, on average; None without a plan or a row."""
+        if p.total is None or not p.planned_output_tokens or p.rows <= 0 or p.rows >= p.total:
+            return None
+        left_rows = p.total - p.rows
+        left_output = max(p.planned_output_tokens - p.output_tokens, 0)
+        return (max(p.prompt_tokens - p.cached_tokens, 0) / p.rows, p.prompt_tokens / p.rows, p.output_tokens / p.rows,
+                left_output / left_rows)
+
+    def engine_eta(self, p: Progress) -> float | None:
+        """Rows left / the rate the engines' step model gives rows of the remaining shape."""
+        shape = self.shapes(p)
+        if shape is None or self.step is None or self.replicas <= 0:
+            return None
+        uncached, prompt, _, out_left = shape
+        rate = self.replicas * rows_per_second(self.step, uncached, out_left, prompt)
+        return (p.total - p.rows) / rate if rate > 0 else None
+
+    def scaled_eta(self, p: Progress) -> float | None:
+        """Rows left at the rows/s measured so far, scaled by how much slower the step
+        model says rows of the remaining shape go than rows of the shape written so far."""
+        shape = self.shapes(p)
+        if shape is None or self.step is None or p.rows_rate <= 0:
+            return None
+        uncached, prompt, out_done, out_left = shape
+        before = rows_per_second(self.step, uncached, out_done, prompt)
+        after = rows_per_second(self.step, uncached, out_left, prompt)
+        if before <= 0 or after <= 0:
+            return None
+        return (p.total - p.rows) / p.rows_rate * before / after
 
     def remaining_work(self, p: Progress) -> float | None:
         """Work (prompt-token units) left, or None without a plan or a row written."""
@@ -59,6 +115,11 @@ class EtaModel:
         uncached_per_row = max(p.prompt_tokens - p.cached_tokens, 0) / p.rows
         left_output = max(p.planned_output_tokens - p.output_tokens, 0) if left_rows else 0
         return left_rows * uncached_per_row + self.decode_cost * left_output
+
+    def work_eta(self, p: Progress) -> float | None:
+        """Remaining work / the work rate (the token-work model alone)."""
+        work, rate = self.remaining_work(p), self.rate(p)
+        return work / rate if work is not None and rate > 0 else None
 
     def rate(self, p: Progress) -> float:
         """Work per second written lately."""

@@ -64,8 +64,10 @@ def test_array_like_batches_decode_with_trailing_fields():
         "b", [m.Prompt("j", 1, t, max_tokens=4, src=2, row=5, cost=9, lora="a", admitted_at=12.5)], [7], [1]
     )
     result = ["id", b"", "out", 0, 1, 0, 1, "r0", None, "b", 1.0, 2.0, ["out"], [], [], -1, -1, "", 0, "new"]
-    batch = m.result_batch_decoder.decode(msgspec.msgpack.encode(["j", [result], 1.5, "new"]))
+    step = [0.01, 1e-4, 2e-4, 2048, 256, 65536, "new"]  # a StepModel, and one more
+    batch = m.result_batch_decoder.decode(msgspec.msgpack.encode(["j", [result], 1.5, step, "new"]))
     assert batch.results[0].outputs == ["out"] and batch.decode_cost == 1.5
+    assert batch.step == m.StepModel(0.01, 1e-4, 2e-4, 2048, 256, 65536)
     events = m.CacheEvents("r0", "e1", 4, [(m.CacheOp.STORED, [1, 2])], ts=5.0)
     raw = msgspec.msgpack.encode(["r0", "e1", 4, [[0, [1, 2]]], 5.0, "new"])
     assert m.cache_events_decoder.decode(raw) == events

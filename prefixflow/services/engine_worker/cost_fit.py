@@ -65,3 +65,69 @@ class CostFit:
             return
         self.prompt_seconds, self.output_seconds = a, b
         self.ratio = min(max(b / a, MIN_RATIO), MAX_RATIO)
+
+
+class StepFit:
+    """What one engine step costs: seconds = s0 + a x computed prompt tokens + b x generated
+    tokens, a least-squares fit *with* the fixed cost s0 (`CostFit` shares it between the
+    tokens, right for routing at the load the engine runs at), over samples weighted by
+    recency like `CostFit`. The ETA needs s0 apart (`prefixflow/shared/eta.py`): how fast
+    rows go depends on how many share each step, which changes when a job's outputs
+    grow. `model()` is (s0, a, b) once measured: every coefficient positive or zero
+    (a negative fixed cost is refitted through the origin), a and b not both zero."""
+
+    def __init__(self, tau: float = 30.0, min_steps: int = 20) -> None:
+        self.tau, self.min_steps = tau, min_steps
+        self.steps = self.prefill_steps = 0
+        self.n = self.sp = self.sd = self.st = self.spp = self.spd = self.sdd = self.spt = self.sdt = 0.0
+        self.fitted: tuple[float, float, float] | None = None
+
+    def add(self, seconds: float, computed: int, generated: int) -> None:
+        if not (0 < seconds < 3600) or (computed <= 0 and generated <= 0):
+            return
+        keep = math.exp(-seconds / self.tau)
+        p, d, t = float(computed), float(generated), seconds
+        self.n = keep * self.n + 1.0
+        self.sp, self.sd, self.st = keep * self.sp + p, keep * self.sd + d, keep * self.st + t
+        self.spp, self.spd, self.sdd = keep * self.spp + p * p, keep * self.spd + p * d, keep * self.sdd + d * d
+        self.spt, self.sdt = keep * self.spt + p * t, keep * self.sdt + d * t
+        self.steps += 1
+        self.prefill_steps += computed > 0
+        if self.steps >= self.min_steps and self.prefill_steps >= 2:
+            self.fitted = self.solve() or self.fitted
+
+    def solve(self) -> tuple[float, float, float] | None:
+        # Normal equations of t ~ s0 + a p + b d (weighted sums above).
+        m = [[self.n, self.sp, self.sd], [self.sp, self.spp, self.spd], [self.sd, self.spd, self.sdd]]
+        v = [self.st, self.spt, self.sdt]
+        x = _solve3(m, v)
+        if x is not None and x[0] >= 0 and x[1] >= 0 and x[2] >= 0 and x[1] + x[2] > 0:
+            return x[0], x[1], x[2]
+        # No fixed cost the data can show: through the origin.
+        det = self.spp * self.sdd - self.spd * self.spd
+        if det <= 1e-9 * max(self.spp * self.sdd, 1e-300):
+            return None
+        a = (self.spt * self.sdd - self.sdt * self.spd) / det
+        b = (self.sdt * self.spp - self.spt * self.spd) / det
+        return (0.0, a, b) if a >= 0 and b >= 0 and a + b > 0 else None
+
+    def model(self) -> tuple[float, float, float] | None:
+        return self.fitted
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> tuple[float, float, float] | None:
+    """x with m x = v (Cramer's rule), None when m is (nearly) singular."""
+
+    def det(a: list[list[float]]) -> float:
+        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+
+    d = det(m)
+    scale = m[0][0] * m[1][1] * m[2][2]
+    if scale <= 0 or abs(d) <= 1e-9 * scale:
+        return None
+    out = []
+    for col in range(3):
+        mc = [[v[r] if c == col else m[r][c] for c in range(3)] for r in range(3)]
+        out.append(det(mc) / d)
+    return out[0], out[1], out[2]

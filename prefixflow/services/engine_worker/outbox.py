@@ -37,7 +37,7 @@ log = structlog.get_logger()
 class Outbox:
     def __init__(
         self, js: JetStreamContext, ledger: AckLedger, *, batch: int, linger: float, on_published: Callable[[], None],
-        decode_cost: Callable[[], float] = lambda: 0.0,
+        decode_cost: Callable[[], float] = lambda: 0.0, step: Callable[[], m.StepModel | None] = lambda: None,
     ) -> None:
         self.js, self.ledger = js, ledger
         self.batch, self.linger = batch, linger
@@ -45,6 +45,8 @@ class Outbox:
         """Called after rows are published (completed work frees room at the router)."""
         self.decode_cost = decode_cost
         """The engine's measured cost of an output token now (each batch carries it: the job's ETA)."""
+        self.step = step
+        """The engine's step model now (each batch carries it: the job's ETA)."""
         self.rows: dict[str, list[tuple[m.Result, Lease]]] = defaultdict(list)
 
     async def add(self, job: str, result: m.Result, lease: Lease) -> None:
@@ -60,7 +62,8 @@ class Outbox:
         try:
             limit = message_limit(self.js, subjects.RESULTS_STREAM.max_msg_size)
             cost = round(float(self.decode_cost()), 3)
-            wrap = lambda run: m.ResultBatch(job, run, cost)  # noqa: E731
+            step = self.step()
+            wrap = lambda run: m.ResultBatch(job, run, cost, step)  # noqa: E731
             room = limit - m.envelope_size(wrap)
             results = [await self.by_reference(job, r, room) for r, _ in rows]
             for batch in m.encode_batches(results, wrap, limit, self.batch):

@@ -56,7 +56,7 @@ from prefixflow.services.engine_worker.requests import prompt_sampling
 from prefixflow.services.engine_worker.grouping import GroupPriorities
 from prefixflow.services.engine_worker.outbox import Outbox
 from prefixflow.services.engine_worker.recovery import Recovery
-from prefixflow.services.engine_worker.status import StatusReport
+from prefixflow.services.engine_worker.status import StatusReport, step_model
 from prefixflow.services.engine_worker.rebuild import GAVE_UP_EXIT_CODE, EngineGaveUp, RebuildBudget
 from prefixflow.services.engine_worker.window import Window
 from prefixflow.shared.bus.connection import close, connect
@@ -162,6 +162,7 @@ class EngineWorker(Recovery, StatusReport, Fanout):
         self.outbox = Outbox(
             self.js, self.ledger, batch=self.cfg.result_batch, linger=self.cfg.result_linger, on_published=self.status_due.set,
             decode_cost=lambda: self.engine.snapshot().decode_cost,
+            step=lambda: step_model(self.engine.snapshot(), self.window.limit),
         )
         await self.serve(nc)
         self.ready = True

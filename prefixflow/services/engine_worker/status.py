@@ -22,6 +22,18 @@ STATUS_MIN_GAP = 0.02
 """Seconds between two status messages at least."""
 
 
+def step_model(stats, window: int) -> m.StepModel | None:
+    """The engine's step model for the ETA (`m.StepModel`) from its stats, its slots the
+    least of vLLM's `max_num_seqs` and the worker's window; None until measured."""
+    if stats.step is None:
+        return None
+    slots = min((x for x in (stats.max_seqs, window) if x > 0), default=0)
+    s0, prompt_s, output_s = stats.step
+    model = m.StepModel(round(s0, 6), round(prompt_s, 9), round(output_s, 9), stats.batch_tokens, slots,
+                        stats.kv_blocks * stats.block_size)
+    return model if model.valid() else None
+
+
 class StatusReport:
     """Status and window sizing; `self` is the `EngineWorker`."""
 

@@ -29,10 +29,13 @@ class Progress:
         self.seen: dict[str, deque[tuple[float, int, int, int]]] = {}
         self.costs: dict[str, dict[str, float]] = {}
         """Open jobs -> replica -> the output token cost its last result batch carried."""
+        self.steps: dict[str, dict[str, m.StepModel]] = {}
+        """Open jobs -> replica -> the step model its last result batch carried."""
 
     def forget(self, job: str) -> None:
         self.seen.pop(job, None)
         self.costs.pop(job, None)
+        self.steps.pop(job, None)
 
     def note_cost(self, job: str, replica: str, cost: float) -> None:
         """A result batch of `job` from `replica` says an output token costs its engine
@@ -42,6 +45,25 @@ class Progress:
         costs = self.costs.setdefault(job, {})
         if replica in costs or len(costs) < MAX_REPLICAS:
             costs[replica] = float(cost)
+
+    def note_step(self, job: str, replica: str, step: m.StepModel) -> None:
+        """A result batch of `job` from `replica` carries its engine's step model (checked:
+        a message is not trusted; bounded like the costs)."""
+        if not step.valid():
+            return
+        steps = self.steps.setdefault(job, {})
+        if replica in steps or len(steps) < MAX_REPLICAS:
+            steps[replica] = step
+
+    def step(self, job: str) -> tuple[m.StepModel | None, int]:
+        """The mean of the job's replicas' last step models, and how many there are."""
+        steps = list(self.steps.get(job, {}).values())
+        if not steps:
+            return None, 0
+        n = len(steps)
+        mean = lambda f: sum(getattr(x, f) for x in steps) / n  # noqa: E731
+        return m.StepModel(mean("s0"), mean("prompt_s"), mean("output_s"), round(mean("batch_tokens")),
+                           max(round(mean("slots")), 1), round(mean("kv_tokens"))), n
 
     def decode_cost(self, job: str) -> float:
         """The mean over the job's replicas of their last measured cost (0: none measured)."""
@@ -54,12 +76,13 @@ class Progress:
         done = summary is not None
         prompt, cached, output = out.tokens
         rates = (0.0, 0.0, 0.0) if done else self.rates(job, out.rows, prompt - cached, output)
+        step, replicas = (None, 0) if done else self.step(job)
         return m.JobStatus(
             job, out.rows, out.errors, spec.total, done, now, lifecycle.status_summary(summary),
             created_at=spec.created_at, rate=rates[0], uncached_rate=rates[1], output_rate=rates[2],
             planned_output_tokens=spec.planned_output_tokens, decode_cost=self.decode_cost(job),
             prompt_tokens=prompt, cached_tokens=cached, output_tokens=output, expires_at=now + job_retention(),
-            duplicates=out.duplicates,
+            duplicates=out.duplicates, step=step, replicas=replicas,
             cancelled=done and bool(spec.ended_at(now)) and (spec.total is None or out.rows < spec.total),
         )
 

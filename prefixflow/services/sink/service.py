@@ -305,6 +305,8 @@ class Sink:
             results = [m.error_result(r.id, why, replica=r.replica, src=r.src, row=r.row) for r in results]
         if batch.decode_cost > 0 and results:  # what an output token costs the engine that wrote these (the ETA)
             self.progress.note_cost(batch.job, results[0].replica, batch.decode_cost)
+        if batch.step is not None and results:  # how fast that engine goes (the ETA's engine model)
+            self.progress.note_step(batch.job, results[0].replica, batch.step)
         reached = msg.metadata.timestamp.timestamp()  # the finish time of rows that have none
         added = sum(out.add(r, reached) for r in results)
         self.pending_rows += added

@@ -233,6 +233,30 @@ class JobLookup(msgspec.Struct):
     a job that exists but cannot run is marked failed instead)."""
 
 
+class StepModel(msgspec.Struct, array_like=True, gc=False):
+    """How fast an engine goes, measured from its steps (`prefixflow/services/engine_worker/cost_fit.py`,
+    `StepFit`) and its limits: a step takes `s0` + `prompt_s` x prompt tokens it computes +
+    `output_s` x tokens it generates (one per running request); a step computes at most
+    `batch_tokens` prompt tokens (vLLM's `max_num_batched_tokens`), runs at most `slots`
+    requests (vLLM's `max_num_seqs`, at most the worker's window) and holds at most
+    `kv_tokens` tokens in its KV cache (0: not known). The ETA's engine model
+    (`prefixflow/shared/eta.py`)."""
+
+    s0: float = 0.0
+    prompt_s: float = 0.0
+    output_s: float = 0.0
+    batch_tokens: int = 0
+    slots: int = 0
+    kv_tokens: int = 0
+
+    def valid(self) -> bool:
+        """Every number finite, non-negative and within what an engine can report (a
+        message is not trusted), a step costing something, and some slots."""
+        times = (self.s0, self.prompt_s, self.output_s)
+        return (all(isinstance(x, float | int) and 0 <= x < 60 for x in times) and self.prompt_s + self.output_s > 0
+                and 0 < self.slots <= 1 << 20 and 0 <= self.batch_tokens <= 1 << 30 and 0 <= self.kv_tokens <= 1 << 40)
+
+
 class JobStatus(msgspec.Struct, omit_defaults=True):
     """Progress of a job as the sink sees it (rows durably written to Parquet)."""
 
@@ -284,6 +308,12 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
     """What an output token of this job costs its engines in uncached prompt tokens: the
     mean over the replicas that wrote its rows of what each measured last
     (`ResultBatch.decode_cost`; 0: none measured). The ETA weighs output tokens by it."""
+    step: StepModel | None = None
+    """How fast the job's engines go (the mean over the replicas that wrote its rows of
+    what each reported last, `ResultBatch.step`; None: no engine measured it, e.g. echo).
+    The ETA's engine model."""
+    replicas: int = 0
+    """Replicas whose `step` the mean is over."""
 
     @property
     def hit_rate(self) -> float:
@@ -298,9 +328,15 @@ class JobStatus(msgspec.Struct, omit_defaults=True):
         None while the total is unknown (not sealed) or nothing is being written; 0 once done."""
         if self.done:
             return 0.0
-        progress = EtaProgress(self.rows, self.total, self.prompt_tokens, self.cached_tokens, self.output_tokens,
-                            self.planned_output_tokens, self.rate, self.uncached_rate, self.output_rate)
-        return EtaModel(decode_cost or self.decode_cost or DEFAULT_DECODE_COST).eta_seconds(progress)
+        progress = self.eta_progress()
+        return self.eta_model(decode_cost).eta_seconds(progress)
+
+    def eta_progress(self) -> EtaProgress:
+        return EtaProgress(self.rows, self.total, self.prompt_tokens, self.cached_tokens, self.output_tokens,
+                           self.planned_output_tokens, self.rate, self.uncached_rate, self.output_rate)
+
+    def eta_model(self, decode_cost: float | None = None) -> EtaModel:
+        return EtaModel(decode_cost or self.decode_cost or DEFAULT_DECODE_COST, self.step, self.replicas)
 
 
 # --- data plane (msgpack) ------------------------------------------------------------
@@ -499,6 +535,9 @@ class ResultBatch(msgspec.Struct, array_like=True, gc=False):
     (`EngineStats.decode_cost`; 0: not measured, or not from an engine). The sink puts
     the job's into its status, for the ETA. (Trailing and optional: a peer one version
     apart decodes the batch either way.)"""
+    step: StepModel | None = None
+    """How fast the producing engine goes (`StepModel`; None: not measured, or not from an
+    engine). The sink puts the job's into its status, for the ETA. (Trailing, optional.)"""
 
 
 OLDEST_IDS = 5

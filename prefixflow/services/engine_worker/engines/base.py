@@ -75,6 +75,13 @@ class EngineStats:
     decode_cost: float = 0.0
     """An output token's cost in uncached prompt tokens, measured (`cost_fit.CostFit`; 0:
     not measured, e.g. an engine without steps)."""
+    step: tuple[float, float, float] | None = None
+    """A step's (fixed seconds, seconds per computed prompt token, seconds per generated
+    token), measured (`cost_fit.StepFit`; None: not measured, e.g. an engine without steps)."""
+    batch_tokens: int = 0
+    """Prompt tokens one step computes at most (vLLM's `max_num_batched_tokens`; 0: unknown)."""
+    max_seqs: int = 0
+    """Requests the engine runs at once at most (vLLM's `max_num_seqs`; 0: unknown)."""
 
 
 def request_seed(sampling: SamplingSpec, prompt_id: PromptId) -> int | None:

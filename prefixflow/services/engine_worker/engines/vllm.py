@@ -8,7 +8,7 @@ import time
 
 import structlog
 
-from prefixflow.services.engine_worker.cost_fit import CostFit
+from prefixflow.services.engine_worker.cost_fit import CostFit, StepFit
 from prefixflow.services.engine_worker.engines.base import Completion, EngineDead, EngineStats, RequestFailed, request_seed
 from prefixflow.services.engine_worker.engine_args import build as build_engine_args, explicit
 from prefixflow.services.engine_worker.lora import lora_args, lora_requests, split_lora_modules, unknown_adapter, zero_adapter
@@ -89,7 +89,7 @@ class VllmEngine:
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         stats = self.stats
-        fit = CostFit()
+        fit, step_fit = CostFit(), StepFit()
 
         class StatusLogger(StatLoggerBase):
             """Keeps the latest scheduler stats for the worker's status messages, and
@@ -111,6 +111,9 @@ class VllmEngine:
                         fit.add(ts - self.last, iteration_stats.prompt_token_stats.computed,
                                 iteration_stats.num_generation_tokens)
                         stats.decode_cost = fit.ratio
+                        step_fit.add(ts - self.last, iteration_stats.prompt_token_stats.computed,
+                                     iteration_stats.num_generation_tokens)
+                        stats.step = step_fit.model()
                     self.last = ts
                 if scheduler_stats is not None:
                     stats.running = scheduler_stats.num_running_reqs
@@ -138,7 +141,11 @@ class VllmEngine:
         cache = self.llm.vllm_config.cache_config
         self.stats.kv_blocks = cache.num_gpu_blocks or self.stats.kv_blocks
         self.stats.block_size = cache.block_size
-        log.info("vllm engine started", kv_blocks=self.stats.kv_blocks, block_size=self.stats.block_size)
+        sched = self.llm.vllm_config.scheduler_config
+        self.stats.batch_tokens = int(sched.max_num_batched_tokens or 0)
+        self.stats.max_seqs = int(sched.max_num_seqs or 0)
+        log.info("vllm engine started", kv_blocks=self.stats.kv_blocks, block_size=self.stats.block_size,
+                 dtype=str(self.llm.vllm_config.model_config.dtype).removeprefix("torch."))
 
     def engine_args(self):
         """The `AsyncEngineArgs` the engine is built from."""
