@@ -150,3 +150,12 @@ def test_a_capped_kv_cache_lets_vllm_fit_the_context(tiny_model):
     assert engine().max_model_len is None, "an uncapped cache: the model's own, as before"
     assert engine("--kv-cache-blocks", "30", "--max-model-len", "2048").max_model_len == 2048
     assert engine("--kv-cache-blocks", "30").create_engine_config().model_config.max_model_len == 4096
+
+
+def test_an_explicit_dtype_wins_over_the_cpu_default():
+    """float32 is the default on a CPU without native 16-bit floats; `--dtype` wins."""
+    from prefixflow.services.engine_worker.engine_args import build, placement_defaults
+
+    avx2 = frozenset({"avx", "avx2", "fma"})
+    assert build({"model": "m", **placement_defaults(0, flags=avx2)}, ["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert build({"model": "m", **placement_defaults(0, flags=avx2)}, []).dtype == "float32"
