@@ -127,3 +127,17 @@ def test_a_result_batch_carries_the_step_model_and_decodes_without_it():
     assert m.result_batch_decoder.decode(msgspec.msgpack.encode(OldResultBatch("j", []))).step is None
     status = m.JobStatus("j", step=step(), replicas=2)
     assert m.job_status_decoder.decode(m.encode_json(status)).step == step()
+
+
+def test_the_status_eta_is_the_engine_models_where_the_engines_report_one():
+    base = dict(rows=500, total=2000, prompt_tokens=256 * 500, cached_tokens=64 * 500, output_tokens=500 * 16,
+                planned_output_tokens=1000 * 16 + 1000 * 64, rate=50.0, uncached_rate=192 * 50.0, output_rate=800.0,
+                decode_cost=10.0)
+    with_step = m.JobStatus("j", step=step(), replicas=2, **base)
+    without = m.JobStatus("j", **base)
+    p = with_step.eta_progress()
+    assert with_step.eta_seconds() == pytest.approx(EtaModel(10.0, step(), 2).engine_eta(p))
+    assert without.eta_seconds() == pytest.approx(EtaModel(10.0).work_eta(p))  # echo: the token-work model
+    assert m.JobStatus("j", step=step(), replicas=4, **base).eta_seconds() == pytest.approx(with_step.eta_seconds() / 2)
+    done = m.JobStatus("j", step=step(), replicas=2, **{**base, "rows": 2000})
+    assert done.eta_seconds() == 0.0
