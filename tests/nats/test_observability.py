@@ -229,9 +229,14 @@ def test_top_in_a_terminal_shows_replicas_and_progress_with_eta(cluster, tmp_pat
         print("\n" + screen)
         assert re.search(r"^\s*r0\s+live\s", screen, re.M) and re.search(r"^\s*r1\s+live\s", screen, re.M), screen
         assert re.search(r"^\s*node0\s+live\s+\d", screen, re.M), screen
-        time.sleep(1.5)
+        # `top` redraws every 0.5 s, later on a loaded machine (it once showed the job
+        # 1.5 s stale): its screen comes to show the job done.
+        deadline = time.monotonic() + 30
         look()
-        assert re.search(r"top-job\s.*2,400/2,400.*done", screens[-1]), screens[-1]
+        while not re.search(r"top-job\s.*2,400/2,400.*done", screens[-1]):
+            assert time.monotonic() < deadline, screens[-1]
+            time.sleep(0.3)
+            look()
     finally:
         tmux("kill-session", "-t", session)
 
