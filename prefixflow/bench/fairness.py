@@ -12,6 +12,14 @@ subprocess), rounds interleaved, medians reported:
 2. **weights**: two jobs of the same shape submitted together with priorities 1 and
    `--weight`. Reported: rows each wrote while both ran (until the first finished) and
    the high-priority job's rate over the other's (target: the weight within 20 %).
+3. **publishing** (`--publishing`): the large job submitted and, `--lag` seconds later
+   while it is still being published (not sealed: checked and reported), the small job.
+   Reported: the small job's time over its time alone (target <= 2x) and the share of
+   the large job left then (target: more than half).
+4. **many** (`--many N`): N jobs of `--many-rows` prompts created at once (through the
+   Python API, `prefixflow.Client.submit`, whose rows go out in the background), then the
+   small job. Reported: its time over its time alone (target <= 2x) and how many of the
+   N were unfinished when it finished (target: at least 90 %).
 """
 
 from __future__ import annotations
@@ -120,6 +128,54 @@ async def small_beside_large(url: str, small: Path, large: Path, out: Path, tag:
             "beside_phases": phases(out / f"beside-{tag}", t_beside["submitted"], t_beside["exited"])}
 
 
+async def small_while_publishing(url: str, small: Path, large: Path, out: Path, tag: str, max_tokens: int,
+                                 lag: float, n_large: int) -> dict[str, Any]:
+    """Scenario 3; the small job's times alone and while the large one is still published."""
+    from prefixflow.client.submit import Submitter
+
+    alone = await submit(url, small, out / f"alone-p-{tag}", f"alone-p-{tag}", max_tokens)
+    big_job = f"large-p-{tag}"
+    big = asyncio.create_task(submit(url, large, out / big_job, big_job, max_tokens))
+    await asyncio.sleep(lag)
+    async with Submitter(url) as client:
+        st = await client.status(big_job)
+        sealed = st is not None and st.total is not None
+        if big.done():
+            big.result()
+            raise RuntimeError("the large job ended before the small one started: make it larger")
+        beside = await submit(url, small, out / f"publishing-{tag}", f"publishing-{tag}", max_tokens)
+        st = await client.status(big_job)
+        left = 1 - (st.rows if st else 0) / n_large
+    large_s = await big
+    return {"small_alone_s": round(alone, 2), "small_beside_s": round(beside, 2), "ratio": round(beside / alone, 2),
+            "large_sealed_at_small_start": sealed, "large_left_at_small_done": round(left, 3),
+            "large_s": round(large_s, 1)}
+
+
+async def small_beside_many(url: str, small: Path, many: Path, out: Path, tag: str, max_tokens: int,
+                            jobs: int) -> dict[str, Any]:
+    """Scenario 4; the small job's times alone and beside `jobs` jobs created just before."""
+    import prefixflow
+
+    alone = await submit(url, small, out / f"alone-m-{tag}", f"alone-m-{tag}", max_tokens)
+    client = prefixflow.Client(url)
+    try:
+        t0 = time.monotonic()
+        handles = [await client.submit_async(many, out=out / f"many-{tag}-{i}", job=f"many-{tag}-{i}",
+                                             max_tokens=max_tokens) for i in range(jobs)]
+        created_s = time.monotonic() - t0
+        beside = await submit(url, small, out / f"many-small-{tag}", f"many-small-{tag}", max_tokens)
+        unfinished = sum(not h.done() for h in handles)
+        t1 = time.monotonic()
+        await asyncio.gather(*(h.wait_async() for h in handles))
+        many_s = time.monotonic() - t1
+    finally:
+        client.close()
+    return {"small_alone_s": round(alone, 2), "small_beside_s": round(beside, 2), "ratio": round(beside / alone, 2),
+            "jobs": jobs, "created_s": round(created_s, 1), "unfinished_at_small_done": unfinished,
+            "many_rest_s": round(many_s, 1)}
+
+
 async def weighted(url: str, a: Path, b: Path, out: Path, tag: str, max_tokens: int, weight: int, n: int) -> dict[str, Any]:
     """Scenario 2: jobs `a` (priority 1) and `b` (priority `weight`) together."""
     from prefixflow.client.submit import Submitter
@@ -178,16 +234,30 @@ def cmd_fairness(args: argparse.Namespace) -> None:
                            workdir=work / f"cluster-{int(time.time())}",
                            env={"PFX_MODEL": model, "PFX_LOG_LEVEL": "warning", "PFX_OUT_ROOT": str(work)})
     cluster.start()
+    many = dataset(data / f"many-{args.many_rows}.parquet", n=args.many_rows, seed=5, **shape) if args.many else None
     beside: list[dict[str, Any]] = []
     weights: list[dict[str, Any]] = []
+    publishing: list[dict[str, Any]] = []
+    crowd: list[dict[str, Any]] = []
     try:
         asyncio.run(cluster.wait_ready([f"r{i}" for i in range(args.replicas)], timeout=600))
         for k in range(args.rounds):
             # Interleaved: each round runs both scenarios, alternating which goes first.
             tag = f"{k}-{int(time.time())}"
-            scenarios = ["beside", "weights"] if k % 2 == 0 else ["weights", "beside"]
+            scenarios = [x for x in ("beside", "weights", "publishing", "many") if args.only is None or x in args.only]
+            scenarios = scenarios if k % 2 == 0 else scenarios[::-1]
             for s in scenarios:
-                if s == "beside":
+                if s == "publishing":
+                    r = asyncio.run(small_while_publishing(cluster.url, small, large, work / "out", tag, args.max_tokens,
+                                                           args.lag, args.large))
+                    publishing.append(r)
+                elif s == "many":
+                    if many is None:
+                        continue
+                    r = asyncio.run(small_beside_many(cluster.url, small, many, work / "out", tag, args.max_tokens,
+                                                      args.many))
+                    crowd.append(r)
+                elif s == "beside":
                     r = asyncio.run(small_beside_large(cluster.url, small, large, work / "out", tag, args.max_tokens,
                                                        args.head, args.large))
                     beside.append(r)
@@ -210,11 +280,27 @@ def cmd_fairness(args: argparse.Namespace) -> None:
         },
         "beside": beside, "weights": weights,
     }
+    if publishing:
+        report["median"] |= {"publishing_ratio": summarize(publishing, "ratio"),
+                             "publishing_large_left": summarize(publishing, "large_left_at_small_done")}
+        report["publishing"] = publishing
+    if crowd:
+        report["median"] |= {"many_ratio": summarize(crowd, "ratio"),
+                             "many_unfinished": summarize(crowd, "unfinished_at_small_done")}
+        report["many"] = crowd
     med = report["median"]
-    print(f"small job alone {med['small_alone_s']} s, beside the large job {med['small_beside_s']} s "
-          f"({med['ratio']}x; target <= 2x); {med['large_left_at_small_done']:.0%} of the large job left then")
-    print(f"priority {args.weight} vs 1: rate ratio {med['rate_ratio']} (target {args.weight} +- 20 %), "
-          f"share {med['share_hi']} (want {args.weight / (1 + args.weight):.3f})")
+    if beside:
+        print(f"small job alone {med['small_alone_s']} s, beside the large job {med['small_beside_s']} s "
+              f"({med['ratio']}x; target <= 2x); {med['large_left_at_small_done']:.0%} of the large job left then")
+    if weights:
+        print(f"priority {args.weight} vs 1: rate ratio {med['rate_ratio']} (target {args.weight} +- 20 %), "
+              f"share {med['share_hi']} (want {args.weight / (1 + args.weight):.3f})")
+    if publishing:
+        print(f"small job while the large one is still published: {med['publishing_ratio']}x its time alone "
+              f"(target <= 2x); {med['publishing_large_left']:.0%} of the large job left then")
+    if crowd:
+        print(f"small job beside {args.many} jobs: {med['many_ratio']}x its time alone (target <= 2x); "
+              f"{med['many_unfinished']} of them unfinished then (target >= {int(0.9 * args.many)})")
     from prefixflow.bench.common import machine_info, write_report
 
     report["machine"] = machine_info()
@@ -237,6 +323,12 @@ def add_fairness_parser(sub) -> None:
     p.add_argument("--echo-delay", type=float, default=0.02, help="echo engine: seconds per prompt")
     p.add_argument("--window", type=int, default=8, help="echo engine: prompts in flight per replica")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--publishing", dest="lag", type=float, default=3.0,
+                   help="scenario 3: seconds after the large job's submit that the small one starts")
+    p.add_argument("--many", type=int, default=100, help="scenario 4: jobs created before the small one (0: skip)")
+    p.add_argument("--many-rows", type=int, default=200, help="scenario 4: prompts of each of those jobs")
+    p.add_argument("--only", nargs="+", choices=("beside", "weights", "publishing", "many"),
+                   help="run only these scenarios (default: all)")
     p.add_argument("--model", default=cfgmod.DEFAULT_MODEL)
     p.add_argument("--work-dir", default=".prefixflow/bench-fairness")
     p.add_argument("--json", help="write the runs and medians here")

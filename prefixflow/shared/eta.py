@@ -59,6 +59,19 @@ class Progress:
     """Output tokens written per second (the sink's window)."""
 
 
+def steady_step(step, uncached: float, output: float, prompt: float) -> tuple[float, float]:
+    """(rows a step starts, seconds a step takes) of one engine in steady state on rows of
+    this shape (`rows_per_second`)."""
+    out = max(float(output), 1.0)
+    limits = [step.slots / out]
+    if uncached > 0 and step.batch_tokens > 0:
+        limits.append(step.batch_tokens / uncached)
+    if step.kv_tokens > 0:
+        limits.append(step.kv_tokens / (max(float(prompt), 0.0) + out) / out)
+    r = min(limits)
+    return r, step.s0 + step.prompt_s * r * max(float(uncached), 0.0) + step.output_s * r * out
+
+
 def rows_per_second(step, uncached: float, output: float, prompt: float) -> float:
     """One engine's steady rate of rows that each compute `uncached` prompt tokens, hold
     `prompt` tokens and generate `output` tokens, by its step model (`step`: a
@@ -68,15 +81,23 @@ def rows_per_second(step, uncached: float, output: float, prompt: float) -> floa
     runs `output` steps: `slots` / output) and what its KV cache holds; the step computes
     r x uncached prompt tokens and generates one token for each of the r x output rows
     running. Rate = r / the step's time. 0 when the model says nothing."""
-    out = max(float(output), 1.0)
-    limits = [step.slots / out]
-    if uncached > 0 and step.batch_tokens > 0:
-        limits.append(step.batch_tokens / uncached)
-    if step.kv_tokens > 0:
-        limits.append(step.kv_tokens / (max(float(prompt), 0.0) + out) / out)
-    r = min(limits)
-    seconds = step.s0 + step.prompt_s * r * max(float(uncached), 0.0) + step.output_s * r * out
+    r, seconds = steady_step(step, uncached, output, prompt)
     return r / seconds if r > 0 and seconds > 0 else 0.0
+
+
+def drain_seconds(step, replicas: int, rows: float, uncached: float, output: float, prompt: float) -> float | None:
+    """Seconds until `rows` rows of this shape are done on `replicas` engines in steady
+    state: the rows beyond those the engines hold (each runs r x output at once) start at
+    r a step; the last ones held then finish over `output` more steps, each without
+    prefill and with on average half the requests running (the drain: a step there is far
+    cheaper than in steady state). None when the model says nothing."""
+    r, t = steady_step(step, uncached, output, prompt)
+    if r <= 0 or t <= 0 or replicas <= 0:
+        return None
+    out = max(float(output), 1.0)
+    running = r * out
+    queued = max(rows - replicas * running, 0.0)
+    return queued / (replicas * r) * t + out * (step.s0 + step.output_s * running / 2)
 
 
 @dataclass(frozen=True)
@@ -103,8 +124,7 @@ class EtaModel:
         if shape is None or self.step is None or self.replicas <= 0:
             return None
         uncached, prompt, _, out_left = shape
-        rate = self.replicas * rows_per_second(self.step, uncached, out_left, prompt)
-        return (p.total - p.rows) / rate if rate > 0 else None
+        return drain_seconds(self.step, self.replicas, p.total - p.rows, uncached, out_left, prompt)
 
     def scaled_eta(self, p: Progress) -> float | None:
         """Rows left at the rows/s measured so far, scaled by how much slower the step

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefixflow.services.engine_worker.cost_fit import StepFit
-from prefixflow.shared.eta import EtaModel, Progress, rows_per_second
+from prefixflow.shared.eta import EtaModel, Progress, drain_seconds, rows_per_second, steady_step
 from prefixflow.shared.wire import messages as m
 
 pytestmark = pytest.mark.unit
@@ -88,8 +88,11 @@ def test_a_second_half_that_fills_the_slots_is_predicted_slower_by_the_step_mode
     model = EtaModel(10.0, step(s0=0.01, prompt_s=1e-5, output_s=1e-4), replicas=2)
     p = progress(500, 500 * 16, 1000 * 16 + 1000 * 64)
     left_out = (1000 * 16 + 1000 * 64 - 500 * 16) / 1500
-    want = 1500 / (2 * rows_per_second(model.step, 192, left_out, 256))
-    assert model.engine_eta(p) == pytest.approx(want)
+    assert model.engine_eta(p) == pytest.approx(drain_seconds(model.step, 2, 1500, 192, left_out, 256))
+    # Slower than the first half's rate says, faster than steady state to the last row
+    # (the drain's steps have no prefill and fewer requests running).
+    assert 1500 / (2 * rows_per_second(model.step, 192, 16, 256)) < model.engine_eta(p)
+    assert model.engine_eta(p) < 1500 / (2 * rows_per_second(model.step, 192, left_out, 256))
     scaled = model.scaled_eta(p)
     assert scaled > 1500 / 50.0  # slower than rows/s says
     assert scaled == pytest.approx(1500 / 50.0 * rows_per_second(model.step, 192, 16, 256)
@@ -138,6 +141,21 @@ def test_the_status_eta_is_the_engine_models_where_the_engines_report_one():
     p = with_step.eta_progress()
     assert with_step.eta_seconds() == pytest.approx(EtaModel(10.0, step(), 2).engine_eta(p))
     assert without.eta_seconds() == pytest.approx(EtaModel(10.0).work_eta(p))  # echo: the token-work model
-    assert m.JobStatus("j", step=step(), replicas=4, **base).eta_seconds() == pytest.approx(with_step.eta_seconds() / 2)
+    assert m.JobStatus("j", step=step(), replicas=4, **base).eta_seconds() < with_step.eta_seconds()
     done = m.JobStatus("j", step=step(), replicas=2, **{**base, "rows": 2000})
     assert done.eta_seconds() == 0.0
+
+
+@given(rows=st.floats(0, 10**6), more=st.floats(1, 100), uncached=st.floats(0, 4000), out=st.floats(1, 2000),
+       s0=st.floats(0, 0.1), slots=st.integers(1, 1024), replicas=st.integers(1, 64))
+def test_the_drain_grows_with_the_rows_and_ends_at_the_steady_rate(rows, more, uncached, out, s0, slots, replicas):
+    model = step(s0=s0, slots=slots)
+    t = drain_seconds(model, replicas, rows, uncached, out, uncached)
+    assert t is not None and t > 0 and math.isfinite(t)
+    assert drain_seconds(model, replicas, rows * more + 1, uncached, out, uncached) >= t * (1 - 1e-9)
+    # Past what the engines hold, each further row costs what the steady rate says.
+    r, _ = steady_step(model, uncached, out, uncached)
+    big = replicas * r * max(out, 1.0) + rows + 1
+    extra = drain_seconds(model, replicas, big + 1000, uncached, out, uncached) - drain_seconds(
+        model, replicas, big, uncached, out, uncached)
+    assert extra == pytest.approx(1000 / (replicas * rows_per_second(model, uncached, out, uncached)), rel=1e-6)

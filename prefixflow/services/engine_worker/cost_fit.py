@@ -73,13 +73,14 @@ class StepFit:
     tokens, right for routing at the load the engine runs at), over samples weighted by
     recency like `CostFit`. The ETA needs s0 apart (`prefixflow/shared/eta.py`): how fast
     rows go depends on how many share each step, which changes when a job's outputs
-    grow. `model()` is (s0, a, b) once measured: every coefficient positive or zero
-    (a negative fixed cost is refitted through the origin), a and b not both zero."""
+    grow. `model()` is (s0, a, b) once measured: no coefficient negative (where the free
+    fit makes one negative, the best fit with it held at 0), a and b not both zero."""
 
     def __init__(self, tau: float = 30.0, min_steps: int = 20) -> None:
         self.tau, self.min_steps = tau, min_steps
         self.steps = self.prefill_steps = 0
-        self.n = self.sp = self.sd = self.st = self.spp = self.spd = self.sdd = self.spt = self.sdt = 0.0
+        # Weighted sums of 1, p, d, t and their products (the normal equations).
+        self.n = self.sp = self.sd = self.st = self.spp = self.spd = self.sdd = self.spt = self.sdt = self.stt = 0.0
         self.fitted: tuple[float, float, float] | None = None
 
     def add(self, seconds: float, computed: int, generated: int) -> None:
@@ -90,44 +91,52 @@ class StepFit:
         self.n = keep * self.n + 1.0
         self.sp, self.sd, self.st = keep * self.sp + p, keep * self.sd + d, keep * self.st + t
         self.spp, self.spd, self.sdd = keep * self.spp + p * p, keep * self.spd + p * d, keep * self.sdd + d * d
-        self.spt, self.sdt = keep * self.spt + p * t, keep * self.sdt + d * t
+        self.spt, self.sdt, self.stt = keep * self.spt + p * t, keep * self.sdt + d * t, keep * self.stt + t * t
         self.steps += 1
         self.prefill_steps += computed > 0
         if self.steps >= self.min_steps and self.prefill_steps >= 2:
             self.fitted = self.solve() or self.fitted
 
     def solve(self) -> tuple[float, float, float] | None:
-        # Normal equations of t ~ s0 + a p + b d (weighted sums above).
+        """The non-negative fit of least weighted squared error: the free fit, else the
+        best with one or two coefficients held at 0."""
         m = [[self.n, self.sp, self.sd], [self.sp, self.spp, self.spd], [self.sd, self.spd, self.sdd]]
         v = [self.st, self.spt, self.sdt]
-        x = _solve3(m, v)
-        if x is not None and x[0] >= 0 and x[1] >= 0 and x[2] >= 0 and x[1] + x[2] > 0:
-            return x[0], x[1], x[2]
-        # No fixed cost the data can show: through the origin.
-        det = self.spp * self.sdd - self.spd * self.spd
-        if det <= 1e-9 * max(self.spp * self.sdd, 1e-300):
-            return None
-        a = (self.spt * self.sdd - self.sdt * self.spd) / det
-        b = (self.sdt * self.spp - self.spt * self.spd) / det
-        return (0.0, a, b) if a >= 0 and b >= 0 and a + b > 0 else None
+        best, best_err = None, math.inf
+        for free in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (1,), (2,)):
+            sub = _solve([[m[i][j] for j in free] for i in free], [v[i] for i in free])
+            if sub is None or any(x < 0 for x in sub):
+                continue
+            x = [0.0, 0.0, 0.0]
+            for i, xi in zip(free, sub, strict=True):
+                x[i] = xi
+            if x[1] + x[2] <= 0:
+                continue
+            err = self.stt - 2 * sum(x[i] * v[i] for i in range(3)) + sum(
+                x[i] * m[i][j] * x[j] for i in range(3) for j in range(3))
+            if err < best_err - 1e-15:
+                best, best_err = (x[0], x[1], x[2]), err
+        return best
 
     def model(self) -> tuple[float, float, float] | None:
         return self.fitted
 
 
-def _solve3(m: list[list[float]], v: list[float]) -> tuple[float, float, float] | None:
-    """x with m x = v (Cramer's rule), None when m is (nearly) singular."""
+def _det(a: list[list[float]]) -> float:
+    if len(a) == 1:
+        return a[0][0]
+    if len(a) == 2:
+        return a[0][0] * a[1][1] - a[0][1] * a[1][0]
+    return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+            + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
 
-    def det(a: list[list[float]]) -> float:
-        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
-                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
 
-    d = det(m)
-    scale = m[0][0] * m[1][1] * m[2][2]
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """x with m x = v for a symmetric m of size 1-3 (Cramer's rule), None when m is
+    (nearly) singular."""
+    d = _det(m)
+    scale = math.prod(m[i][i] for i in range(len(m)))
     if scale <= 0 or abs(d) <= 1e-9 * scale:
         return None
-    out = []
-    for col in range(3):
-        mc = [[v[r] if c == col else m[r][c] for c in range(3)] for r in range(3)]
-        out.append(det(mc) / d)
-    return out[0], out[1], out[2]
+    return [_det([[v[r] if c == col else m[r][c] for c in range(len(m))] for r in range(len(m))]) / d
+            for col in range(len(m))]
