@@ -96,7 +96,12 @@ async def follow(url: str, poll: float, proc: subprocess.Popen) -> list[dict]:
             await asyncio.sleep(poll)
     readings: list[dict] = []
     try:
-        kv = await nc.jetstream().key_value(subjects.JOB_STATUS_KV)
+        kv = None
+        while kv is None and proc.poll() is None:  # the cluster makes its buckets as it starts
+            try:
+                kv = await nc.jetstream().key_value(subjects.JOB_STATUS_KV)
+            except Exception:  # noqa: BLE001 - a harness: not made yet
+                await asyncio.sleep(poll)
         while proc.poll() is None:
             try:
                 keys = await kv.keys()

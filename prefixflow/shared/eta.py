@@ -27,7 +27,8 @@ tokens are limited by the step's prompt budget with half the slots empty, rows o
 the slots, and a token's share of a step changes with the mix (on vLLM the work model
 said +84 % at 25 % of the 4x job). `rows_per_second` gives an engine's steady rate for
 rows of the remaining shape (the rows left, each with the mean uncached prompt and the
-mean output budget left); ETA = rows left / (replicas x that rate). It assumes the job
+mean output budget left), and the rows the engines hold at the end finish over one
+output length of cheap steps (`drain_seconds`). It assumes the job
 has its engines to itself and the pipeline keeps them fed: a job that shares its
 engines with others, or whose feed is slower than its engines, ends later than it says.
 """

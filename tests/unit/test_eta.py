@@ -195,3 +195,28 @@ def test_a_rows_output_budget_counts_each_of_its_n_completions():
     rows = [{"sampling": {"n": 3}}, {"sampling": {"max_tokens": 10, "n": 2}}, {}, {"sampling": {"n": "x"}}]
     assert output_budget(rows, 100) == 300 + 20 + 100 + 100
     assert output_budget(rows, 100, default_n=4) == 300 + 20 + 400 + 400
+
+
+@given(start=st.integers(1, 200), steady=st.integers(1, 200), seconds=st.integers(4, 200))
+def test_a_young_jobs_rate_is_its_later_half_not_its_start_up(start, steady, seconds):
+    """Statuses every second: `start` rows/s in the job's first quarter, `steady` after.
+    While the job is younger than two windows, its rate is over the later half of its
+    life (all steady when that is past the first quarter); older, over the last window."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from prefixflow.services.sink import progress as sink_progress
+
+    clock = [0.0]
+    prog = sink_progress.Progress()
+    spec = m.JobSpec("j", "/out", total=10**9)
+    out = SimpleNamespace(rows=0, errors=0, duplicates=0, tokens=(0, 0, 0))
+    with mock.patch.object(sink_progress.time, "monotonic", lambda: clock[0]):
+        for t in range(seconds + 1):
+            clock[0] = float(t)
+            out.rows = sum(start if s < seconds / 4 else steady for s in range(t))
+            st_ = prog.status("j", out, spec, None)
+    window = min(sink_progress.RATE_WINDOW, seconds / 2)
+    first = seconds - window
+    want = sum(start if s < seconds / 4 else steady for s in range(int(first), seconds)) / (seconds - int(first))
+    assert st_.rate == pytest.approx(want, abs=0.01)
