@@ -16,10 +16,12 @@ subprocess), rounds interleaved, medians reported:
    while it is still being published (not sealed: checked and reported), the small job.
    Reported: the small job's time over its time alone (target <= 2x) and the share of
    the large job left then (target: more than half).
-4. **many** (`--many N`): N jobs of `--many-rows` prompts created at once (through the
-   Python API, `prefixflow.Client.submit`, whose rows go out in the background), then the
-   small job. Reported: its time over its time alone (target <= 2x) and how many of the
-   N were unfinished when it finished (target: at least 90 %).
+4. **many** (`--many N`, off by default): N jobs of `--many-rows` prompts created at once
+   (through the Python API, `prefixflow.Client.submit`, whose rows go out in the
+   background) as tenant "a" (`Client(tenant="a")`), then the small job as tenant "b"
+   (`PFX_TENANT=b prefixflow submit`). Reported: its time over its time alone (target
+   <= 2x) and how many of the N were unfinished when it finished (target: at least 90 %).
+   Tenants share first (each half the release), then a tenant's jobs by rows.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -81,7 +84,7 @@ def phases(out: Path, submitted: float, exited: float) -> dict[str, float]:
 
 
 async def submit(url: str, path: Path, out: Path, job: str, max_tokens: int, priority: int = 1,
-                 times: dict | None = None) -> float:
+                 times: dict | None = None, tenant: str = "") -> float:
     """`prefixflow submit` as a subprocess: its wall seconds (RuntimeError if it fails);
     `times` gets its wall-clock start and exit."""
     t0 = time.monotonic()
@@ -90,7 +93,8 @@ async def submit(url: str, path: Path, out: Path, job: str, max_tokens: int, pri
     proc = await asyncio.create_subprocess_exec(
         *SUBMIT, str(path), "--out", str(out), "--nats", url, "--job", job, "--no-progress", "--no-report",
         "--max-tokens", str(max_tokens), "--priority", str(priority),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PFX_TENANT": tenant} if tenant else None)
     text, _ = await proc.communicate()
     if proc.returncode:
         raise RuntimeError(f"submit {job} exited {proc.returncode}: {text.decode()[-2000:]}")
@@ -154,17 +158,20 @@ async def small_while_publishing(url: str, small: Path, large: Path, out: Path, 
 
 async def small_beside_many(url: str, small: Path, many: Path, out: Path, tag: str, max_tokens: int,
                             jobs: int) -> dict[str, Any]:
-    """Scenario 4; the small job's times alone and beside `jobs` jobs created just before."""
+    """Scenario 4; the small job's times alone and beside `jobs` jobs created just before
+    (those tenant "a"'s, the small one tenant "b"'s)."""
     import prefixflow
 
-    alone = await submit(url, small, out / f"alone-m-{tag}", f"alone-m-{tag}", max_tokens)
-    client = prefixflow.Client(url)
+    # A tenant's outputs live under the sink's output root's directory of its name.
+    a_out, b_out = out.parent / "a", out.parent / "b"
+    alone = await submit(url, small, b_out / f"alone-m-{tag}", f"alone-m-{tag}", max_tokens, tenant="b")
+    client = prefixflow.Client(url, tenant="a")
     try:
         t0 = time.monotonic()
-        handles = [await client.submit_async(many, out=out / f"many-{tag}-{i}", job=f"many-{tag}-{i}",
+        handles = [await client.submit_async(many, out=a_out / f"many-{tag}-{i}", job=f"many-{tag}-{i}",
                                              max_tokens=max_tokens) for i in range(jobs)]
         created_s = time.monotonic() - t0
-        beside = await submit(url, small, out / f"many-small-{tag}", f"many-small-{tag}", max_tokens)
+        beside = await submit(url, small, b_out / f"many-small-{tag}", f"many-small-{tag}", max_tokens, tenant="b")
         unfinished = sum(not h.done() for h in handles)
         t1 = time.monotonic()
         await asyncio.gather(*(h.wait_async() for h in handles))
@@ -325,7 +332,8 @@ def add_fairness_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--publishing", dest="lag", type=float, default=3.0,
                    help="scenario 3: seconds after the large job's submit that the small one starts")
-    p.add_argument("--many", type=int, default=100, help="scenario 4: jobs created before the small one (0: skip)")
+    p.add_argument("--many", type=int, default=100,
+                   help="scenario 4: tenant a's jobs created before tenant b's small one (0: skip)")
     p.add_argument("--many-rows", type=int, default=200, help="scenario 4: prompts of each of those jobs")
     p.add_argument("--only", nargs="+", choices=("beside", "weights", "publishing", "many"),
                    help="run only these scenarios (default: all)")
