@@ -31,10 +31,10 @@ from pathlib import Path
 from prefixflow.shared.outcomes import CommandError, Exit
 
 CHECKPOINTS = (0.25, 0.5, 0.75)
-VARIANTS = ("eta_model", "eta_rows", "eta_work", "eta_engine", "eta_scaled")
+VARIANTS = ("eta_model", "eta_rows", "eta_work", "eta_engine")
 """The ETAs reported: what `status` shows (`JobStatus.eta_seconds`), rows/s alone, and
-each of the model's parts (`prefixflow/shared/eta.py`): the token-work model, the
-engines' step model alone and the rows/s scaled by the step model."""
+each of the model's parts (`prefixflow/shared/eta.py`): the token-work model and the
+engines' step model."""
 
 
 def add_eta_parser(sub) -> None:
@@ -115,7 +115,7 @@ async def follow(url: str, poll: float, proc: subprocess.Popen) -> list[dict]:
             readings.append({"t": now, "rows": st.rows, "total": st.total, "done": st.done,
                              "eta_model": st.eta_seconds(), "eta_rows": rows_eta, "decode_cost": st.decode_cost,
                              "eta_work": model.work_eta(progress), "eta_engine": model.engine_eta(progress),
-                             "eta_scaled": model.scaled_eta(progress), "replicas": st.replicas,
+                             "replicas": st.replicas,
                              "step": None if st.step is None else msgspec.structs.asdict(st.step),
                              "output_tokens": st.output_tokens, "prompt_tokens": st.prompt_tokens,
                              "cached_tokens": st.cached_tokens, "rate": st.rate})

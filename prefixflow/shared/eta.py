@@ -109,36 +109,24 @@ class EtaModel:
     replicas: int = 0
     """How many engines run the job (the step model is one engine's)."""
 
-    def shapes(self, p: Progress) -> tuple[float, float, float, float] | None:
-        """(uncached prompt tokens, prompt tokens, output tokens) of a row written so far,
-        and the output tokens of a row left, on average; None without a plan or a row."""
+    def remaining_shape(self, p: Progress) -> tuple[float, float, float] | None:
+        """A row left, on average: (uncached prompt tokens and prompt tokens, as the rows
+        written so far; output tokens, the budget left over the rows left); None without
+        a plan or a row written, or with nothing left."""
         if p.total is None or not p.planned_output_tokens or p.rows <= 0 or p.rows >= p.total:
             return None
-        left_rows = p.total - p.rows
         left_output = max(p.planned_output_tokens - p.output_tokens, 0)
-        return (max(p.prompt_tokens - p.cached_tokens, 0) / p.rows, p.prompt_tokens / p.rows, p.output_tokens / p.rows,
-                left_output / left_rows)
+        return (max(p.prompt_tokens - p.cached_tokens, 0) / p.rows, p.prompt_tokens / p.rows,
+                left_output / (p.total - p.rows))
 
     def engine_eta(self, p: Progress) -> float | None:
-        """Rows left / the rate the engines' step model gives rows of the remaining shape."""
-        shape = self.shapes(p)
+        """Seconds until the rows left are done on the job's engines, by their step model
+        (`drain_seconds`); None without one."""
+        shape = self.remaining_shape(p)
         if shape is None or self.step is None or self.replicas <= 0:
             return None
-        uncached, prompt, _, out_left = shape
+        uncached, prompt, out_left = shape
         return drain_seconds(self.step, self.replicas, p.total - p.rows, uncached, out_left, prompt)
-
-    def scaled_eta(self, p: Progress) -> float | None:
-        """Rows left at the rows/s measured so far, scaled by how much slower the step
-        model says rows of the remaining shape go than rows of the shape written so far."""
-        shape = self.shapes(p)
-        if shape is None or self.step is None or p.rows_rate <= 0:
-            return None
-        uncached, prompt, out_done, out_left = shape
-        before = rows_per_second(self.step, uncached, out_done, prompt)
-        after = rows_per_second(self.step, uncached, out_left, prompt)
-        if before <= 0 or after <= 0:
-            return None
-        return (p.total - p.rows) / p.rows_rate * before / after
 
     def remaining_work(self, p: Progress) -> float | None:
         """Work (prompt-token units) left, or None without a plan or a row written."""

@@ -96,8 +96,7 @@ class Progress:
         """Rows, uncached prompt tokens and output tokens per second the job made over the
         last RATE_WINDOW seconds (0 until there is a second of history)."""
         now = time.monotonic()
-        first = self.opened.setdefault(job, now)
-        window = min(RATE_WINDOW, (now - first) / 2)
+        window = min(RATE_WINDOW, (now - self.opened.setdefault(job, now)) / 2)
         seen = self.seen.setdefault(job, deque())
         seen.append((now, rows, uncached, output))
         while len(seen) > 2 and now - seen[1][0] >= window:
