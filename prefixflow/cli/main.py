@@ -78,7 +78,7 @@ def cmd_dataset(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     if args.service == "nats":
-        from prefixflow.launch.local_cluster import exec_nats
+        from prefixflow.launch.nats_server import exec_nats
 
         exec_nats(args.nats_url, args.store_dir)
         return
@@ -254,15 +254,17 @@ def add_dataset(sub) -> None:
 
 
 def add_serve(sub, service: str | None = None) -> None:
-    """`serve`'s services; with `service` (one of them) only that one's flags besides the
-    five services' (the API's and nats-server's need modules no other service imports)."""
-    from prefixflow.services.registry import add_parsers
+    """`serve`'s services; with `service` (one of them) only that one's parser: each of the
+    others imports modules of its own (the API's, nats-server's, the engine-worker's vLLM
+    help), and a service process starts on every node and after every restart."""
+    from prefixflow.services.registry import SERVICES, add_parsers
 
     p = sub.add_parser("serve", help="run one service process")
     ssub = p.add_subparsers(dest="service", required=True)
-    add_parsers(ssub)
+    if service is None or service in SERVICES:
+        add_parsers(ssub, service)  # a process starts faster with only its own parser
     if service in (None, "nats"):
-        from prefixflow.launch.local_cluster import add_nats_parser
+        from prefixflow.launch.nats_server import add_nats_parser
 
         add_nats_parser(ssub)
     if service in (None, "api"):

