@@ -52,3 +52,13 @@ def test_a_service_process_imports_only_its_own_modules(service):
             f"print(json.dumps([m for m in {list(NOT_FOR_A_SERVICE)!r} if m in sys.modules]))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert json.loads(res.stdout) == []
+
+
+def test_serve_nats_imports_nothing_of_the_services():
+    """`serve nats` only parses its flags and execs nats-server (every local cluster and
+    every restart starts one): none of the services' modules, NATS client, logging or Arrow."""
+    code = ("import sys, json; from prefixflow.cli.main import parse_args; parse_args(['serve', 'nats']); "
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('nats', 'structlog', 'pyarrow', 'aiohttp') "
+            "or (m.startswith('prefixflow.services.') and m != 'prefixflow.services.registry'))))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(res.stdout) == []

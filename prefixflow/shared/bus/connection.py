@@ -22,6 +22,7 @@ import nats
 import structlog
 from nats.aio.client import Client
 
+from prefixflow.shared.process.tasks import stop_task
 from prefixflow.shared.wire import subjects
 
 log = structlog.get_logger()
@@ -127,29 +128,6 @@ class NatsRefused(RuntimeError):
     """The server refused our credentials (retrying cannot help)."""
 
 
-CANCEL_AGAIN_EVERY = 0.5
-"""Seconds `cancel_surely` waits for a cancelled task before cancelling it again."""
-
-
-async def cancel_surely(task: asyncio.Future, tries: int = 40) -> None:
-    """Cancel `task` and wait until it has ended, cancelling it again while it runs on.
-
-    nats.py's connect loop retries on `except Exception` around an `asyncio.wait_for`,
-    and on Python 3.11 `wait_for` drops a cancellation that lands as its inner connect
-    attempt fails (a refused connection): the loop then goes on trying forever, and a
-    plain `cancel(); await task` hangs - a service told to stop while its nats-server is
-    not up yet would never exit. After `tries` rounds the task is left behind (logged)."""
-    for _ in range(tries):
-        if task.done():
-            break
-        task.cancel()
-        await asyncio.wait({task}, timeout=CANCEL_AGAIN_EVERY)
-    else:
-        log.warning("a cancelled task runs on", task=repr(task))
-    if task.done() and not task.cancelled():
-        task.exception()  # retrieved: no "exception was never retrieved" at exit
-
-
 async def connect(
     url: str,
     name: str,
@@ -247,7 +225,9 @@ async def connect(
             if stopping is not None:
                 stopping.cancel()
         if not attempt.done():
-            await cancel_surely(attempt)
+            # A single cancel can be lost (nats.py's connect loop retries inside a wait_for
+            # on Python 3.11): a service stopped before its nats-server answered hung here.
+            await stop_task(attempt)
             if stop is not None and stop.is_set():
                 raise StoppedWhileConnecting(f"asked to stop before a NATS server answered at {url}")
             if refused:
