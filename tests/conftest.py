@@ -49,10 +49,10 @@ E2E_ORDER = (
     ("tests/e2e/test_honcho_engine_kill.py::",),
     # The pairs on a shared cluster of special engines (`Clusters`), a pair at a time.
     ("tests/e2e/test_batch_api_vllm.py::test_an_embeddings_batch", "tests/e2e/test_embeddings.py::test_embed_job"),
-    ("tests/e2e/test_lora.py::",),
     (),  # every other e2e test: starts its own processes (`run`, chaos, start-up)
-    # The KV-events tests, then on the same cluster (`KILL_CLUSTER`) the engine-kill tests,
-    # last: nothing after them depends on a recovery.
+    # On one cluster (`special_vllm_cluster`): the LoRA tests, the KV-events tests, then the
+    # engine-kill tests, last: nothing after them depends on a recovery.
+    ("tests/e2e/test_lora.py::",),
     ("tests/e2e/test_kv_events.py::",),
     ("tests/e2e/test_e2e.py::test_vllm_replica_killed_at_a_third_fails_over", "tests/e2e/test_engine_core_kill.py::"),
 )
@@ -456,13 +456,27 @@ def release_shared_vllm(request):
                 shared.release("vllm")
 
 
-KILL_CLUSTER = {"engine": "vllm", "replicas": 2, "engine_args": ("--kv-cache-blocks", "48"),
-                "env": {"PFX_KV_EVENTS": "1", "PFX_BUFFER_PROMPTS": "96", "PFX_DEAD_AFTER": "3"}}
-"""Two vLLM replicas with KV-cache events and a small cache (48 blocks of 128 tokens: the
-KV-events tests want blocks evicted), for the KV-events tests and then the tests that kill
-an engine worker or an engine core and restart it (each leaves both replicas running; the
-check before each test catches one that did not): `clusters.get(**KILL_CLUSTER)`. One
-cluster for both groups: a vLLM pair is ~40 s of the suite to start."""
+LORA_ADAPTERS = ("alpha", "beta", "gamma")
+"""The random LoRA adapters of the local model that the special vLLM cluster serves."""
+
+
+def special_vllm_cluster(clusters: Clusters, tiny_model: Path):
+    """The shared cluster of two special vLLM replicas: KV-cache events and a small cache
+    (48 blocks of 128 tokens: the KV-events tests want blocks evicted), serving three LoRA
+    adapters (`--lora-modules`, `--max-loras 2`). Its tests run in this order
+    (`E2E_ORDER`): the LoRA tests, the KV-events tests, then the tests that kill an engine
+    worker or an engine core and restart it (each leaves both replicas running; the check
+    before each test catches one that did not); the LoRA and KV-events tests empty the
+    prefix caches first. One cluster for the three groups: a vLLM pair is ~110 CPU-s and
+    ~40-90 s of the suite to start."""
+    from prefixflow.datagen.make_lora import make_adapters
+
+    paths = make_adapters(LORA_ADAPTERS, model_dir=tiny_model)
+    lora = ["--lora-modules", *(f"{name}={path}" for name, path in paths.items()), "--max-loras", "2"]
+    return clusters.get(engine="vllm", replicas=2, engine_args=("--kv-cache-blocks", "48", "--", *lora),
+                        env={"PFX_KV_EVENTS": "1", "PFX_BUFFER_PROMPTS": "96", "PFX_DEAD_AFTER": "3",
+                             "PFX_LORA_ADAPTERS": ",".join(LORA_ADAPTERS)})
+
 
 SLOW_ECHO = ("--echo-delay", "0.02", "--window", "8")
 """One replica of these runs ~400 prompts/s: a job of a few thousand rows lasts seconds."""

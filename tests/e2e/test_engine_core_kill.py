@@ -19,7 +19,7 @@ from prefixflow.services.engine_worker.guard import descendants
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
-from tests.conftest import KILL_CLUSTER
+from tests.conftest import special_vllm_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -49,7 +49,7 @@ def test_engine_core_killed_mid_job_is_rebuilt_in_place(tmp_path, tiny_model, cl
         )
         rows += [{"id": len(rows) + i, "prompt": r["prompt"]} for i, r in enumerate(table.to_pylist())]
     # The engine-kill tests' shared cluster (the worker survives, so it is left running).
-    cluster = clusters.get(**KILL_CLUSTER)
+    cluster = special_vllm_cluster(clusters, tiny_model)
     worker = cluster.running["engine0"].pid
     cores = engine_cores(worker)
     assert len(cores) == 1, f"one vLLM engine core under the worker: {cores}"

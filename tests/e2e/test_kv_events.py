@@ -3,8 +3,9 @@ publish `BlockStored`/`BlockRemoved` (ZMQ), the engine-workers translate them in
 keys and send them on `pfx.cache.<replica>`, and the router indexes what each replica
 holds and routes by it.
 
-Both tests share one cluster (`KV_CLUSTER`: two replicas with KV events, 48 KV blocks of
-128 tokens each, a 96-prompt bucketer buffer); each empties the prefix caches first and
+Both tests share one cluster (`special_vllm_cluster`: two replicas with KV events, 48 KV
+blocks of 128 tokens each, a 96-prompt bucketer buffer; the LoRA tests run on it before
+them, the engine-kill tests after them); each empties the prefix caches first and
 reads only the router log lines written during it.
 
 A KV cache smaller than the prefixes (48 blocks per replica for 24 prefixes of 256 tokens
@@ -25,21 +26,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from prefixflow.datagen.dataset import write_prefix_repetition, write_shape
-from tests.conftest import KILL_CLUSTER, reset_prefix_caches, run_cli
+from tests.conftest import reset_prefix_caches, run_cli, special_vllm_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 N = 320
 
 
-KV_CLUSTER = KILL_CLUSTER
-"""Two replicas with KV events, 48 KV blocks each, a 96-prompt bucketer buffer (shared with
-the engine-kill tests, which run after these)."""
-
-
 @pytest.fixture
-def kv_cluster(clusters):
-    cluster = clusters.get(**KV_CLUSTER)
+def kv_cluster(clusters, tiny_model):
+    cluster = special_vllm_cluster(clusters, tiny_model)
     asyncio.run(reset_prefix_caches(cluster.url, ["r0", "r1"]))
     return cluster
 

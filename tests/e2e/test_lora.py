@@ -2,7 +2,8 @@
 model (`prefixflow make-model --lora`):
 
 Both tests share one cluster of two replicas serving the adapters (`--lora-modules ...
---max-loras 2`; its prefix caches emptied before each test):
+--max-loras 2`; `special_vllm_cluster`, which the KV-events and engine-kill tests use after
+them; its prefix caches emptied before each test):
 
 - through `prefixflow submit`: an OpenAI batch file whose lines name the adapters, the
   base model (by its name) and an unknown adapter by `model`: greedy outputs of one prompt differ by adapter and
@@ -29,21 +30,15 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer
 
-from prefixflow.datagen.make_lora import make_adapters
 from prefixflow.datagen.make_model import _synthetic_corpus
-from tests.conftest import reset_prefix_caches, run_cli, set_policy, start_api
+from tests.conftest import LORA_ADAPTERS, reset_prefix_caches, run_cli, set_policy, special_vllm_cluster, start_api
 from tests.e2e.test_batch_api_vllm import finished, lines, upload
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-ADAPTERS = ("alpha", "beta", "gamma")
+ADAPTERS = LORA_ADAPTERS
 BLOCK = 128  # the CPU engine's KV block
 PROBE = "Tell me about the river and the stone."
-
-
-def lora_modules(tiny_model) -> list[str]:
-    paths = make_adapters(ADAPTERS, model_dir=tiny_model)
-    return ["--lora-modules", *(f"{name}={path}" for name, path in paths.items()), "--max-loras", "2"]
 
 
 def request(cid: str, model: str, prompt: str, max_tokens: int = 8) -> dict:
@@ -63,8 +58,7 @@ def ideal_hit(tokenizer: Tokenizer, prompts: list[str]) -> float:
 
 @pytest.fixture
 def lora_cluster(clusters, tiny_model):
-    cluster = clusters.get(engine="vllm", replicas=2, engine_args=("--", *lora_modules(tiny_model)),
-                           env={"PFX_LORA_ADAPTERS": ",".join(ADAPTERS)})
+    cluster = special_vllm_cluster(clusters, tiny_model)
     asyncio.run(reset_prefix_caches(cluster.url, ["r0", "r1"]))
     return cluster
 
