@@ -24,6 +24,10 @@ from tests.conftest import run_cli
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 N = 1280
+OUT = 48
+"""Output tokens a prompt (exactly: min = max): on a quiet machine the first replica runs
+~430 rows alone for the stagger, and ~850 are left once the later one is ready (the test
+needs 150); 96 took twice the decode for nothing the test asserts."""
 STAGGER = 20
 """Seconds between the replicas' starts: each engine is pinned to its own core, so a busy core
 (the other xdist worker's test) can slow one engine's start by ~10-20 s; the gap must stay
@@ -33,11 +37,11 @@ wider than that for the replicas to be ready apart."""
 def test_replicas_ready_apart_both_get_work_and_the_hit_rate_holds(tmp_path, tiny_model):
     data = tmp_path / "prompts.parquet"
     table = write_prefix_repetition(data, tokenizer_dir=tiny_model, num_prompts=N, prefix_len=256, suffix_len=64,
-                                    num_prefixes=24, output_len=96, seed=11)
+                                    num_prefixes=24, output_len=OUT, seed=11)
     ideal = ideal_hit_rate(table, block_size=128)
     out = tmp_path / "out"
     res = run_cli("run", str(data), "--out", str(out), "--replicas", "2", "--stagger", str(STAGGER),
-                  "--kv-cache-blocks", "128", "--max-tokens", "96", "--min-tokens", "96", "--model", str(tiny_model),
+                  "--kv-cache-blocks", "128", "--max-tokens", str(OUT), "--min-tokens", str(OUT), "--model", str(tiny_model),
                   "--no-progress", "--no-report", "--timeout", "600", "--workdir", str(tmp_path / "cluster"), timeout=850)
     assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
     ready = {m.group(1): float(m.group(2)) for m in re.finditer(r"(r\d) ready in ([\d.]+) s", res.stdout)}
