@@ -331,6 +331,15 @@ def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None)
     )
 
 
+async def cluster_ready(cluster, replicas: list[str], timeout: float) -> None:
+    """Every replica ready, and every process's ready line logged: a replica can be ready
+    before the sink has subscribed to its done queries (a test's first done query then
+    finds no responder: seen on CI with the e2e tier loading the other core)."""
+    t0 = time.monotonic()
+    await cluster.wait_ready(replicas, timeout)
+    await cluster.wait_started(list(cluster.running), max(1.0, timeout - (time.monotonic() - t0)))
+
+
 @contextlib.contextmanager
 def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1, engine_args: tuple[str, ...] = (),
                     env: dict[str, str] | None = None):
@@ -342,7 +351,7 @@ def echo_cluster_at(workdir: Path, model: Path, replicas: int = 1, engine_args: 
                            env={"PFX_MODEL": str(model), **(env or {})})
     cluster.start()
     try:
-        asyncio.run(cluster.wait_ready([f"r{i}" for i in range(replicas)], 90))
+        asyncio.run(cluster_ready(cluster, [f"r{i}" for i in range(replicas)], 90))
         yield cluster
     finally:
         cluster.stop()
@@ -414,7 +423,7 @@ class Clusters:
                                    env={"PFX_MODEL": str(self.model), **env})
             self.clusters[key] = cluster
             cluster.start()
-            asyncio.run(cluster.wait_ready(names, self.READY[engine]))
+            asyncio.run(cluster_ready(cluster, names, self.READY[engine]))
         self.clusters[key] = self.clusters.pop(key)  # most recently used last
         return cluster
 
