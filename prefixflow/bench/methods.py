@@ -103,7 +103,7 @@ class Observer:
                 self.arrivals.append((self.last_result_at, batch[0].replica, len(batch)))
             self.changed.set()
 
-        self.sub = await self.nc.subscribe(subjects.results(self.job), cb=on_results)
+        self.sub = await self.nc.subscribe(subjects.results(subjects.ANY_ORIGIN, self.job), cb=on_results)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -20,7 +20,8 @@ nothing else:
     env                  read by every unit: the server URLs (this node's own first),
                          the node's name, the CA, `PFX_PROVISION=false`
     bucketer.env, engine-worker-<GPU>.env, and on the head ingestor.env, router.env,
-    sink.env, api.env    one process's NATS user and password (secret, mode 0600)
+    sink.env, api.env    one process's NATS user and password (secret, mode 0600); those of the
+                         bucketer, the router and the sink also hold the result key (PFX_RESULT_KEY)
     api-keys             on the head, with `--tenant`: the batch API's keys, one
                          `TENANT KEY` line per tenant (secret; api.env names it)
 
@@ -169,10 +170,16 @@ def render_clients_env(nodes: list[Node], ca: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+RESULT_KEY_ROLES = ("bucketer", "router", "sink")
+"""The roles that hold the fleet's result key: those that assign prompts to replicas, and
+the sink that checks each result's grant (never an engine, a client or a tenant)."""
+
+
 def render_user_env(u: User, password: str, node: Node | None, args: argparse.Namespace, *, api_key: str = "",
-                    keys_file: str = "") -> str:
+                    keys_file: str = "", result_key: str = "") -> str:
     """`api_key`: a tenant's batch API key; `keys_file`: the batch API's keys file (the
-    api's env, on the head)."""
+    api's env, on the head); `result_key`: the fleet's result key, written into the env of
+    the roles that hold it (`RESULT_KEY_ROLES`) only."""
     what = f"the {u.role} {u.name}" if u.name else f"the {u.role}"
     lines = [HEADER.rstrip(), f"# Secret: the NATS user of {what}.", f"PFX_NATS_USER={u.user}", f"PFX_NATS_PASSWORD={password}"]
     if u.role == "engine-worker":
@@ -181,6 +188,9 @@ def render_user_env(u: User, password: str, node: Node | None, args: argparse.Na
         lines.append(f"PFX_OUT_ROOT={args.out_root.replace('{node}', node.name)}")
     if u.role == "admin":
         lines.append("PFX_PROVISION=true")
+    if u.role in RESULT_KEY_ROLES and result_key:
+        lines += ["# Signs and checks which replica may answer which prompt (prefixflow/shared/wire/provenance.py).",
+                  f"PFX_RESULT_KEY={result_key}"]
     if u.role == "tenant":
         lines.append(f"PFX_TENANT={u.name}")
         if api_key:  # NOTE: this file is for a shell (`. tenant-NAME.env`): quoted for one
@@ -210,7 +220,8 @@ def load_secrets(path: Path, users: list[User]) -> dict:
             api_keys.setdefault(u.name, "pfx-" + secrets.token_urlsafe(32))
             if (problem := key_problem(api_keys[u.name])) is not None:
                 raise usage_error(f"{path}: api_keys of {u.name!r}: {problem}")
-    return {"users": passwords, "route": data.get("route") or secrets.token_urlsafe(24), "api_keys": api_keys}
+    return {"users": passwords, "route": data.get("route") or secrets.token_urlsafe(24), "api_keys": api_keys,
+            "result_key": data.get("result_key") or secrets.token_hex(32)}
 
 
 def write(path: Path, text: str | bytes, secret: bool = False) -> None:
@@ -282,7 +293,8 @@ def generate(args: argparse.Namespace) -> list[Path]:
         keys_file = f"{args.etc_dir.replace('{node}', node.name).rstrip('/')}/{API_KEYS_FILE}" if api_keys else ""
         for u in node_users(node, head, engines):
             write(d / u.env_file, render_user_env(u, secret["users"][u.user], node, args,
-                                                  keys_file=keys_file if u.role == "api" else ""), secret=True)
+                                                  keys_file=keys_file if u.role == "api" else "",
+                                                  result_key=secret["result_key"]), secret=True)
         if node.name == head and api_keys:
             write(d / API_KEYS_FILE, render_keys_file(api_keys), secret=True)
         dirs.append(d)

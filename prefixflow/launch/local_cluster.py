@@ -21,7 +21,7 @@ from typing import TypeVar
 
 import structlog
 
-from prefixflow.launch.processes import Process, processes  # noqa: F401 - re-exported: the cluster's process set
+from prefixflow.launch.processes import Process, keep_result_key, processes  # noqa: F401 - re-exported: the cluster's process set
 from prefixflow.launch.supervisor import Drop, GiveUp, RestartPolicy, Supervisor
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.wire import messages as m
@@ -211,6 +211,7 @@ class LocalCluster:
     def start(self) -> None:
         self.started_at = time.monotonic()
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
+        keep_result_key(self.procs, self.workdir)  # a --workdir run again: its streams' grants still hold
         for p in self.procs:
             self.start_one(p)
 

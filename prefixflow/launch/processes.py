@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import os
 import re
+import secrets
 import shutil
 import subprocess
+from pathlib import Path
 from dataclasses import dataclass, field
 
 
@@ -130,14 +132,17 @@ def processes(
     The machine is divided among the engines (`assign_devices`): on CPU each gets its
     share of the cores and its own KV-cache budget (`kv_cache_space_gib`; default the
     environment's `VLLM_CPU_KVCACHE_SPACE`, vLLM's own setting, else 2 GiB), on GPUs its
-    own devices."""
+    own devices. The bucketer, the router and the sink get a result key made for the set
+    (`provenance.py`: each prompt's grant; the environment's `PFX_RESULT_KEY` if set); the
+    engines are not given it."""
     devices = devices or machine_devices()
     placements = assign_devices(replicas, devices, tensor_parallel_size)
+    keyed = {"PFX_RESULT_KEY": os.environ.get("PFX_RESULT_KEY") or secrets.token_hex(32)}
     procs = [
         Process("nats", ["serve", "nats"]),
         Process("ingestor", ["serve", "ingestor"]),
-        Process("bucketer", ["serve", "bucketer", "--node", "node0"]),
-        Process("router", ["serve", "router"]),
+        Process("bucketer", ["serve", "bucketer", "--node", "node0"], dict(keyed)),
+        Process("router", ["serve", "router"], dict(keyed)),
     ]
     for i, placement in enumerate(placements):
         env = dict(placement)
@@ -150,7 +155,37 @@ def processes(
         if stagger and i:
             args += ["--start-delay", f"{i * stagger:g}"]
         procs.append(Process(f"engine{i}", args, env))
-    procs.append(Process("sink", ["serve", "sink"]))
+    procs.append(Process("sink", ["serve", "sink"], dict(keyed)))
     return procs
 
 
+def another_bucketer(procs: list[Process], node: str, name: str = "") -> Process:
+    """One more bucketer node for a process set from `processes()` (several nodes on one
+    machine), with the set's result key: a bucketer without it sends unsigned prompts, and
+    the sink refuses their results."""
+    first = next(p for p in procs if p.args[:2] == ["serve", "bucketer"])
+    return Process(name or f"bucketer-{node}", ["serve", "bucketer", "--node", node], dict(first.env))
+
+
+
+RESULT_KEY_FILE = "result.key"
+
+
+def keep_result_key(procs: list[Process], workdir: Path) -> None:
+    """The set's result key lives in its working directory (mode 0600): a cluster started
+    again on the same directory (`prefixflow run --workdir` of a job that was stopped)
+    finds work and results in its JetStream store signed with it, so it takes the key it
+    had instead of the new one `processes()` made (whose grants those would fail)."""
+    keyed = [p for p in procs if "PFX_RESULT_KEY" in p.env]
+    if not keyed:
+        return
+    path = workdir / RESULT_KEY_FILE
+    if path.exists():
+        key = path.read_text().strip()
+    else:
+        key = keyed[0].env["PFX_RESULT_KEY"]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+    for p in keyed:
+        p.env["PFX_RESULT_KEY"] = key

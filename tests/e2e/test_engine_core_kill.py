@@ -71,7 +71,7 @@ def test_engine_core_killed_mid_job_is_rebuilt_in_place(tmp_path, tiny_model, cl
             r0_results.extend((now, r.id) for r in m.result_batch_decoder.decode(msg.data).results if r.replica == "r0")
 
         await nc.subscribe(subjects.status("r0"), cb=on_status)
-        await nc.subscribe(subjects.results("core-kill"), cb=on_results)
+        await nc.subscribe(subjects.results(subjects.ANY_ORIGIN, "core-kill"), cb=on_results)
         # Long enough outputs that r0 is still generating when the first check lands
         # (16-token outputs let the whole first half finish within a second).
         sampling = m.SamplingSpec(max_tokens=64, min_tokens=64, ignore_eos=True)

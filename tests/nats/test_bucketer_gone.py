@@ -19,7 +19,8 @@ import pytest
 
 from prefixflow.client.submit import Submitter
 from prefixflow.datagen.dataset import prefix_repetition
-from prefixflow.launch.local_cluster import LocalCluster, Process, processes
+from prefixflow.launch.local_cluster import LocalCluster, processes
+from prefixflow.launch.processes import another_bucketer
 from prefixflow.services.ingestor.takeover import MOVE_ID_PREFIX
 from prefixflow.shared.bus.connection import close, connect
 from prefixflow.shared.wire import messages as m
@@ -33,8 +34,8 @@ ECHO = ["--echo-delay", "0.05", "--window", "8"]  # ~160 prompts/s per replica
 
 
 def cluster_for(tmp_path, tiny_model) -> LocalCluster:
-    procs = [p for p in processes(2, engine="echo", extra_engine_args=ECHO) if p.name != "bucketer"]
-    procs += [Process(f"bucketer-{n}", ["serve", "bucketer", "--node", n]) for n in ("node0", "node1")]
+    base = processes(2, engine="echo", extra_engine_args=ECHO)
+    procs = [p for p in base if p.name != "bucketer"] + [another_bucketer(base, n) for n in ("node0", "node1")]
     env = {"PFX_MODEL": str(tiny_model), "PFX_BUCKETER_GONE_AFTER": "3"}
     return LocalCluster(procs, workdir=tmp_path / "cluster", env=env)
 
@@ -68,7 +69,7 @@ class Observer:
             self.hb.add(m.heartbeat_decoder.decode(msg.data).node)
 
         await self.nc.subscribe(subjects.node_bucket("*"), cb=on_bucket)
-        await self.nc.subscribe(subjects.results(job), cb=on_results)
+        await self.nc.subscribe(subjects.results(subjects.ANY_ORIGIN, job), cb=on_results)
         await self.nc.subscribe(subjects.ALL_BUCKETER_HEARTBEATS, cb=on_hb)
 
     async def stop(self) -> None:

@@ -59,7 +59,7 @@ def test_out_dir_outside_the_root_is_refused_and_nothing_is_written(tmp_path, na
             jobs = {**escaping, "inside": str(root / "ok" / "job")}
             for job, out_dir in jobs.items():
                 await client.create(m.JobSpec(job=job, out_dir=out_dir, total=ROWS))
-                await client.js.publish(subjects.results(job), results(job))
+                await client.js.publish(subjects.results("r0", job), results(job))
             deadline = time.monotonic() + 60
             while len(statuses) < len(jobs):
                 assert time.monotonic() < deadline, f"no final status for {sorted(set(jobs) - set(statuses))}"

@@ -62,7 +62,7 @@ class Watch:
                 self.replica.setdefault(r.id, r.replica)
 
         await self.nc.subscribe(subjects.status("r0"), cb=on_status)
-        await self.nc.subscribe(subjects.results(job), cb=on_results)
+        await self.nc.subscribe(subjects.results(subjects.ANY_ORIGIN, job), cb=on_results)
 
     def back_at(self) -> float | None:
         """When r0 reported ready again after having reported not ready."""

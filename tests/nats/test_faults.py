@@ -61,7 +61,7 @@ class Watch:
                 if r.replica:
                     self.engine_rows[r.replica] += 1
 
-        await self.nc.subscribe(subjects.results(job), cb=on_results)
+        await self.nc.subscribe(subjects.results(subjects.ANY_ORIGIN, job), cb=on_results)
 
     async def stop(self) -> None:
         await close(self.nc)

@@ -76,7 +76,7 @@ class Watch:
                     self.first[r.id] = now
                     self.replica_of[r.id] = r.replica
 
-        await self.nc.subscribe(subjects.results(job), cb=on_results)
+        await self.nc.subscribe(subjects.results(subjects.ANY_ORIGIN, job), cb=on_results)
 
     def after(self, t: float, replica: str | None = None) -> list[float]:
         """Arrival times of new ids after `t` (of one replica), sorted."""

@@ -69,7 +69,7 @@ async def stream_counts(url: str, job: str) -> tuple[int, int, m.JobStatus]:
     nc = await nats.connect(url)
     try:
         js = nc.jetstream()
-        dead = await js.stream_info(subjects.DEAD_STREAM.name, subjects_filter=subjects.dead(subjects.results(job)))
+        dead = await js.stream_info(subjects.DEAD_STREAM.name, subjects_filter=subjects.dead(subjects.results(subjects.ANY_ORIGIN, job)))
         parked = await js.stream_info(subjects.PARKED_STREAM.name, subjects_filter=subjects.parked(job))
         kv = await js.key_value(subjects.JOB_STATUS_KV)
         st = m.job_status_decoder.decode((await kv.get(job)).value)

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from prefixflow.client.submit import Submitter
-from prefixflow.launch.local_cluster import LocalCluster, Process, processes
+from prefixflow.launch.local_cluster import LocalCluster, processes
+from prefixflow.launch.processes import another_bucketer
 from prefixflow.datagen.dataset import write_prefix_repetition
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
@@ -27,8 +28,8 @@ pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
 
 def echo_cluster(tmp_path, tiny_model, bucketers=("node0",)) -> LocalCluster:
-    procs = [p for p in processes(2, engine="echo") if p.name != "bucketer"]
-    procs += [Process(f"bucketer-{n}", ["serve", "bucketer", "--node", n]) for n in bucketers]
+    base = processes(2, engine="echo")
+    procs = [p for p in base if p.name != "bucketer"] + [another_bucketer(base, n) for n in bucketers]
     return LocalCluster(procs, workdir=tmp_path / "cluster", env={"PFX_MODEL": str(tiny_model)})
 
 

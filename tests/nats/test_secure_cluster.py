@@ -9,6 +9,10 @@ end to end only: the grants checked below do not depend on the transport).
 - a client without credentials, or with a wrong password, is refused at once;
 - the submitter role cannot subscribe to `pfx.results.>` (nor one job's results), cannot
   create a consumer on the results stream, cannot publish to `pfx.work.*`;
+- an engine-worker's credentials cannot publish results as another replica or a service
+  (refused by the server), and the rows it publishes under its own name for prompts it was
+  never routed (no grant, a made-up one) are refused by the sink: the job's output has
+  only the rows its replicas computed (prefixflow/shared/wire/provenance.py);
 - an engine-worker's credentials cannot publish another replica's status or pull its
   work, nor create, update or delete a stream;
 - tenants (`cluster config --tenant alice --tenant bob`): alice's job (`prefixflow submit`
@@ -33,6 +37,7 @@ import asyncio
 import subprocess
 import time
 
+import msgspec
 import nats
 import openai
 import pyarrow as pa
@@ -140,7 +145,7 @@ async def check_submitter_is_confined(fleet: Fleet) -> None:
 
     try:
         await nc.subscribe("pfx.results.>", cb=on_msg)
-        await nc.subscribe(subjects.results("someone-elses-job"), cb=on_msg)
+        await nc.subscribe(subjects.results(subjects.ANY_ORIGIN, "someone-elses-job"), cb=on_msg)
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError)):
             await js.publish(subjects.work("nats-1-gpu0"), b"not a work batch", timeout=2)
         with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError, nats.js.errors.APIError)):
@@ -153,7 +158,7 @@ async def check_submitter_is_confined(fleet: Fleet) -> None:
     denied = "\n".join(errors).lower()  # nats.py lowercases the server's -ERR
     print("\nsubmitter denied:\n" + denied)
     assert 'permissions violation for subscription to "pfx.results.>"' in denied
-    assert 'permissions violation for subscription to "pfx.results.someone-elses-job"' in denied
+    assert 'permissions violation for subscription to "pfx.results.*.someone-elses-job"' in denied
     assert 'permissions violation for publish to "pfx.work.nats-1-gpu0"' in denied
     assert 'permissions violation for publish to "$js.api.consumer.durable.create.pfx_results.snoop"' in denied
     assert got == []
@@ -213,6 +218,55 @@ async def check_engine_worker_is_confined(fleet: Fleet) -> None:
         await close(admin)
 
 
+async def forge_results(fleet: Fleet, job: str) -> str:
+    """nats-1-gpu0's own credentials forge ok rows of every id of `job` before the job
+    exists (no replica holds any of its prompts): as another replica and as the ingestor
+    (denied by the server), and under its own name, without a grant and with a made-up
+    one (published: only the sink can tell). Returns the server's denials."""
+    opts = fleet.options("engine-worker-0", 0)
+    nc, errors = await connect_collecting(opts, fleet.url(0).split(","))
+    js = nc.jetstream()
+    rows = [m.Result(i, output="forged", replica="nats-1-gpu0", prompt_tokens=1, output_tokens=1) for i in range(N)]
+    try:
+        for origin in ("nats-2-gpu0", subjects.ORIGIN_INGESTOR):
+            posing = [msgspec.structs.replace(r, replica=origin) for r in rows]
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError)):
+                await js.publish(subjects.results(origin, job), m.encode(m.ResultBatch(job, posing)), timeout=2)
+        for grant in (b"", bytes(12)):
+            signed = [msgspec.structs.replace(r, grant=grant) for r in rows]
+            await js.publish(subjects.results("nats-1-gpu0", job), m.encode(m.ResultBatch(job, signed)))
+        await nc.flush()
+        await denials_arrived(errors, f'permissions violation for publish to "{subjects.results("nats-2-gpu0", job)}"',
+                              f'permissions violation for publish to "{subjects.results(subjects.ORIGIN_INGESTOR, job)}"')
+    finally:
+        await nc.close()
+    return "\n".join(errors).lower()
+
+
+async def refused_results(fleet: Fleet, job: str) -> list[str]:
+    """The sink's dead letters of `job`'s results from nats-1-gpu0 (the reasons), once
+    both forged batches are there."""
+    nc = await connect(fleet.url(2), "admin", options=fleet.options("admin"))
+    try:
+        js = nc.jetstream()
+        deadline = time.monotonic() + 60
+        while True:
+            info = await js.stream_info(subjects.DEAD_STREAM.name,
+                                        subjects_filter=subjects.dead(subjects.results("nats-1-gpu0", job)))
+            if info.state.messages >= 2 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        reasons, seq = [], 0
+        for _ in range(info.state.messages):
+            got = await js.get_msg(subjects.DEAD_STREAM.name, seq=seq + 1, next=True,
+                                   subject=subjects.dead(subjects.results("nats-1-gpu0", job)))
+            reasons.append((got.headers or {}).get("Pfx-Error", ""))
+            seq = got.seq
+        return reasons
+    finally:
+        await close(nc)
+
+
 async def check_tenants_are_apart(fleet: Fleet, job: str) -> None:
     """Bob's credentials against alice's job `job` (done): every attempt is refused by
     the server, and nothing of hers changes."""
@@ -233,7 +287,7 @@ async def check_tenants_are_apart(fleet: Fleet, job: str) -> None:
 
     denied_calls = (nats.errors.TimeoutError, nats.errors.NoRespondersError, asyncio.TimeoutError, nats.js.errors.APIError)
     try:
-        await nc.subscribe(subjects.results(job), cb=on_msg)
+        await nc.subscribe(subjects.results(subjects.ANY_ORIGIN, job), cb=on_msg)
         jobs_kv = bound(js, subjects.JOBS_KV)  # as every client binds it: no stream info
         status_kv = bound(js, subjects.JOB_STATUS_KV)
         for call in (jobs_kv.get(job), status_kv.get(job), jobs_kv.put(job, b'{"job": "hijacked"}'),
@@ -250,7 +304,7 @@ async def check_tenants_are_apart(fleet: Fleet, job: str) -> None:
     denied = "\n".join(errors).lower()
     print(f"\ntenant bob denied on alice's job {job}:\n" + denied)
     j = job.lower()
-    assert f'permissions violation for subscription to "pfx.results.{j}"' in denied
+    assert f'permissions violation for subscription to "pfx.results.*.{j}"' in denied
     for bucket in (subjects.JOBS_KV, subjects.JOB_STATUS_KV):
         b = bucket.lower()
         assert f'permissions violation for publish to "$js.api.direct.get.kv_{b}.$kv.{b}.{j}"' in denied, bucket
@@ -341,6 +395,16 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
             asyncio.run(check_submitter_is_confined(fleet))
             asyncio.run(check_engine_worker_is_confined(fleet))
 
+        if tls:  # an engine answers only the prompts routed to it (provenance.py)
+            denied = asyncio.run(forge_results(fleet, "forged"))
+            res = submit(fleet, data, fleet.out_root / "forged", "forged")
+            assert res.returncode == 0 and f"job forged: {N} rows (0 errors)" in res.stdout, res.stdout + res.stderr
+            got = pq.read_table(fleet.out_root / "forged").to_pylist()
+            assert sorted(r["id"] for r in got) == list(range(N)) and not any(r["output"] == "forged" for r in got)
+            reasons = asyncio.run(refused_results(fleet, "forged"))
+            print(f"\nforged results: server denied {denied.count('violation')}, sink refused {len(reasons)}: {reasons[0][:120]}")
+            assert len(reasons) == 2 and all("holds no assignment" in r for r in reasons), reasons
+
         out = fleet.out_root / "job"
         res = submit(fleet, data, out, "secure")
         assert res.returncode == 0, res.stdout + res.stderr + fleet.tail("sink@nats-3")
@@ -408,7 +472,7 @@ def test_secure_cluster(tmp_path, tiny_model, data, tls):
         for name, proc in fleet.procs.items():
             text = proc.log.read_text(errors="replace")
             if name.startswith("nats-"):  # the servers log every violation, with the user
-                forged = ("nats-2-gpu0", "PFX_MINE", "STREAM.UPDATE.PFX_WORK", "STREAM.DELETE.PFX_INGEST")
+                forged = ("nats-2-gpu0", "PFX_MINE", "STREAM.UPDATE.PFX_WORK", "STREAM.DELETE.PFX_INGEST", "_ingestor")
                 bad = [line for line in text.splitlines() if "Violation" in line
                        and not any(f"user:{u}" in line for u in ("submitter", "tenant-bob"))
                        and not ("user:engine-nats-1-gpu0" in line and any(f in line for f in forged))]

@@ -72,8 +72,8 @@ def test_poison_results_rows_survive_a_sink_crash_before_their_part_is_written(t
             await client.create(m.JobSpec(job=job, out_dir=str(out), total=len(poison) + len(normal)))
             await put_blob(js, client.nc, job, m.input_blob(0), kept)
             # Failed (say) 10 times before: poison on its first delivery here.
-            await js.publish(subjects.results(job), m.encode(m.ResultBatch(job, poison)), headers={PRIOR_DELIVERIES: "10"})
-            await js.publish(subjects.results(job), m.encode(m.ResultBatch(job, normal)))
+            await js.publish(subjects.results("r1", job), m.encode(m.ResultBatch(job, poison)), headers={PRIOR_DELIVERIES: "10"})
+            await js.publish(subjects.results("r0", job), m.encode(m.ResultBatch(job, normal)))
             deadline = time.monotonic() + 30
             while (await js.stream_info(subjects.DEAD_STREAM.name)).state.messages < 1:
                 assert time.monotonic() < deadline, "poison message not dead-lettered"
@@ -124,15 +124,15 @@ def test_results_whose_body_names_another_job_than_their_subject_are_dead_letter
             await client.create(m.JobSpec(job="job-a", out_dir=str(out_a), total=2))
             await client.create(m.JobSpec(job="job-b", out_dir=str(out_b), total=2))
             forged = [m.Result(i, output="forged", replica="r9") for i in range(2)]
-            await js.publish(subjects.results("job-a"), m.encode(m.ResultBatch("job-b", forged)))
+            await js.publish(subjects.results("r9", "job-a"), m.encode(m.ResultBatch("job-b", forged)))
             deadline = time.monotonic() + 30
             while (await js.stream_info(subjects.DEAD_STREAM.name)).state.messages < 1:
                 assert time.monotonic() < deadline, "the forged batch was not dead-lettered"
                 await asyncio.sleep(0.1)
-            dead = await js.get_last_msg(subjects.DEAD_STREAM.name, subjects.dead(subjects.results("job-a")))
+            dead = await js.get_last_msg(subjects.DEAD_STREAM.name, subjects.dead(subjects.results("r9", "job-a")))
             for job in ("job-a", "job-b"):
                 rows = [m.Result(i, output=f"{job}-{i}", replica="r0") for i in range(2)]
-                await js.publish(subjects.results(job), m.encode(m.ResultBatch(job, rows)))
+                await js.publish(subjects.results("r0", job), m.encode(m.ResultBatch(job, rows)))
             a = await client.wait("job-a", 2, progress=False, timeout=60)
             b = await client.wait("job-b", 2, progress=False, timeout=60)
             return a, b, [dead.headers]
@@ -144,7 +144,7 @@ def test_results_whose_body_names_another_job_than_their_subject_are_dead_letter
     assert a.done and b.done and a.rows == b.rows == 2 and a.errors == b.errors == 0
     for job, out in (("job-a", out_a), ("job-b", out_b)):
         assert sorted(r["output"] for r in pq.read_table(out).to_pylist()) == [f"{job}-0", f"{job}-1"]
-    assert "results for job 'job-b' on 'pfx.results.job-a'" in json.dumps(headers)
+    assert "results for job 'job-b' on 'pfx.results.r9.job-a'" in json.dumps(headers)
 
 
 def test_run_keeps_input_columns_named_like_generated_ones(tmp_path, tiny_model):

@@ -68,7 +68,7 @@ def test_a_failed_done_put_is_retried_and_the_status_stays_small(tmp_path, nats_
         await sink.ready()
         async with Submitter(nats_server.url) as client:
             await client.create(m.JobSpec(job=job, out_dir=str(out), total=3, created_at=time.time()))
-            await client.js.publish(subjects.results(job), results(job, [0, 1, 2]))
+            await client.js.publish(subjects.results("r0", job), results(job, [0, 1, 2]))
             return await wait_status(client, job, done)
 
     try:
@@ -99,7 +99,7 @@ def test_a_sink_that_exits_before_completion_completes_the_job_when_restarted(tm
         await first.ready()
         async with Submitter(nats_server.url) as client:
             await client.create(m.JobSpec(job=job, out_dir=str(out), total=4))
-            await client.js.publish(subjects.results(job), results(job, [0, 1, 2, 3]))
+            await client.js.publish(subjects.results("r0", job), results(job, [0, 1, 2, 3]))
             deadline = time.monotonic() + 60
             while first.proc.poll() is None:
                 assert time.monotonic() < deadline, "the hook did not exit"
@@ -162,19 +162,19 @@ def test_a_job_is_refused_over_another_jobs_output_unless_it_overwrites(tmp_path
         await sink.ready()
         async with Submitter(nats_server.url) as client:
             await client.create(m.JobSpec(job="first", out_dir=str(out), total=2))
-            await client.js.publish(subjects.results("first"), results("first", [0, 1], tag="first"))
+            await client.js.publish(subjects.results("r0", "first"), results("first", [0, 1], tag="first"))
             await wait_status(client, "first", done)
             kept = snapshot(out)
 
             await client.create(m.JobSpec(job="second", out_dir=str(out), total=2))
-            await client.js.publish(subjects.results("second"), results("second", [0, 1], tag="second"))
+            await client.js.publish(subjects.results("r0", "second"), results("second", [0, 1], tag="second"))
             refused = await wait_status(client, "second", lambda st: st.failed)
             await asyncio.sleep(1.5)  # anything the sink would still write for it
             after = snapshot(out)
             asked = await query(client, "second", [0, 1])
 
             await client.create(m.JobSpec(job="third", out_dir=str(out), total=3, overwrite=True))
-            await client.js.publish(subjects.results("third"), results("third", [5, 6, 7], tag="third"))
+            await client.js.publish(subjects.results("r0", "third"), results("third", [5, 6, 7], tag="third"))
             replaced = await wait_status(client, "third", done)
             return kept, refused, asked, after, replaced
 
@@ -215,7 +215,7 @@ def test_done_queries_answer_which_ids_are_on_disk_also_after_a_restart(tmp_path
         async with Submitter(nats_server.url) as client:
             for job, ids in (("ints", ints), ("strs", strs)):  # not sealed: still running
                 await client.create(m.JobSpec(job=job, out_dir=str(tmp_path / job)))
-                await client.js.publish(subjects.results(job), results(job, ids))
+                await client.js.publish(subjects.results("r0", job), results(job, ids))
                 await wait_status(client, job, lambda st, n=len(ids): st.rows == n)
             answers.append([await query(client, "ints", asked_ints), await query(client, "strs", asked_strs),
                             await query(client, "nosuchjob", [1])])

@@ -17,7 +17,7 @@ import pytest
 
 import prefixflow
 from prefixflow.launch.local_cluster import LocalCluster
-from prefixflow.launch.processes import Process, processes
+from prefixflow.launch.processes import another_bucketer, processes
 
 pytestmark = [pytest.mark.nats, pytest.mark.timeout(300)]
 
@@ -30,7 +30,7 @@ def prompts(n: int, tag: str) -> pa.Table:
 
 def test_one_tenants_hundred_jobs_do_not_hold_anothers_small_one(tiny_model, sink_out_root, tmp_path):
     procs = processes(1, engine="echo", extra_engine_args=["--echo-delay", "0.01", "--window", "8"])
-    procs.insert(3, Process("bucketer1", ["serve", "bucketer", "--node", "node1"]))  # a second bucketer node
+    procs.insert(3, another_bucketer(procs, "node1", "bucketer1"))  # a second bucketer node
     cluster = LocalCluster(procs, workdir=tmp_path / "cluster", env={"PFX_MODEL": str(tiny_model)})
     cluster.start()
     try:

@@ -86,7 +86,7 @@ def test_quarantine_held_releases_the_lease_even_when_the_quarantine_fails(monke
     msg = FakeMsg(work(1))
     lease = ledger.hold(1, msg, 1)
 
-    async def broken(js, msg, reason, rows=()):
+    async def broken(js, msg, reason, rows=(), *, origin=""):
         raise RuntimeError("no stream")
 
     monkeypatch.setattr(consume, "quarantine", broken)

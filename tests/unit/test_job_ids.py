@@ -59,7 +59,7 @@ def test_one_grammar_and_every_valid_id_is_a_key_and_round_trips_through_its_sub
         assert why.startswith(f"invalid job id {job!r}: ") and why.endswith(f"({subjects.JOB_ID_RULE})")
         return
     assert VALID_KEY_RE.match(job), "a valid id is a valid key-value key (never InvalidKeyError)"
-    assert subjects.job_from_subject(subjects.ingest(job)) == subjects.job_from_subject(subjects.results(job)) == job
+    assert subjects.job_from_subject(subjects.ingest(job)) == subjects.origin_and_job(subjects.results("r0", job))[1] == job
     assert subjects.job_of_done_query(subjects.done_query(job)) == job
     assert subjects.job_of_cancel(subjects.job_cancelled(job)) == job
     assert matches(subjects.ALL_JOB_CANCELLED, subjects.job_cancelled(job))
@@ -154,7 +154,7 @@ def test_the_sink_dead_letters_results_of_an_invalid_job_id():
     from prefixflow.services.sink.service import Sink
 
     js = fakes.FakeJS()
-    msg = fakes.FakeMsg(m.encode(m.ResultBatch(BAD, [m.Result(1)])), subject=subjects.results(BAD), stream="PFX_RESULTS")
+    msg = fakes.FakeMsg(m.encode(m.ResultBatch(BAD, [m.Result(1)])), subject=subjects.results("r0", BAD), stream="PFX_RESULTS")
     asyncio.run(Sink.take(SimpleNamespace(js=js), msg))
     assert msg.calls == ["term"]
     [(subject, _, headers)] = js.published

@@ -148,7 +148,7 @@ def test_publish_waits_out_a_full_reconnect_buffer():
 def test_outbox_stores_a_result_too_large_by_reference_and_the_sink_reads_it_back():
     js = FakeJS(64 * 1024)
     ledger = AckLedger()
-    outbox = Outbox(js, ledger, batch=64, linger=1.0, on_published=lambda: None)
+    outbox = Outbox(js, ledger, origin="r0", batch=64, linger=1.0, on_published=lambda: None)
     big = echo_completion(list(range(100)), m.SamplingSpec(max_tokens=800, min_tokens=800, logprobs=20))
     small = [m.Result(i, output="o" * 3000) for i in range(40)]  # 120 KB in all: more than one message
     huge = m.Result("big", output=big.output, logprobs=big.logprobs, output_tokens=big.output_tokens, replica="r0")
@@ -166,7 +166,7 @@ def test_outbox_stores_a_result_too_large_by_reference_and_the_sink_reads_it_bac
 
     ledger.done = done
     asyncio.run(go())
-    batches = [m.result_batch_decoder.decode(d) for s, d, _ in js.published if s == "pfx.results.j"]
+    batches = [m.result_batch_decoder.decode(d) for s, d, _ in js.published if s == "pfx.results.r0.j"]
     assert len(batches) >= 2 and all(len(d) <= message_limit(js) for s, d, _ in js.published)
     sent = [r for b in batches for r in b.results]
     assert [r.id for r in sent] == [r.id for r in rows] and sum(released) == len(rows)
@@ -262,7 +262,7 @@ def test_ingestor_cuts_prompt_batches_by_size_and_makes_a_prompt_too_large_an_er
     sent = [p for b in batches for p in b.prompts]
     assert sent == prompts and len(batches) >= 3
     assert {b.priority for b in batches} == {2}  # the job's weight travels with its prompts
-    errors = {r.id: r.error for s, d, _ in js.published if s == "pfx.results.j" for r in m.result_batch_decoder.decode(d).results}
+    errors = {r.id: r.error for s, d, _ in js.published if s == "pfx.results._ingestor.j" for r in m.result_batch_decoder.decode(d).results}
     assert errors.keys() == {"bad", "huge"} and "too large for one message" in errors["huge"]
 
 

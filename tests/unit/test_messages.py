@@ -230,9 +230,9 @@ def test_prompt_work_tokens():
 
 def test_array_like_extra_trailing_field_is_ignored():
     t12 = tk.pack([1, 2])
-    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, 90, "a1", 12.5, "new-field"]], 2, {"new": "batch field"}])
+    raw = msgspec.msgpack.encode([[["j", 1, t12, b"c", 64, b"", 3, 7, 90, "a1", 12.5, b"g", "new-field"]], 2, {"new": "batch field"}])
     out = m.prompt_batch_decoder.decode(raw)
-    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7, cost=90, lora="a1", admitted_at=12.5)],
+    assert out == m.PromptBatch([m.Prompt("j", 1, t12, b"c", 64, src=3, row=7, cost=90, lora="a1", admitted_at=12.5, grant=b"g")],
                                 priority=2)
     # A batch from an ingestor that predates priorities: weight 1.
     raw = msgspec.msgpack.encode([[["j", 1, t12]]])
@@ -248,10 +248,10 @@ def test_array_like_extra_trailing_field_is_ignored():
     assert m.route_request_decoder.decode(raw).parts[0].output == -1
 
     full = ["id7", b"c", "out", 1, 10, 5, 3, "r0", None, "b9", 1.0, 2.0]
-    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 4, 9, "res-1", 1, "more"]]])  # a newer peer's field after Result.dedupe
+    raw = msgspec.msgpack.encode(["job", [full + [[], [], [], 4, 9, "res-1", 1, b"g", "more"]]])  # a newer peer's field after Result.grant
     r = m.result_batch_decoder.decode(raw).results[0]
     assert r == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None, "b9", 1.0, 2.0, src=4, row=9, blob="res-1",
-                         dedupe=1)
+                         dedupe=1, grant=b"g")
     # ... and a result from before bucket / started_at / finished_at gets their defaults
     raw = msgspec.msgpack.encode(["job", [full[:9]]])
     assert m.result_batch_decoder.decode(raw).results[0] == m.Result("id7", b"c", "out", m.FinishReason.LENGTH, 10, 5, 3, "r0", None)

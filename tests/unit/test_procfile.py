@@ -49,7 +49,11 @@ def test_procfile_matches_processes(monkeypatch):
     for p in procs:
         env, args = entries[p.name]
         assert args == p.args, p.name
-        assert env == p.env, p.name
+        # The result key is made per process set (`run`); under honcho it comes from .env.
+        assert env == {k: v for k, v in p.env.items() if k != "PFX_RESULT_KEY"}, p.name
+    keyed = {p.name for p in procs if "PFX_RESULT_KEY" in p.env}
+    assert keyed == {"bucketer", "router", "sink"}, "the engines never get the key"
+    assert len({p.env["PFX_RESULT_KEY"] for p in procs if p.name in keyed}) == 1
 
 
 def bind(envs: list[dict[str, str]]) -> list[str]:

@@ -64,9 +64,12 @@ def test_a_tenants_job_id_is_a_token_of_its_own_in_every_subject_and_key():
     assert job == "alice.nightly" and subjects.qualify("alice.nightly", "alice") == job
     assert subjects.qualify("nightly", "") == "nightly" and subjects.tenant_of("nightly") == ""
     assert subjects.tenant_of(job) == "alice"
-    for subject in (subjects.ingest(job), subjects.results(job), subjects.done_query(job)):
+    for subject in (subjects.ingest(job), subjects.results("r0", job), subjects.done_query(job)):
         assert subject.split(".")[-2:] == ["alice", "nightly"]
-    assert subjects.job_from_subject(subjects.ingest(job)) == subjects.job_from_subject(subjects.results(job)) == job
+    assert subjects.job_from_subject(subjects.ingest(job)) == job
+    assert subjects.origin_and_job(subjects.results("r0", job)) == ("r0", job)
+    assert subjects.origin_and_job(subjects.results(subjects.ORIGIN_INGESTOR, "plain")) == ("_ingestor", "plain")
+    assert subjects.origin_and_job("pfx.results.plain") == ("plain", ""), "a subject of an earlier version names no job"
     assert subjects.job_of_done_query(subjects.done_query(job)) == job
     assert subjects.bucket_parts(subjects.bucket("n1", job)) == ("n1", job)
     assert subjects.bucket_parts(subjects.bucket("n1", "plain")) == ("n1", "plain")
@@ -75,7 +78,7 @@ def test_a_tenants_job_id_is_a_token_of_its_own_in_every_subject_and_key():
     assert subjects.dir_key("/out/x", "alice").startswith("alice.dir.") and subjects.is_dir_key(subjects.dir_key("/out/x", "alice"))
     assert subjects.is_dir_key(subjects.dir_key("/out/x")) and not subjects.is_dir_key(job)
     for spec in subjects.STREAMS:  # every job subject lands in its stream, with a tenant or without
-        for subject in (subjects.ingest(job), subjects.bucket("n1", job), subjects.results(job), subjects.blob_piece(job, "k", 0)):
+        for subject in (subjects.ingest(job), subjects.bucket("n1", job), subjects.results("r0", job), subjects.blob_piece(job, "k", 0)):
             if subject.split(".")[1] == spec.subjects[0].split(".")[1]:
                 assert any(matches(p, subject) for p in spec.subjects), (spec.name, subject)
 
@@ -105,9 +108,9 @@ def test_a_tenant_may_touch_only_its_own_jobs():
         assert allowed(role, "subscribe", subjects.ALL_JOB_CANCELLED) and not allowed(role, "publish", subjects.job_cancelled(mine))
     assert not alice("publish", f"$KV.{subjects.JOBS_KV}.{subjects.dir_key('/o')}"), "no other's directory bindings"
     for subject in (f"$JS.API.DIRECT.GET.KV_{subjects.JOBS_KV}", f"$JS.API.STREAM.MSG.GET.KV_{subjects.JOBS_KV}",
-                    f"$KV.{subjects.JOB_STATUS_KV}.{mine}", subjects.results(mine), "$JS.API.CONSUMER.CREATE.KV_PFX_JOBS"):
+                    f"$KV.{subjects.JOB_STATUS_KV}.{mine}", subjects.results("r0", mine), "$JS.API.CONSUMER.CREATE.KV_PFX_JOBS"):
         assert not alice("publish", subject), "gets that name the key in the body, status writes, results, listing"
-    for subject in ("pfx.results.>", subjects.results(mine), subjects.ALL_STATUS, f"$KV.{subjects.JOBS_KV}.>"):
+    for subject in ("pfx.results.>", subjects.results("r0", mine), subjects.ALL_STATUS, f"$KV.{subjects.JOBS_KV}.>"):
         assert not alice("subscribe", subject), subject
     # No stream info on any stream: with a subject filter it lists every tenant's job,
     # batch and file ids (issue 40, item 5); the client binds its buckets without it.
@@ -158,13 +161,13 @@ def test_submitter_may_submit_and_follow_and_nothing_else():
     assert may("publish", f"$KV.{subjects.JOBS_KV}.job1")
     assert may("publish", f"$JS.API.DIRECT.GET.KV_{subjects.JOB_STATUS_KV}.$KV.{subjects.JOB_STATUS_KV}.job1")
     assert may("subscribe", "_INBOX_submitter.abc.*")
-    for subject in (subjects.work("r0"), subjects.bucket("n0", "job1"), subjects.results("job1"), subjects.status("r0"),
+    for subject in (subjects.work("r0"), subjects.bucket("n0", "job1"), subjects.results("r0", "job1"), subjects.status("r0"),
                     subjects.dead("x"), subjects.ROUTE, subjects.ROUTER_POLICY, subjects.engine_reset("r0"),
                     f"$KV.{subjects.JOB_STATUS_KV}.job1", "$JS.API.STREAM.CREATE.PFX_WORK", "$JS.API.STREAM.DELETE.PFX_INGEST",
                     "$JS.API.CONSUMER.CREATE.PFX_RESULTS.snoop", "$JS.API.CONSUMER.MSG.NEXT.PFX_RESULTS.sink",
                     "$JS.API.STREAM.PURGE.PFX_INGEST"):
         assert not may("publish", subject), subject
-    for subject in ("pfx.results.>", subjects.results("job1"), "pfx.>", ">", "_INBOX.>", "_INBOX_sink.>", subjects.work("r0")):
+    for subject in ("pfx.results.>", subjects.results("r0", "job1"), "pfx.>", ">", "_INBOX.>", "_INBOX_sink.>", subjects.work("r0")):
         assert not may("subscribe", subject), subject
     # The replicas' status (load, prompts held per job): the progress line shows work under way.
     assert may("subscribe", subjects.ALL_STATUS)
@@ -174,7 +177,7 @@ def test_services_have_what_they_need():
     assert allowed("ingestor", "publish", "$JS.API.CONSUMER.MSG.NEXT.PFX_INGEST.ingestor")
     assert allowed("ingestor", "publish", "$JS.ACK.PFX_INGEST.ingestor.1.2.3.4.5")
     assert allowed("ingestor", "publish", subjects.bucket("node7", "j"))
-    assert allowed("ingestor", "publish", subjects.results("j"))
+    assert allowed("ingestor", "publish", subjects.results(subjects.ORIGIN_INGESTOR, "j"))
     assert allowed("ingestor", "publish", subjects.dead(subjects.ingest("j")))
     assert not allowed("ingestor", "publish", subjects.work("r0"))
     assert allowed("bucketer", "publish", "$JS.API.CONSUMER.MSG.NEXT.PFX_BUCKET.bucketer-node7")
@@ -182,7 +185,7 @@ def test_services_have_what_they_need():
     assert allowed("router", "subscribe", subjects.ROUTE) and permissions("router").allow_responses
     assert allowed("router", "publish", "$JS.API.CONSUMER.DELETE.PFX_WORK.engine-r3"), "failover takes a dead replica's work"
     assert allowed("engine-worker", "subscribe", subjects.engine_reset("r0")) and permissions("engine-worker").allow_responses
-    assert allowed("engine-worker", "publish", subjects.results("j")) and not allowed("engine-worker", "publish", subjects.ingest("j"))
+    assert allowed("engine-worker", "publish", subjects.results("r0", "j")) and not allowed("engine-worker", "publish", subjects.ingest("j"))
     assert allowed("sink", "publish", f"$KV.{subjects.JOB_STATUS_KV}.j") and not allowed("sink", "publish", f"$KV.{subjects.JOBS_KV}.j")
     assert not allowed("sink", "subscribe", "pfx.>")
     for role in ROLES[:-1]:
@@ -212,6 +215,9 @@ def every_subject() -> set[str]:
                 result = value("x")
                 if isinstance(result, str) and result.startswith(subjects.PREFIX + "."):
                     found.add(result)
+    found.add(subjects.results("x", "x"))  # two tokens: a replica's results
+    found.add(subjects.results(subjects.ORIGIN_INGESTOR, "x"))
+    found.add(subjects.results(subjects.ORIGIN_BUCKETER, "x"))
     return found
 
 
@@ -248,7 +254,10 @@ def test_each_bucketer_and_engine_worker_may_use_only_its_own_subjects():
     assert eng("publish", subjects.work("n1-gpu0")) and not eng("publish", subjects.work("n2-gpu0"))
     assert eng("subscribe", subjects.engine_reset("n1-gpu0")) and not eng("subscribe", subjects.engine_reset("n2-gpu0"))
     assert eng("subscribe", "_INBOX_engine-n1-gpu0.x") and not eng("subscribe", "_INBOX_engine-n2-gpu0.x")
-    assert eng("publish", subjects.results("j")), "results of the jobs it runs"
+    assert eng("publish", subjects.results("n1-gpu0", "j")), "results of the jobs it runs, under its own name"
+    assert eng("publish", subjects.results("n1-gpu0", "alice.j"))
+    for origin in ("n2-gpu0", "n1-gpu1", subjects.ORIGIN_INGESTOR, subjects.ORIGIN_BUCKETER, "*"):
+        assert not eng("publish", subjects.results(origin, "j")), origin  # never as another replica or a service
     buck = lambda action, subject: allowed("bucketer", action, subject, "n1")  # noqa: E731
     assert buck("publish", "$JS.API.CONSUMER.MSG.NEXT.PFX_BUCKET.bucketer-n1-job7")
     assert buck("publish", "$JS.API.CONSUMER.CREATE.PFX_BUCKET.bucketer-n1-job7.pfx.bucket.n1.job7")

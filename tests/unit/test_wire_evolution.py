@@ -56,14 +56,14 @@ def test_a_prompts_own_sampling_from_a_newer_ingestor_reaches_the_engine():
 
 def test_array_like_batches_decode_with_trailing_fields():
     t = tk.pack([1, 2, 3])
-    full = ["j", 1, t, b"", 4, b"", 2, 5, 9, "a", 12.5, "new"]  # every field of a Prompt, and one more
+    full = ["j", 1, t, b"", 4, b"", 2, 5, 9, "a", 12.5, b"g", "new"]  # every field of a Prompt, and one more
     assert m.prompt_batch_decoder.decode(msgspec.msgpack.encode([[full], 3, "new"])) == m.PromptBatch(
-        [m.Prompt("j", 1, t, max_tokens=4, src=2, row=5, cost=9, lora="a", admitted_at=12.5)], priority=3
+        [m.Prompt("j", 1, t, max_tokens=4, src=2, row=5, cost=9, lora="a", admitted_at=12.5, grant=b"g")], priority=3
     )
     assert m.work_batch_decoder.decode(msgspec.msgpack.encode(["b", [full], [7], [1], "new"])) == m.WorkBatch(
-        "b", [m.Prompt("j", 1, t, max_tokens=4, src=2, row=5, cost=9, lora="a", admitted_at=12.5)], [7], [1]
+        "b", [m.Prompt("j", 1, t, max_tokens=4, src=2, row=5, cost=9, lora="a", admitted_at=12.5, grant=b"g")], [7], [1]
     )
-    result = ["id", b"", "out", 0, 1, 0, 1, "r0", None, "b", 1.0, 2.0, ["out"], [], [], -1, -1, "", 0, "new"]
+    result = ["id", b"", "out", 0, 1, 0, 1, "r0", None, "b", 1.0, 2.0, ["out"], [], [], -1, -1, "", 0, b"g", "new"]
     step = [0.01, 1e-4, 2e-4, 2048, 256, 65536, "new"]  # a StepModel, and one more
     batch = m.result_batch_decoder.decode(msgspec.msgpack.encode(["j", [result], 1.5, step, "new"]))
     assert batch.results[0].outputs == ["out"] and batch.decode_cost == 1.5

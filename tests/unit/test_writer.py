@@ -371,7 +371,7 @@ class Recorder:
 class FakeMsg:
     def __init__(self, rec: Recorder, name: str, job: str, results: list[Result], prior_deliveries: int = 0) -> None:
         self.rec, self.name = rec, name
-        self.subject = subjects.results(job)
+        self.subject = subjects.results(subjects.ORIGIN_INGESTOR, job)  # a service's rows: no grant (provenance: test_provenance.py)
         self.data = m.encode(m.ResultBatch(job, results))
         self.headers = {PRIOR_DELIVERIES: str(prior_deliveries)} if prior_deliveries else None
         self.metadata = fakes.meta(1, 1, "PFX_RESULTS")

@@ -38,6 +38,7 @@ from nats.aio.msg import Msg
 
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.provenance import ORIGIN_BUCKETER, parse_key, sign
 from prefixflow.shared.process import metrics
 from prefixflow.shared.process.config import BucketerConfig
 from prefixflow.shared.bus import control
@@ -68,6 +69,8 @@ pulled."""
 class Bucketer:
     def __init__(self, cfg: BucketerConfig) -> None:
         self.cfg = cfg
+        self.result_key = parse_key(cfg.result_key)
+        """Signs each prompt's assignment to its replica (`provenance.py`; None: no grants)."""
         self.core = Release(cfg)
         """The lanes and their release rule."""
         self.pulls: dict[str, DurablePull] = {}
@@ -235,7 +238,7 @@ class Bucketer:
 
     async def poisoned(self, batch: m.PromptBatch, lease: Lease) -> None:
         await quarantine_held(self.js, self.ledger, lease, "bucketing failed repeatedly",
-                              error_rows(batch.prompts, "poison message"))
+                              error_rows(batch.prompts, "poison message"), origin=ORIGIN_BUCKETER)
 
     async def take(self, msg: Msg, now: float) -> None:
         job = parts[1] if (parts := subjects.bucket_parts(msg.subject)) is not None else ""
@@ -340,6 +343,7 @@ class Bucketer:
             items = p.items
             for it, share in zip(items, p.shares):  # the replica reports them done in this unit
                 it.payload.cost = share
+            sign(self.result_key, [it.payload for it in items], p.replica)  # its proof of the assignment
             # Cut by encoded size under the server's max_payload (asked of the connection).
             limit = message_limit(self.js, subjects.WORK_STREAM.max_msg_size)
             for batch in m.encode_batches([it.payload for it in items], wrap, limit, self.cfg.max_batch):
@@ -363,7 +367,7 @@ class Bucketer:
         p = item.payload
         row = m.error_result(p.id, f"prompt too large for one message: {size} bytes, the server takes {limit}",
                              prompt_tokens=p.prompt_tokens, src=p.src, row=p.row)
-        await publish(self.js, subjects.results(p.job), m.encode(m.ResultBatch(p.job, [row])))
+        await publish(self.js, subjects.results(ORIGIN_BUCKETER, p.job), m.encode(m.ResultBatch(p.job, [row])))
 
     async def release(self, items: list[Item]) -> None:
         """These prompts are published: ack each source message whose last one it was."""

@@ -1,4 +1,4 @@
-"""Finished results on their way to `pfx.results.<job>`, and the acks they release.
+"""Finished results on their way to `pfx.results.<replica>.<job>`, and the acks they release.
 
 Results are published per job in small batches (`result_batch` rows, or whatever has
 waited `result_linger` seconds). Each row carries the lease of its work message; once a
@@ -36,10 +36,12 @@ log = structlog.get_logger()
 
 class Outbox:
     def __init__(
-        self, js: JetStreamContext, ledger: AckLedger, *, batch: int, linger: float, on_published: Callable[[], None],
-        decode_cost: Callable[[], float] = lambda: 0.0, step: Callable[[], m.StepModel | None] = lambda: None,
+        self, js: JetStreamContext, ledger: AckLedger, *, origin: str, batch: int, linger: float,
+        on_published: Callable[[], None], decode_cost: Callable[[], float] = lambda: 0.0, step: Callable[[], m.StepModel | None] = lambda: None,
     ) -> None:
         self.js, self.ledger = js, ledger
+        self.origin = origin
+        """This replica's name: the origin of its results (`subjects.results`)."""
         self.batch, self.linger = batch, linger
         self.on_published = on_published
         """Called after rows are published (completed work frees room at the router)."""
@@ -67,7 +69,7 @@ class Outbox:
             room = limit - m.envelope_size(wrap)
             results = [await self.by_reference(job, r, room) for r, _ in rows]
             for batch in m.encode_batches(results, wrap, limit, self.batch):
-                await publish(self.js, subjects.results(job), batch.data)
+                await publish(self.js, subjects.results(self.origin, job), batch.data)
         except PublishError as exc:
             log.error("result publish failed: work handed back for redelivery", job=job, error=str(exc))
             await self.ledger.hand_back({lease for _, lease in rows}, delay=1.0)

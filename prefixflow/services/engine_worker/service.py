@@ -4,7 +4,7 @@
    and submit them to the engine while fewer than `window` are in flight (vLLM's scheduler
    does the continuous batching). The window sizes itself (`window.Window`): one prompt
    alone first on a quiet engine (a fast first result), then what the engine can run.
-2. As prompts finish, the outbox publishes their results to `pfx.results.<job>` in small
+2. As prompts finish, the outbox publishes their results to `pfx.results.<replica>.<job>` in small
    batches (`result_batch` rows or `result_linger` seconds).
 3. The ack ledger acks a work batch once all its results are durably published.
 4. Every `status_interval` publish an `EngineStatus` on `pfx.status.<replica>` (ready,
@@ -160,7 +160,7 @@ class EngineWorker(Recovery, StatusReport, Fanout):
         await self.jobs.follow_cancels(nc)
         self.sub = DurablePull(self.js, subjects.engine_consumer(self.cfg.replica))
         self.outbox = Outbox(
-            self.js, self.ledger, batch=self.cfg.result_batch, linger=self.cfg.result_linger, on_published=self.status_due.set,
+            self.js, self.ledger, origin=self.cfg.replica, batch=self.cfg.result_batch, linger=self.cfg.result_linger, on_published=self.status_due.set,
             decode_cost=lambda: self.engine.snapshot().decode_cost,
             step=lambda: step_model(self.engine.snapshot(), self.window.limit),
         )
@@ -428,12 +428,13 @@ class EngineWorker(Recovery, StatusReport, Fanout):
         (output columns `bucket`, `started_at`, `finished_at`: `prefixflow report`)."""
         if c is None:
             result = m.error_result(prompt.id, error or "", prompt_tokens=prompt.prompt_tokens,
-                                    replica=self.cfg.replica, bucket=bucket, src=prompt.src, row=prompt.row)
+                                    replica=self.cfg.replica, bucket=bucket, src=prompt.src, row=prompt.row,
+                                    grant=prompt.grant)
         else:
             result = m.Result(prompt.id, prompt.columns, c.output, c.finish_reason, c.prompt_tokens,
                               c.cached_tokens, c.output_tokens, self.cfg.replica, outputs=c.outputs, logprobs=c.logprobs,
                               embedding=c.embedding, bucket=bucket, started_at=started_at, finished_at=time.time(),
-                              src=prompt.src, row=prompt.row, dedupe=dedupe)
+                              src=prompt.src, row=prompt.row, dedupe=dedupe, grant=prompt.grant)
             # The engine's own work only: a copy ran nothing, a merged row's prompt was prefilled once.
             if dedupe == Kind.OWN:
                 self.cached_tokens += c.cached_tokens

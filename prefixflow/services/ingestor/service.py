@@ -48,6 +48,7 @@ from prefixflow.shared.process import metrics
 from prefixflow.shared.process.config import IngestorConfig
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.provenance import ORIGIN_INGESTOR
 from prefixflow.shared.wire.sampling import compile_structured
 
 log = structlog.get_logger()
@@ -228,7 +229,7 @@ class Ingestor:
         if len(msgs) == 1 and is_poison(msgs[0]):
             msg = msgs[0]
             why = f"poison message: failed {deliveries(msg)} deliveries"
-            await quarantine(self.js, msg, "ingest failed repeatedly", poison_rows(incoming(msg), why))
+            await quarantine(self.js, msg, "ingest failed repeatedly", poison_rows(incoming(msg), why), origin=ORIGIN_INGESTOR)
             return 1, 1
         try:
             return await self.handle(msgs)
@@ -318,7 +319,7 @@ class Ingestor:
         limit = message_limit(self.js, subjects.RESULTS_STREAM.max_msg_size)
         for job, rows in errors.items():
             for batch in m.encode_batches(rows, lambda run, job=job: m.ResultBatch(job, run), limit, MAX_PROMPTS_PER_MESSAGE):
-                pubs.append(publish(self.js, subjects.results(job), batch.data))
+                pubs.append(publish(self.js, subjects.results(ORIGIN_INGESTOR, job), batch.data))
         for i, why in plan.dead.items():
             pubs.append(self.dead_letter(msgs[i], why))
         for job, why in plan.failed_jobs.items():

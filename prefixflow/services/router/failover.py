@@ -34,6 +34,7 @@ from prefixflow.shared.bus.pull import DurablePull
 from prefixflow.shared.process import metrics
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.provenance import sign
 
 log = structlog.get_logger()
 
@@ -46,9 +47,11 @@ RESCUE_BATCH = 8
 
 
 class Failover:
-    def __init__(self, fleet: Fleet, place: Place) -> None:
+    def __init__(self, fleet: Fleet, place: Place, result_key: bytes | None = None) -> None:
         self.fleet = fleet
         self.place = place
+        self.result_key = result_key
+        """Signs each moved prompt's assignment to its new replica (`provenance.py`)."""
         self.js: JetStreamContext | None = None
         self.rescuing: dict[str, DurablePull] = {}
         self.waiting: list[Msg] = []
@@ -133,6 +136,7 @@ class Failover:
         for (replica, n), cost in zip(*placed, strict=True):
             strikes = work.strikes[start : start + n] if work.strikes else []
             m.charge_prompts(work.prompts[start : start + n], cost)  # what its new replica was charged
+            sign(self.result_key, work.prompts[start : start + n], replica.name)  # the old grants name the dead one
             part = m.WorkBatch(work.bucket, work.prompts[start : start + n], work.key, strikes=strikes)
             start += n
             await publish(self.js, subjects.work(replica.name), m.encode(part), headers=headers)

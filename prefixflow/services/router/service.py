@@ -32,6 +32,7 @@ from nats.micro.request import Request, ServiceError
 
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.provenance import parse_key
 from prefixflow.shared.process import metrics
 from prefixflow.shared.process.config import RouterConfig
 from prefixflow.shared.bus.connection import close, connect
@@ -157,7 +158,7 @@ class Router:
         return service
 
     async def run(self, stop: asyncio.Event) -> None:
-        failover = Failover(self.fleet, self.place)
+        failover = Failover(self.fleet, self.place, parse_key(self.cfg.result_key))
         nc = await connect(self.cfg.nats_url, "router", on_reconnect=failover.on_reconnect)
         self.js = failover.js = nc.jetstream()
         await provision(self.js)

@@ -14,7 +14,7 @@ A full disk, a quota, a read-only file system or a missing permission at a job's
    the resource fault is not one), so the poison limit never counts a pause;
 3. every `RECHECK` seconds the job's directory is probed (`probe`: enough room free,
    and a small file written, synced and removed); once it passes the job resumes: its
-   status is cleared and its parked results move back to `subjects.results(job)`, in
+   status is cleared and its parked results move back to `subjects.results(origin, job)`, in
    the background (`unpark`), written as they come. A job that fails again pauses again.
    Enough room is `PROBE_BYTES` more than twice what was free when the write failed (that
    write needed more than that): a disk that frees a little does not resume a job only
@@ -50,6 +50,9 @@ from prefixflow.shared.bus.publish import publish
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
 from prefixflow.shared.process.tasks import stop_tasks
+
+ORIGIN_HEADER = "Pfx-Origin"
+"""A parked message's origin (`subjects.results`): its results go back under it."""
 
 log = structlog.get_logger()
 
@@ -222,6 +225,7 @@ class Pauses:
         # The failed deliveries so far that were the message's own: not this one.
         headers[PRIOR_DELIVERIES] = str(max(self.excused.own(msg) - 1, 0))
         headers["Nats-Msg-Id"] = f"park:{meta.stream}:{meta.sequence.stream}"  # parked twice (a crash): one copy
+        headers[ORIGIN_HEADER] = subjects.origin_and_job(msg.subject)[0]  # published back under it
         try:
             await publish(self.js, subjects.parked(job), msg.data, headers=headers, attempts=PARK_ATTEMPTS, timeout=2.0)
         except Exception as exc:  # noqa: BLE001 - the store is full or away: the message waits in its stream
@@ -296,9 +300,10 @@ class Pauses:
                                                 next=True)
                 except NotFoundError:
                     break
-                headers = {k: v for k, v in (raw.headers or {}).items() if k != "Nats-Msg-Id"}
+                headers = {k: v for k, v in (raw.headers or {}).items() if k not in ("Nats-Msg-Id", ORIGIN_HEADER)}
                 headers["Nats-Msg-Id"] = f"unpark:{raw.seq}"
-                await publish(self.js, subjects.results(job), raw.data or b"", headers=headers)
+                origin = (raw.headers or {}).get(ORIGIN_HEADER) or "_unknown"  # the sink's check refuses a bad one
+                await publish(self.js, subjects.results(origin, job), raw.data or b"", headers=headers)
                 await self.js.delete_msg(subjects.PARKED_STREAM.name, raw.seq)
                 moved, seq = moved + 1, raw.seq + 1
         except Exception as exc:  # noqa: BLE001 - moved again at the next look (`recheck`)

@@ -40,6 +40,7 @@ from nats.aio.msg import Msg
 
 from prefixflow.shared.wire import messages as m
 from prefixflow.shared.wire import subjects
+from prefixflow.shared.wire.provenance import parse_key, refusal
 from prefixflow.shared.process.config import SinkConfig
 from prefixflow.shared.bus.jobs import JobCache
 from prefixflow.shared.bus.pull import DurablePull
@@ -73,6 +74,8 @@ MAX_OPEN_JOBS = 256
 class Sink:
     def __init__(self, cfg: SinkConfig) -> None:
         self.cfg = cfg
+        self.result_key = parse_key(cfg.result_key)
+        """Checks each replica's grant for the rows it answers (`provenance.py`; None: none made)."""
         self.outputs: dict[str, JobOutput] = {}
         """Open jobs. A done job (`JobOutput.done`, its done status stored) is not checked
         again; done ones are forgotten first, so nothing here grows with the number of jobs
@@ -253,7 +256,7 @@ class Sink:
     async def take(self, msg: Msg) -> None:
         # The consume protocol (prefixflow/shared/bus/consume.py) without its ledger: the sink holds
         # results per job until they are written (`held`, settled in `flush`).
-        job = subjects.job_from_subject(msg.subject)
+        origin, job = subjects.origin_and_job(msg.subject)
         if (why := subjects.job_id_error(job)) is not None:  # a raw publish: no job to write or fail
             await reject(self.js, msg, why)
             return
@@ -265,13 +268,14 @@ class Sink:
             await quarantine(self.js, msg, f"results for job {batch.job!r} on {msg.subject!r}")
             return
         try:
-            await self.queue(batch, msg)
+            await self.queue(batch, msg, origin)
         except Exception as exc:  # noqa: BLE001 - the job boundary: one job's fault never stops the sink
             await self.failures.job_fault(job, "take the job's results", exc, [msg])
 
-    async def queue(self, batch: m.ResultBatch, msg: Msg) -> None:
+    async def queue(self, batch: m.ResultBatch, msg: Msg, origin: str) -> None:
         """Queue the rows of `msg` for its job's next part (held until then), or drop them
-        (acked) for a refused or failed job, or park them for a paused one."""
+        (acked) for a refused or failed job, or park them for a paused one. Rows whose
+        origin holds no assignment of them are never written (`provenance.py`)."""
         if batch.job in self.pauses and batch.job not in self.refused:
             await self.pauses.park(batch.job, [msg])
             return
@@ -292,7 +296,7 @@ class Sink:
         poison = self.pauses.excused.is_poison(msg)  # deliveries that were its own fault (not a pause)
         if not poison and (batch := await resolve_or_hand_back(self.js, batch, msg)) is None:
             return  # a result stored by reference could not be read now: redelivered (prefixflow/services/sink/large.py)
-        results = batch.results
+        results = await self.provenance(batch, msg, origin)
         if poison:
             # Writing these rows failed again and again: the original goes to the
             # dead-letter stream, and its rows become bare error rows (id, replica,
@@ -313,6 +317,21 @@ class Sink:
         if added < len(results):
             metrics.SINK_DUPLICATES.inc(len(results) - added)
         self.held.setdefault(batch.job, []).append(Held(msg, poison))
+
+    async def provenance(self, batch: m.ResultBatch, msg: Msg, origin: str) -> list[m.Result]:
+        """The rows of `batch` that `origin` may answer: a replica's only with the grant of
+        their assignment (`prefixflow/shared/wire/provenance.py`). The others are dropped,
+        counted, and the message copied to the dead-letter stream with the reason; their
+        rows stay open for the replica that holds them."""
+        kept, refused = [], []
+        for r in batch.results:
+            (refused if (why := refusal(self.result_key, batch.job, origin, r)) else kept).append((r, why))
+        if refused:
+            metrics.SINK_RESULTS_REFUSED.inc(len(refused))
+            why = refused[0][1] + (f" (and {len(refused) - 1} more rows)" if len(refused) > 1 else "")
+            log.warning("results refused: no assignment", job=batch.job, origin=origin, rows=len(refused), reason=why)
+            await dead_letter(self.js, msg, why)
+        return [r for r, _ in kept]
 
     async def flush(self) -> None:
         written = {}

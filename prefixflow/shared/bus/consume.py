@@ -80,10 +80,11 @@ async def receive(
     return Received(body, lease)
 
 
-async def quarantine_held(js: JetStreamContext, ledger: AckLedger, lease: Lease, reason: str, rows=()) -> None:
+async def quarantine_held(js: JetStreamContext, ledger: AckLedger, lease: Lease, reason: str, rows=(), *,
+                          origin: str = "") -> None:
     """`on_poison` for a stage whose poison message becomes error rows: quarantine it (the
     rows published, the message terminated) and release its lease."""
     try:
-        await quarantine(js, lease.msg, reason, rows)
+        await quarantine(js, lease.msg, reason, rows, origin=origin)
     finally:
         ledger.release(lease)

@@ -101,8 +101,12 @@ def dead_payload(js: JetStreamContext, data: bytes | None, headers: dict[str, st
     return data
 
 
-async def quarantine(js: JetStreamContext, msg: Msg, reason: str, rows: list[tuple[str, m.Result]] = ()) -> None:
-    """Dead-letter `msg`, publish `rows` (job, error result) and terminate `msg`."""
+async def quarantine(
+    js: JetStreamContext, msg: Msg, reason: str, rows: list[tuple[str, m.Result]] = (), *, origin: str = ""
+) -> None:
+    """Dead-letter `msg`, publish `rows` (job, error result) as results of `origin` (the
+    caller's: `subjects.results`) and terminate `msg`."""
+    assert origin or not rows, "error rows need the origin they are published under"
     await dead_letter(js, msg, reason)
     by_job: dict[str, list[m.Result]] = defaultdict(list)
     for job, row in rows:
@@ -110,10 +114,11 @@ async def quarantine(js: JetStreamContext, msg: Msg, reason: str, rows: list[tup
     limit = message_limit(js, subjects.RESULTS_STREAM.max_msg_size)
     for job, results in by_job.items():
         for batch in m.encode_batches(results, lambda run, job=job: m.ResultBatch(job, run), limit, 512):
-            await publish(js, subjects.results(job), batch.data)
+            await publish(js, subjects.results(origin, job), batch.data)
     await msg.term()
 
 
 def error_rows(prompts: list[m.Prompt], why: str) -> list[tuple[str, m.Result]]:
     """Error rows for the prompts of a quarantined message."""
-    return [(p.job, m.error_result(p.id, why, prompt_tokens=p.prompt_tokens, src=p.src, row=p.row)) for p in prompts]
+    return [(p.job, m.error_result(p.id, why, prompt_tokens=p.prompt_tokens, src=p.src, row=p.row, grant=p.grant))
+            for p in prompts]

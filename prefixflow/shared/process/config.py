@@ -35,6 +35,14 @@ def _d(text: str, **constraints: Any) -> Meta:
     return Meta(description=text, **constraints)
 
 
+ResultKey = Annotated[
+    str, _d("secret of the bucketer, the router and the sink (hex, at least 32 digits): each prompt sent to a "
+            "replica carries a grant made with it, and the sink writes a replica's result only with the grant "
+            "of its assignment (prefixflow/shared/wire/provenance.py); `cluster config` writes it, `run` makes "
+            "one; empty: no grants (a local cluster)")
+]
+
+
 class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nats_url: Annotated[str, _d("NATS server URL(s), comma separated")] = "nats://127.0.0.1:4222"
     log_format: Annotated[
@@ -77,6 +85,10 @@ class CommonConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             path = getattr(self, name)
             if path and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file {path!r}")
+        if getattr(self, "result_key", ""):
+            from prefixflow.shared.wire.provenance import parse_key
+
+            parse_key(self.result_key)
         if getattr(self, "files_uri", ""):
             from prefixflow.shared.outputs import OutputLocationError, object_prefix
 
@@ -122,6 +134,7 @@ class IngestorConfig(ModelConfig, kw_only=True):
 
 
 class BucketerConfig(CommonConfig, kw_only=True):
+    result_key: ResultKey = ""
     node: Annotated[str, _d("this node's name (bucketer subject pfx.bucket.<node>)")] = "node0"
     buffer_prompts: Annotated[int, _d("most prompts held in the buffer", gt=0)] = 5000
     buffer_bytes: Annotated[int, _d("most token bytes held in the buffer", gt=0)] = 256 * 1024 * 1024
@@ -167,6 +180,7 @@ class BucketerConfig(CommonConfig, kw_only=True):
 
 
 class RouterConfig(CommonConfig, kw_only=True):
+    result_key: ResultKey = ""
     policy: Annotated[
         Policy, _d("routing policy")
     ] = "prefix-aware"
@@ -299,6 +313,8 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
 
     def __post_init__(self) -> None:
         _check_name("replica", self.replica)
+        if self.replica.startswith("_"):
+            raise ValueError(f"replica {self.replica!r}: a name starting with '_' is a service's origin of results")
         if self.gpus:
             self.gpus = ",".join(str(i) for i in gpu_ids(self.gpus))
         if self.metrics_port_base:
@@ -309,6 +325,7 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
 
 
 class SinkConfig(CommonConfig, kw_only=True):
+    result_key: ResultKey = ""
     flush_rows: Annotated[int, _d("rows buffered per job before a Parquet part is written", gt=0)] = 4096
     flush_seconds: Annotated[float, _d("longest a row waits before its part is written", gt=0)] = 0.5
     fetch_batch: Annotated[int, _d("result messages fetched per pull", gt=0)] = 64

@@ -115,6 +115,8 @@ FAILOVER_MOVED = _counter("pfx_router_failover_moved", "Work batches moved off r
 PROMPTS_OUT = _counter("pfx_prompts_out", "Rows written to Parquet (every prompt exactly once): ok or error", ["outcome"])
 ERROR_ROWS = _counter("pfx_error_rows", "Error rows written, by reason (see error_reason)", ["reason"])
 SINK_DUPLICATES = _counter("pfx_sink_duplicates", "Result rows dropped as duplicates (redelivered work)")
+SINK_RESULTS_REFUSED = _counter(
+    "pfx_sink_results_refused", "Result rows not written: their origin holds no assignment of them (provenance.py)")
 SINK_PROMPT_TOKENS = _counter("pfx_sink_prompt_tokens", "Prompt tokens of the ok rows written, by replica", ["replica"])
 SINK_CACHED_TOKENS = _counter("pfx_sink_cached_tokens", "Prefix-cache hit tokens (vLLM num_cached_tokens) of the ok rows written, by replica", ["replica"])
 SINK_DEDUPLICATED_ROWS = _counter(
@@ -184,7 +186,7 @@ SERVICE_METRICS: dict[str, list] = {
     "router": [ROUTER_DECISIONS, ROUTER_MATCH_BLOCKS, ROUTER_ROUTED_PROMPTS, ROUTER_KEPT_PROMPTS, ROUTER_OUTSTANDING, ROUTER_LIVE, FAILOVER_MOVED],
     "engine-worker": [],  # EngineCollector, plus vLLM's own
     "sink": [
-        PROMPTS_OUT, ERROR_ROWS, SINK_DUPLICATES, SINK_PROMPT_TOKENS, SINK_CACHED_TOKENS, SINK_OUTPUT_TOKENS,
+        PROMPTS_OUT, ERROR_ROWS, SINK_DUPLICATES, SINK_RESULTS_REFUSED, SINK_PROMPT_TOKENS, SINK_CACHED_TOKENS, SINK_OUTPUT_TOKENS,
         SINK_DEDUPLICATED_ROWS, SINK_MERGED_ROWS,
         SINK_PENDING_ROWS, SINK_OPEN_JOBS, SINK_JOBS_DONE, SINK_PART_SECONDS,
     ],

@@ -11,7 +11,7 @@ format (`prefixflow/services/engine_worker/kv_events.py`).
     pfx.ingest.<job>             a user's row, or an array of rows (JSON or msgpack; `prefixflow/services/ingestor/validate.py`)
     pfx.bucket.<node>.<job>      PromptBatch
     pfx.work.<replica>           WorkBatch
-    pfx.results.<job>            ResultBatch
+    pfx.results.<origin>.<job>   ResultBatch
     pfx.status.<replica>         EngineStatus
     pfx.cache.<replica>          CacheEvents
     pfx.hb.bucketer.<node>       BucketerHeartbeat
@@ -400,6 +400,11 @@ class Prompt(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     it submits the row, so a row it re-publishes after its engine died keeps its deadline
     (`JobSpec.row_timeout`); a work message redelivered by JetStream (the worker process
     died) carries none, and the deadline starts again (docs/limits.md)."""
+    grant: bytes = b""
+    """Proof that the replica it was routed to holds its assignment (HMAC of job, id and
+    replica: `prefixflow/shared/wire/provenance.py`); set by the bucketer when it sends the
+    prompt to a replica, by the router when it moves it to another; the replica copies it
+    into its result. Empty: no key on this cluster."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -512,21 +517,25 @@ class Result(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """How the row got its completion (`prefixflow/services/engine_worker/dedupe.py`'s
     `Kind`): 0 its own request; 1 a copy of an identical deterministic row's; 2 its own
     completion of a request merged (`n`) with identical sampled rows."""
+    grant: bytes = b""
+    """The prompt's `Prompt.grant`, copied by the replica that answers it (the sink checks
+    it against the subject's origin: `prefixflow/shared/wire/provenance.py`)."""
 
 
 def error_result(
-    id: PromptId, error: str, *, prompt_tokens: int = 0, replica: str = "", bucket: str = "", src: int = -1, row: int = -1
+    id: PromptId, error: str, *, prompt_tokens: int = 0, replica: str = "", bucket: str = "", src: int = -1, row: int = -1,
+    grant: bytes = b"",
 ) -> Result:
     """The error row of a prompt (the one way every stage builds one); `src`, `row`: where
     its input columns are kept (the sink joins them to the row)."""
     return Result(
         id, error=error, finish_reason=FinishReason.ERROR, prompt_tokens=prompt_tokens, replica=replica, bucket=bucket,
-        src=src, row=row,
+        src=src, row=row, grant=grant,
     )
 
 
 class ResultBatch(msgspec.Struct, array_like=True, gc=False):
-    """ingestor (error rows) / engine-worker -> sink (`pfx.results.<job>`)."""
+    """engine-worker / ingestor, bucketer (error rows) -> sink (`pfx.results.<origin>.<job>`)."""
 
     job: str
     results: list[Result]

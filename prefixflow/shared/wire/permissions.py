@@ -200,7 +200,7 @@ def _ingestor():
             *consume(s.ingestor_consumer(ANY_JOB)),
             *consume(s.bucketer_consumer(ANY, ANY_JOB)),  # takeover of a gone node's prompts (prefixflow/services/ingestor/mover.py)
             s.bucket(ANY, ANY_JOB),
-            s.results(ANY_JOB),  # error rows
+            s.results(s.ORIGIN_INGESTOR, ANY_JOB),  # error rows, under its own origin only
             s.dead(">"),
             *blob_write(),  # extra fields of rows published to the ingest subject
             *kv_read(s.JOBS_KV),
@@ -221,7 +221,7 @@ def _bucketer(node: str = ANY):
             s.ROUTE,
             s.ROUTER_ROOM,
             s.work(ANY),
-            s.results(ANY_JOB),  # error rows of a quarantined batch
+            s.results(s.ORIGIN_BUCKETER, ANY_JOB),  # error rows of a quarantined batch, under its own origin
             s.dead(">"),
         ],
         [s.ROUTER_ROOM_FREED],
@@ -234,7 +234,6 @@ def _router():
             *consume(s.engine_consumer(ANY)),  # failover takes over a dead replica's work
             s.ROUTER_ROOM_FREED,
             s.work(ANY),
-            s.results(ANY_JOB),
             s.dead(">"),
         ],
         [s.ALL_STATUS, s.ALL_CACHE_EVENTS, s.ROUTE, s.ROUTER_ROOM, s.ROUTER_POLICY, SERVICE_DISCOVERY],
@@ -249,7 +248,7 @@ def _engine_worker(replica: str = ANY):
             s.work(replica),  # its suspect batches after an engine death (`prefixflow/services/engine_worker/isolate.py`)
             s.status(replica),
             s.cache_events(replica),
-            s.results(ANY_JOB),
+            s.results(replica, ANY_JOB),  # under its own name only (provenance.py: the sink checks each row's grant)
             s.dead(">"),
             *blob_write(),  # a result too large for one message
             *kv_read(s.JOBS_KV),
@@ -266,6 +265,7 @@ def _sink():
             *consume(s.sink_consumer()),
             s.dead(">"),
             s.parked(">"),  # a paused job's results (prefixflow/services/sink/pause.py)
+            s.results(ANY, ANY_JOB),  # a resumed job's parked results, back under their origins
             *parked_read(),
             *blob_read(),  # input columns, large results
             f"{JS_API}.STREAM.PURGE.{s.BLOB_STREAM.name}",  # a done job's blobs

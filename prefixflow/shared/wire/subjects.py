@@ -15,7 +15,8 @@ Flow (see docs/architecture.md):
     pfx.bucket.<node>.<job> ingestor                   -> bucketer on <node> (one consumer per job)
     pfx.route            bucketer (request/reply)      -> router
     pfx.work.<replica>   bucketer                      -> engine-worker <replica>
-    pfx.results.<job>    ingestor (error rows), engine -> sink
+    pfx.results.<origin>.<job> engine <origin>, ingestor/bucketer (error rows) -> sink
+                         (origin: the replica, or `_ingestor`/`_bucketer`: provenance.py)
     pfx.status.<replica> engine-worker (every second)  -> router, CLI
     pfx.cache.<replica>  engine-worker (KV events)     -> router
     pfx.hb.bucketer.<n>  bucketer (every second)       -> ingestor (live bucketers)
@@ -58,14 +59,31 @@ def work(replica: str) -> str:
     return f"{PREFIX}.work.{replica}"
 
 
-def results(job: str) -> str:
-    return f"{PREFIX}.results.{job}"
+def results(origin: str, job: str) -> str:
+    """Results of `job` from `origin`: the replica that computed them, or the service
+    that wrote them as error rows (`prefixflow/shared/wire/provenance.py`). Each process may
+    publish under its own origin only (its grant)."""
+    return f"{PREFIX}.results.{origin}.{job}"
+
+
+ORIGIN_INGESTOR = "_ingestor"
+ORIGIN_BUCKETER = "_bucketer"
+SERVICE_ORIGINS = frozenset({ORIGIN_INGESTOR, ORIGIN_BUCKETER})
+"""Origins of the services' results (error rows); a replica's name never starts with '_'."""
+ANY_ORIGIN = "*"
+"""`results(ANY_ORIGIN, job)`: a job's results from every origin (a subscription)."""
+
+
+def origin_and_job(subject: str) -> tuple[str, str]:
+    """The origin and the job id of a `results` subject ('' for a token it lacks)."""
+    parts = subject.split(".", 3)
+    return (parts[2] if len(parts) > 2 else "", parts[3] if len(parts) > 3 else "")
 
 
 def parked(job: str) -> str:
     """Where the sink parks the results of a paused job (its output lacks a resource:
     `prefixflow/services/sink/pause.py`) until it resumes: kept, never consumed, moved back
-    to `results(job)` then."""
+    to `results(origin, job)` then."""
     return f"{PREFIX}.parked.{job}"
 
 
@@ -138,7 +156,7 @@ def dead(original_subject: str) -> str:
 
 
 def job_from_subject(subject: str) -> str:
-    """The job id of an `ingest`/`results` subject: its tokens after the second."""
+    """The job id of an `ingest` (or `parked`) subject: its tokens after the second."""
     return subject.split(".", 2)[-1]
 
 
