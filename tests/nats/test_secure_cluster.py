@@ -172,12 +172,9 @@ async def check_submitter_is_confined(fleet: Fleet) -> None:
         await close(admin)
 
 
-async def check_engine_worker_is_confined(fleet: Fleet) -> None:
-    """nats-1-gpu0's own credentials: another replica's status, work and stream changes
-    are denied by the server."""
-    opts = fleet.options("engine-worker-0", 0)
-    assert opts.nats_user == "engine-nats-1-gpu0"
-    urls = fleet.url(0).split(",")
+async def engine_worker_attempts(opts: NatsOptions, urls: list[str]) -> list[str]:
+    """nats-1-gpu0's forbidden publishes, pull and stream changes on a connection of its
+    own; returns the errors the connection got (the server's denials among them)."""
     nc, errors = await connect_collecting(opts, urls)
     js = nc.jetstream()
     try:
@@ -198,14 +195,29 @@ async def check_engine_worker_is_confined(fleet: Fleet) -> None:
                               'permissions violation for publish to "$js.api.consumer.msg.next.pfx_work.engine-nats-2-gpu0"')
     finally:
         await nc.close()
-    denied = "\n".join(errors).lower()
+    return errors
+
+
+async def check_engine_worker_is_confined(fleet: Fleet) -> None:
+    """nats-1-gpu0's own credentials: another replica's status, work and stream changes
+    are denied by the server."""
+    opts = fleet.options("engine-worker-0", 0)
+    assert opts.nats_user == "engine-nats-1-gpu0"
+    urls = fleet.url(0).split(",")
+    expected = [f'permissions violation for publish to "{s}"' for s in (
+        "pfx.status.nats-2-gpu0", "pfx.cache.nats-2-gpu0", "$js.api.stream.update.pfx_work",
+        "$js.api.stream.delete.pfx_ingest", "$js.api.stream.create.pfx_mine",
+        "$js.api.consumer.msg.next.pfx_work.engine-nats-2-gpu0")]
+    for _ in range(3):
+        denied = "\n".join(await engine_worker_attempts(opts, urls)).lower()
+        if all(e in denied for e in expected):
+            break
+        # A transport error cut the TLS connection under load (seen once on CI: "application
+        # data after close notify") before the server's -ERR lines arrived: on a new one, again.
+        print(f"\nengine-worker denials missing ({denied[:200]}): again")
     print("\nengine-worker nats-1-gpu0 denied:\n" + denied)
-    assert 'permissions violation for publish to "pfx.status.nats-2-gpu0"' in denied
-    assert 'permissions violation for publish to "pfx.cache.nats-2-gpu0"' in denied
-    assert 'permissions violation for publish to "$js.api.stream.update.pfx_work"' in denied
-    assert 'permissions violation for publish to "$js.api.stream.delete.pfx_ingest"' in denied
-    assert 'permissions violation for publish to "$js.api.stream.create.pfx_mine"' in denied
-    assert 'permissions violation for publish to "$js.api.consumer.msg.next.pfx_work.engine-nats-2-gpu0"' in denied
+    for e in expected:
+        assert e in denied, e
     admin = await connect(fleet.url(2), "admin", options=fleet.options("admin"))
     try:
         ajs = admin.jetstream()
