@@ -37,7 +37,8 @@ log = structlog.get_logger()
 class Outbox:
     def __init__(
         self, js: JetStreamContext, ledger: AckLedger, *, origin: str, batch: int, linger: float,
-        on_published: Callable[[], None], decode_cost: Callable[[], float] = lambda: 0.0, step: Callable[[], m.StepModel | None] = lambda: None,
+        on_published: Callable[[], None], decode_cost: Callable[[], float] = lambda: 0.0,
+        step: Callable[[], m.StepModel | None] = lambda: None,
     ) -> None:
         self.js, self.ledger = js, ledger
         self.origin = origin

@@ -302,7 +302,9 @@ class Pauses:
                     break
                 headers = {k: v for k, v in (raw.headers or {}).items() if k not in ("Nats-Msg-Id", ORIGIN_HEADER)}
                 headers["Nats-Msg-Id"] = f"unpark:{raw.seq}"
-                origin = (raw.headers or {}).get(ORIGIN_HEADER) or "_unknown"  # the sink's check refuses a bad one
+                origin = (raw.headers or {}).get(ORIGIN_HEADER, "")
+                if subjects.name_problem(origin) is not None:  # never a subject token unchecked
+                    origin = "_unknown"  # (parked before origins): the sink's check refuses it, with the reason
                 await publish(self.js, subjects.results(origin, job), raw.data or b"", headers=headers)
                 await self.js.delete_msg(subjects.PARKED_STREAM.name, raw.seq)
                 moved, seq = moved + 1, raw.seq + 1
