@@ -17,7 +17,7 @@ What runs for real (imported, called as the services call it):
 - feeding: the engine-worker's `Feeder` itself (`prefixflow.services.engine_worker.feeder`: its
   window, `window.Window`, with the first-result probe under `Options.window_probe`, and
   admission by KV memory), and prefix-group priorities
-  (`prefixflow.services.engine_worker.grouping.GroupPriorities`).
+  (`prefixflow.services.engine_worker.grouping.EngineOrder`).
 
 What is simulated: the engines (`prefixflow.sim.engine`), time (`prefixflow.sim.cost`), and NATS as a fixed
 hop latency. The engine-worker's glue around its `Feeder` is `prefixflow/sim/worker.py`, the glue around the router's

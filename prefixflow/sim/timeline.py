@@ -20,7 +20,7 @@ search on the replay itself (400 replays of a 400-row run: seconds).
 
 The cost model is what `prefixflow.sim.cost.Profile.step_seconds` computes; the replay uses the
 same `Engine` the cluster simulation uses, with the worker's prefix-group priorities
-computed by the product's `GroupPriorities` in submission order.
+computed by the product's `EngineOrder` in submission order.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixflow.services.engine_worker.grouping import GroupPriorities
+from prefixflow.services.engine_worker.grouping import EngineOrder
 from prefixflow.shared.outcomes import usage_error
 from prefixflow.shared.process.config import EngineWorkerConfig
 from prefixflow.sim.cost import Profile
@@ -230,7 +230,8 @@ def replay(run: Run, profile: Profile, scheduling: str = "prefix-groups", worker
     steps = decoding = 0
     for f in feed or feeds(run):
         rows, limit, available = f.rows, f.limit, f.available
-        groups = GroupPriorities(block_size=worker.hash_block_size, max_age=4 * worker.window) if scheduling == "prefix-groups" else None
+        groups = EngineOrder(block_size=worker.hash_block_size, max_age=4 * worker.window) if scheduling == "prefix-groups" else None
+        tickets: dict[int, int] = {}
         rec = _Recorder(profile)
         cfg = EngineConfig(num_blocks=profile.kv_blocks, block_size=profile.block_size, max_num_seqs=profile.max_num_seqs,
                            max_batched_tokens=profile.max_batched_tokens, policy="priority" if groups else "fcfs")
@@ -246,7 +247,9 @@ def replay(run: Run, profile: Profile, scheduling: str = "prefix-groups", worker
                 fixed = 0.0
             while k < len(rows) and available[k] <= t and inflight < limit[k]:
                 i = int(rows[k])
-                prio = groups.priority(wl.tokens[i]) if groups is not None else 0
+                prio = 0
+                if groups is not None:
+                    prio, tickets[i] = groups.admit(wl.tokens[i])
                 eng.add(Req(i, hashes[i], wl.prompt_len(i), int(wl.output_len[i]), prio, t))
                 started[i] = t
                 inflight += 1
@@ -263,6 +266,8 @@ def replay(run: Run, profile: Profile, scheduling: str = "prefix-groups", worker
             t += dur
             for req in eng.complete(dur):
                 inflight -= 1
+                if groups is not None:
+                    groups.done(tickets.pop(req.rid))
                 finished[req.rid] = t
                 cached[req.rid] = req.cached
                 design[req.rid] = acc

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from prefixflow.services.engine_worker.admission import KvAdmission
 from prefixflow.services.engine_worker.cost_fit import CostFit
 from prefixflow.services.engine_worker.feeder import Feeder, Held
-from prefixflow.services.engine_worker.grouping import GroupPriorities
+from prefixflow.services.engine_worker.grouping import EngineOrder
 from prefixflow.services.engine_worker.status import STATUS_MIN_GAP
 from prefixflow.services.engine_worker.window import Window, initial_window, next_window
 from prefixflow.shared.wire.messages import EngineStatus, Prompt
@@ -47,7 +47,9 @@ class Worker:
         self.window_cfg = cfg.window
         self.window = initial_window(cfg.window)
         self.max_running = 0
-        self.groups = GroupPriorities(block_size=cfg.hash_block_size, max_age=4 * cfg.window) if prefix_groups else None
+        self.order = EngineOrder(block_size=cfg.hash_block_size, max_age=4 * cfg.window) if prefix_groups else None
+        self.tickets: dict[int, int] = {}
+        """Request -> its `EngineOrder` ticket, while in the engine."""
         self.busy = False
         self.cost_fit = CostFit()
         """What its engine's prompt and output tokens cost, measured from its steps."""
@@ -85,7 +87,9 @@ class Worker:
         for i in batch:
             sim.start_time[i] = now
             tokens = wl.tokens[i]
-            prio = self.groups.priority(tokens) if self.groups is not None else 0
+            prio = 0
+            if self.order is not None:  # one job: the simulator's workloads are one job each
+                prio, self.tickets[i] = self.order.admit(tokens)
             out = int(wl.output_len[i])
             self.engine.add(Req(i, hashes[i], len(tokens) // 4, out, prio, now, lora=wl.lora_of(i)))
             self.inflight += 1
@@ -100,6 +104,8 @@ class Worker:
 
     def finish(self, req: Req, now: float) -> None:
         """One request finished in the engine: the worker's books."""
+        if self.order is not None:
+            self.order.done(self.tickets.pop(req.rid))
         self.inflight -= 1
         self.inflight_tokens -= int(self.sim.cost[req.rid]) or req.prompt_len + int(self.sim.wl.output_len[req.rid])
         if req.lora:
@@ -228,6 +234,7 @@ class FedWorker(Worker):
 
     def finish(self, req: Req, now: float) -> None:
         self.now = now
+        self.order.done(self.tickets.pop(req.rid))
         self.inflight -= 1
         self.feeder.finished(self.held.pop(req.rid).prompt, True, int(self.sim.wl.output_len[req.rid]))
 

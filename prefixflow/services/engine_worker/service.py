@@ -53,7 +53,7 @@ from prefixflow.services.engine_worker.feeder import Feeder, Held
 from prefixflow.services.engine_worker.kv_events import KeyTranslator
 from prefixflow.services.engine_worker.kv_subscriber import CacheEventForwarder, KvEventSubscriber, events_config, ipc_endpoint
 from prefixflow.services.engine_worker.requests import prompt_sampling
-from prefixflow.services.engine_worker.grouping import GroupPriorities
+from prefixflow.services.engine_worker.grouping import EngineOrder
 from prefixflow.services.engine_worker.outbox import Outbox
 from prefixflow.services.engine_worker.recovery import Recovery
 from prefixflow.services.engine_worker.status import StatusReport, step_model
@@ -114,7 +114,7 @@ class EngineWorker(Recovery, StatusReport, Fanout):
         the ones it died with (the suspects, `isolate.py`)."""
         self.untried: list[Held] = []
         """Prompts held but not submitted when the engine died (re-published as they were)."""
-        self.groups = GroupPriorities(block_size=cfg.hash_block_size, max_age=4 * cfg.window)
+        self.order = EngineOrder(block_size=cfg.hash_block_size, max_age=4 * cfg.window)
         self.scheduling = cfg.scheduling
         self.idle_seconds = 0.0
         """Time with no prompt in the engine, since start (the bench's idle fraction)."""
@@ -377,18 +377,21 @@ class EngineWorker(Recovery, StatusReport, Fanout):
         completion: Completion | None = None
         error = None
         started = 0.0
+        ticket: int | None = None
         self.in_engine[id(held)] = held
         try:
             if spec is None:
                 error = held.lookup.error or "unknown job"
             else:
                 request_id = f"{prompt.job}:{prompt.id}:{uuid.uuid4().hex[:8]}"
-                priority = self.groups.priority(prompt.tokens) if self.scheduling == "prefix-groups" else 0
                 token_ids = tk.unpack(prompt.tokens)
                 deadline = None
                 try:
                     # The row's own, else the job's; a merge's n if it leads identical sampled rows.
                     sampling = self.leader_sampling(held, prompt_sampling(prompt, spec.sampling))
+                    priority = 0
+                    if self.scheduling == "prefix-groups":
+                        priority, ticket = self.order.admit(prompt.tokens, prompt.job, spec.priority, cost=sampling.n)
                     started = time.time()
                     # NOTE: set in place, so a re-publish after an engine death (`resplit`) carries it.
                     prompt.admitted_at = prompt.admitted_at or started
@@ -411,6 +414,8 @@ class EngineWorker(Recovery, StatusReport, Fanout):
                     else:
                         error = f"{type(exc).__name__}: {exc}"
         finally:
+            if ticket is not None:
+                self.order.done(ticket)
             self.feeder.finished(prompt, output_tokens=completion.output_tokens if completion is not None else None)
             self._track_idle()
             self.feeder.feed()

@@ -303,7 +303,8 @@ class EngineWorkerConfig(ModelConfig, kw_only=True):
     ] = 0.25
     scheduling: Annotated[
         Literal["prefix-groups", "fcfs"],
-        _d("prefix-groups: vLLM priority scheduling, prompts of a prefix group seen earlier first; fcfs: arrival order"),
+        _d("prefix-groups: vLLM priority scheduling, a job's prompts of a prefix group seen earlier first, jobs and "
+           "tenants by turns (fair queuing by --priority weight); fcfs: arrival order"),
     ] = "prefix-groups"
     engine_args: Annotated[
         str,
