@@ -46,21 +46,12 @@ def make_engine(cfg) -> Engine:
     from prefixflow.services.engine_worker.engine_args import placement_defaults, split as split_engine_args
     from prefixflow.services.engine_worker.engines.vllm import VllmEngine
 
-    gpus = gpu_count()
-    if gpus == 0:
-        # On CPU, vLLM runs a one-rank model in a worker process of its own beside the engine
-        # core (its "mp" executor), unless multiprocessing is off: then the worker runs in the
-        # engine core's process ("uni"). AsyncLLM keeps its engine core in a process either
-        # way. One process fewer per replica: ~15 CPU-s less per start (every process imports
-        # vLLM), ~1 GiB less, and no busy polling between two processes on the same cores
-        # (1.7x the prompt tokens/s of the tiny model on 2 cores). An explicit setting wins.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return VllmEngine(
         model=cfg.model,
         max_model_len=cfg.max_model_len,
         kv_cache_blocks=cfg.kv_cache_blocks,
         max_num_seqs=cfg.max_num_seqs,
-        placement=placement_defaults(gpus, cfg.enforce_eager),
+        placement=placement_defaults(gpu_count(), cfg.enforce_eager),
         engine_argv=split_engine_args(cfg.engine_args),
         task=cfg.task,
     )
